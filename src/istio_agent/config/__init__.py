@@ -1,0 +1,6 @@
+"""The one place that reads the environment: typed settings with Istio's names and defaults."""
+
+from istio_agent.config.env import ConfigError, Env
+from istio_agent.config.security import SecuritySettings
+
+__all__ = ["ConfigError", "Env", "SecuritySettings"]

@@ -1,0 +1,1 @@
+"""Workload identity: keys and CSRs, the CA client, the secret manager and the SDS server."""
