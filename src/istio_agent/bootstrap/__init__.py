@@ -1,0 +1,1 @@
+"""Pure functions from configuration to Envoy bootstrap pieces (dicts in Envoy's JSON form)."""

@@ -1,0 +1,1 @@
+"""Envoy process supervision and admin-API client."""

