@@ -41,5 +41,9 @@ def test_wire_names_match_istio() -> None:
     info = nds_pb2.NameTable.NameInfo.DESCRIPTOR
     assert nds_pb2.NameTable.DESCRIPTOR.full_name == "istio.networking.nds.v1.NameTable"
     assert {f.name: f.number for f in info.fields} == {
-        "ips": 1, "registry": 2, "shortname": 3, "namespace": 4, "alt_hosts": 5,
+        "ips": 1,
+        "registry": 2,
+        "shortname": 3,
+        "namespace": 4,
+        "alt_hosts": 5,
     }

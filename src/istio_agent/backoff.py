@@ -23,7 +23,9 @@ class ExponentialBackoff:
     _current: float = field(default=0.0, init=False, repr=False)
 
     def next_delay(self) -> float:
-        self._current = self.initial if self._current == 0 else min(self._current * self.multiplier, self.max_interval)
+        self._current = (
+            self.initial if self._current == 0 else min(self._current * self.multiplier, self.max_interval)
+        )
         spread = self._current * self.randomization
         return max(0.0, self._current - spread + 2 * spread * self.rng())
 

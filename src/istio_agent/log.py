@@ -83,7 +83,9 @@ def parse_output_levels(spec: str) -> dict[str, int]:
         name, _, level = item.rpartition(":")
         name = name or DEFAULT_SCOPE
         if level.lower() not in _LEVELS:
-            raise ValueError(f"invalid log level {level!r} for scope {name!r}; use one of {', '.join(_LEVELS)}")
+            raise ValueError(
+                f"invalid log level {level!r} for scope {name!r}; use one of {', '.join(_LEVELS)}"
+            )
         levels[name] = _LEVELS[level.lower()]
     return levels
 
@@ -105,4 +107,6 @@ def configure(
     logging.getLogger(ROOT).setLevel(default)
     for name, level in levels.items():
         # Third-party loggers (grpc, aiohttp) are addressed by their own names.
-        logging.getLogger(name if name in ("grpc", "aiohttp", "asyncio") else f"{ROOT}.{name}").setLevel(level)
+        logging.getLogger(name if name in ("grpc", "aiohttp", "asyncio") else f"{ROOT}.{name}").setLevel(
+            level
+        )

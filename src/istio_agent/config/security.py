@@ -149,7 +149,9 @@ class SecuritySettings:
             raise ConfigError(f"invalid value for SECRET_GRACE_PERIOD_RATIO={ratio}: must be between 0 and 1")
         jitter = env.number("SECRET_GRACE_PERIOD_RATIO_JITTER", 0.01)
         if not 0.0 <= jitter <= 1.0:
-            raise ConfigError(f"invalid value for SECRET_GRACE_PERIOD_RATIO_JITTER={jitter}: must be between 0 and 1")
+            raise ConfigError(
+                f"invalid value for SECRET_GRACE_PERIOD_RATIO_JITTER={jitter}: must be between 0 and 1"
+            )
         ttl = env.duration("SECRET_TTL", timedelta(hours=24))
         if ttl.total_seconds() < 1:
             raise ConfigError(f"invalid value for SECRET_TTL={env.text('SECRET_TTL')!r}: must be at least 1s")
@@ -161,7 +163,9 @@ class SecuritySettings:
             )
         ecc_alg = env.text("ECC_SIGNATURE_ALGORITHM")
         if ecc_alg not in ("", "ECDSA"):
-            raise ConfigError(f"invalid value for ECC_SIGNATURE_ALGORITHM={ecc_alg!r}: only ECDSA is supported")
+            raise ConfigError(
+                f"invalid value for ECC_SIGNATURE_ALGORITHM={ecc_alg!r}: only ECDSA is supported"
+            )
         curve = env.text("ECC_CURVE", "P256") or "P256"
         if curve not in ("P256", "P384"):
             raise ConfigError(f"invalid value for ECC_CURVE={curve!r}: use P256 or P384")
@@ -170,8 +174,12 @@ class SecuritySettings:
             raise ConfigError(f'invalid value for CA_PROVIDER: CA provider "{provider}" not registered')
         fetcher = env.text("CREDENTIAL_FETCHER_TYPE", "JWT")
         if fetcher not in KNOWN_CREDENTIAL_FETCHERS:
-            raise ConfigError(f"invalid value for CREDENTIAL_FETCHER_TYPE: invalid credential fetcher type {fetcher}")
-        socket_file = env.text("WORKLOAD_IDENTITY_SOCKET_FILE", DEFAULT_SDS_SOCKET_FILE) or DEFAULT_SDS_SOCKET_FILE
+            raise ConfigError(
+                f"invalid value for CREDENTIAL_FETCHER_TYPE: invalid credential fetcher type {fetcher}"
+            )
+        socket_file = (
+            env.text("WORKLOAD_IDENTITY_SOCKET_FILE", DEFAULT_SDS_SOCKET_FILE) or DEFAULT_SDS_SOCKET_FILE
+        )
         if "/" in socket_file:
             raise ConfigError(
                 "invalid value for WORKLOAD_IDENTITY_SOCKET_FILE: workload identity socket file override "

@@ -1,0 +1,437 @@
+"""The secret manager: where each SDS secret comes from, caching, rotation and OUTPUT_CERTS.
+
+Sources, in Istio's order (reference sds.md §3.2): mounted files, the in-memory workload
+certificate, then a CSR to the CA. Two deliberate differences from Istio, both in
+docs/compatibility.md:
+
+* Rotation renews *before* dropping the current certificate. Istio clears its cache when the
+  grace period starts and lets the next SDS request sign a new one; if the CA is down then,
+  every request fails. Here the current certificate keeps being served (until it expires) while
+  a background task retries the CA with backoff; subscribers are pushed once the new one exists.
+* The CA's answer is checked (chain of two or more, leaf for our key and our identity) before
+  anything is cached or served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from istio_agent import metrics
+from istio_agent.backoff import ExponentialBackoff
+from istio_agent.config.security import SecuritySettings, os_ca_bundle
+from istio_agent.log import scope
+from istio_agent.security.filewatch import FileWatcher
+from istio_agent.security.keys import KeyOptions, generate_csr
+from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretError, SecretItem
+from istio_agent.security.output import write_output_certs
+from istio_agent.security.pem import (
+    PemError,
+    concat_certs,
+    leaf_not_after,
+    load_key_cert_pair,
+    merge_root_bundles,
+    parse_root_bundle,
+    validate_signed_chain,
+)
+from istio_agent.security.resources import FileResource, parse_file_resource
+
+log = scope("cache")
+T = TypeVar("T")
+
+CERT_EXPIRY = metrics.gauge(
+    "cert_expiry_seconds", "Seconds until the workload certificate expires", ["resource_name"]
+)
+FILE_SECRET_FAILURES = metrics.counter(
+    "num_file_secret_failures_total", "Failures to load a file-mounted secret", ["resource_name"]
+)
+CA_REFUSED = metrics.counter(
+    "ca_response_rejected", "CA answers refused by the agent's checks (wrong key, identity, short chain)"
+)
+ROTATIONS = metrics.counter("cert_rotations", "Workload certificates renewed before expiry")
+ROTATION_FAILURES = metrics.counter(
+    "cert_rotation_failures", "Failed attempts to renew the workload certificate"
+)
+
+
+class CAClient(Protocol):
+    """What the manager needs from a CA: sign a CSR, get the PEM chain (leaf first, root last)."""
+
+    async def csr_sign(self, csr_pem: bytes, ttl: timedelta) -> list[str]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Workload:
+    """The one cached workload certificate (Istio caches exactly one)."""
+
+    chain: bytes
+    key: bytes
+    root: bytes
+    created: datetime
+    expires: datetime
+
+
+class SecretManager:
+    """Produces SDS secrets by name and tells subscribers when one changed.
+
+    ``file_load_timeout`` bounds how long a half-written mounted file is retried (Istio: 10 s).
+    """
+
+    def __init__(
+        self,
+        settings: SecuritySettings,
+        ca_client: CAClient | None,
+        *,
+        file_load_timeout: float = 10.0,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        rng: Callable[[], float] = random.random,
+        backoff: Callable[[], ExponentialBackoff] = ExponentialBackoff,
+    ) -> None:
+        self._settings = settings
+        self._ca = ca_client
+        self._file_load_timeout = file_load_timeout
+        self._now = now
+        self._rng = rng
+        self._new_backoff = backoff
+        self._key_options = KeyOptions.from_settings(settings)
+        self._callbacks: list[Callable[[str], None]] = []
+        self._watcher = FileWatcher(self._on_file_changed, debounce=settings.file_debounce)
+        self._workload: _Workload | None = None
+        self._last_root: bytes = b""
+        self._trust_bundle: bytes = b""
+        self._generate_lock = asyncio.Lock()
+        self._rotation_timer: asyncio.TimerHandle | None = None
+        self._rotation_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._output_lock = asyncio.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def add_update_callback(self, callback: Callable[[str], None]) -> None:
+        """Register a subscriber (the SDS server) for "secret <name> changed" events."""
+        self._callbacks.append(callback)
+
+    async def start(self) -> None:
+        await self._watcher.start()
+
+    async def stop(self) -> None:
+        if self._rotation_timer is not None:
+            self._rotation_timer.cancel()
+        for task in [*self._tasks, *([self._rotation_task] if self._rotation_task else [])]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._watcher.stop()
+        if self._ca is not None:
+            await self._ca.close()
+
+    @property
+    def has_ca(self) -> bool:
+        return self._ca is not None
+
+    # -- the SecretProvider API ------------------------------------------------------------------
+    async def generate(self, resource_name: str) -> SecretItem:
+        """Return the secret for an SDS resource name; raise SecretError with the reason."""
+        item = await self._from_files(resource_name)
+        if item is None:
+            item = await self._from_workload(resource_name)
+        if resource_name in (WORKLOAD_KEY_CERT, ROOT_CERT) and self._settings.output_certs is not None:
+            await self._write_output(item)
+        return item
+
+    async def prewarm(self) -> None:
+        """Fetch ``default`` then ``ROOTCA`` before Envoy asks, retrying with backoff until both succeed.
+
+        This also guarantees OUTPUT_CERTS is written even when nothing ever subscribes over SDS.
+        """
+        backoff = self._new_backoff()
+        for name, what in ((WORKLOAD_KEY_CERT, "certificate"), (ROOT_CERT, "root certificate")):
+            while True:
+                try:
+                    await self.generate(name)
+                    break
+                except SecretError as err:
+                    delay = backoff.next_delay()
+                    log.warning("failed to warm %s: %s (retrying in %.1fs)", what, err, delay)
+                    await asyncio.sleep(delay)
+            backoff.reset()
+
+    def update_trust_bundle(self, bundle: bytes) -> None:
+        """Extra trust anchors (ProxyConfig / PCDS): re-push ROOTCA and force a re-sign of ``default``."""
+        if bundle == self._trust_bundle:
+            return
+        self._trust_bundle = bundle
+        self._notify(ROOT_CERT)
+        self._workload = None
+        self._cancel_rotation()
+        self._notify(WORKLOAD_KEY_CERT)
+
+    # -- files -----------------------------------------------------------------------------------
+    def _output_is_cert_dir(self) -> bool:
+        """An agent writing OUTPUT_CERTS into the mounted-cert dir must not re-read its own output."""
+        output = self._settings.output_certs
+        return output is not None and self._settings.cert_chain_file.parent.resolve() == output.resolve()
+
+    async def _from_files(self, name: str) -> SecretItem | None:
+        settings = self._settings
+        try:
+            resource = parse_file_resource(name)
+        except ValueError as err:
+            raise SecretError(str(err)) from None
+        if resource is not None and resource.ca_path == "system":
+            bundle = os_ca_bundle()
+            # Istio falls through to the CA path here (serving the workload cert as a "root"); we refuse.
+            if bundle is None:
+                raise SecretError("file-root:system requested but no OS CA bundle was found")
+            resource = FileResource(ca_path=str(bundle))
+        try:
+            if resource is not None and resource.is_root:
+                return await self._root_from_file(name, self._resolve(resource.ca_path), merge=False)
+            if resource is not None and resource.is_key_cert:
+                return await self._key_cert_from_files(
+                    name, self._resolve(resource.cert_path), self._resolve(resource.key_path)
+                )
+            if self._output_is_cert_dir():
+                return None
+            if name == ROOT_CERT and _non_empty(settings.root_cert_file):
+                return await self._root_from_file(name, settings.root_cert_file, merge=True)
+            if (
+                name == WORKLOAD_KEY_CERT
+                and _non_empty(settings.cert_chain_file)
+                and _non_empty(settings.key_file)
+            ):
+                return await self._key_cert_from_files(name, settings.cert_chain_file, settings.key_file)
+        except SecretError:
+            FILE_SECRET_FAILURES.labels(resource_name=name).inc()
+            raise
+        return None
+
+    def _resolve(self, path: str) -> Path:
+        candidate = Path(path)
+        return candidate if candidate.is_absolute() else self._settings.workdir / candidate
+
+    async def _root_from_file(self, name: str, path: Path, *, merge: bool) -> SecretItem:
+        root = await self._retry_file(lambda: parse_root_bundle(path.read_bytes(), str(path)), path)
+        self._watcher.watch(name, [path])
+        if merge:
+            self._last_root = root
+            root = merge_root_bundles(self._trust_bundle, root)
+        return SecretItem(resource_name=name, root_cert=root)
+
+    async def _key_cert_from_files(self, name: str, cert_path: Path, key_path: Path) -> SecretItem:
+        def load() -> tuple[bytes, bytes, datetime]:
+            chain, key = cert_path.read_bytes(), key_path.read_bytes()
+            load_key_cert_pair(chain, key)
+            return chain, key, leaf_not_after(chain)
+
+        chain, key, expires = await self._retry_file(load, cert_path)
+        # Beyond Istio: the key file is watched too, so a key-only rotation is pushed.
+        self._watcher.watch(name, [cert_path, key_path])
+        return SecretItem(
+            resource_name=name, certificate_chain=chain, private_key=key, created=self._now(), expires=expires
+        )
+
+    async def _retry_file(self, load: Callable[[], T], path: Path) -> T:
+        """Retry a mounted-file load: a writer may be half-way through replacing the cert and key."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._file_load_timeout
+        delay = max(self._settings.file_debounce.total_seconds(), 0.01)
+        while True:
+            try:
+                return await asyncio.to_thread(load)
+            except (OSError, PemError) as err:
+                if loop.time() + delay > deadline:
+                    raise SecretError(f"failed to load {path}: {_reason(err)}") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    # -- workload certificate --------------------------------------------------------------------
+    async def _from_workload(self, name: str) -> SecretItem:
+        if name not in (WORKLOAD_KEY_CERT, ROOT_CERT):
+            raise SecretError(
+                f"unknown resource name {name!r}: this agent serves {WORKLOAD_KEY_CERT}, {ROOT_CERT}, "
+                "file-cert:<cert>~<key> and file-root:<path>"
+            )
+        workload = self._usable_workload()
+        if workload is None:
+            async with self._generate_lock:
+                workload = self._usable_workload()
+                if workload is None:
+                    workload = await self._sign_new()
+                    self._install(workload)
+        return self._item(name, workload)
+
+    def _usable_workload(self) -> _Workload | None:
+        workload = self._workload
+        if workload is not None and workload.expires > self._now():
+            return workload
+        return None
+
+    def _item(self, name: str, workload: _Workload) -> SecretItem:
+        if name == ROOT_CERT:
+            return SecretItem(
+                resource_name=name, root_cert=merge_root_bundles(self._trust_bundle, workload.root)
+            )
+        return SecretItem(
+            resource_name=name,
+            certificate_chain=workload.chain,
+            private_key=workload.key,
+            created=workload.created,
+            expires=workload.expires,
+        )
+
+    async def _sign_new(self) -> _Workload:
+        """Make a key and CSR, have the CA sign it, and check the answer before trusting it."""
+        if self._ca is None:
+            raise SecretError(
+                "attempted to fetch secret, but ca client is nil (certificates are file-mounted only)"
+            )
+        identity = self._settings.spiffe_id
+        try:
+            csr, key = await asyncio.to_thread(generate_csr, identity, self._key_options)
+        except ValueError as err:
+            raise SecretError(f"failed to generate workload certificate: {err}") from None
+        try:
+            chain = await self._ca.csr_sign(csr, self._settings.secret_ttl)
+        except Exception as err:  # the CA client's errors carry the gRPC status and reason
+            raise SecretError(f"failed to generate workload certificate: {err}") from None
+        try:
+            validate_signed_chain(chain, key, identity, now=self._now())
+            expires = leaf_not_after(concat_certs(chain[:1]))
+        except PemError as err:
+            CA_REFUSED.inc()
+            raise SecretError(f"failed to generate workload certificate: CA answer refused: {err}") from None
+        workload = _Workload(
+            chain=concat_certs(chain),
+            key=key,
+            root=chain[-1].encode(),
+            created=self._now(),
+            expires=expires,
+        )
+        log.info("generated new workload certificate for %s, expires %s", identity, expires.isoformat())
+        return workload
+
+    def _install(self, workload: _Workload) -> None:
+        """Cache a fresh certificate, schedule its renewal, announce a new root."""
+        self._workload = workload
+        CERT_EXPIRY.labels(resource_name=WORKLOAD_KEY_CERT).set(
+            max(0.0, (workload.expires - self._now()).total_seconds())
+        )
+        self._schedule_rotation(workload)
+        if workload.root != self._last_root:
+            self._last_root = workload.root
+            self._notify(ROOT_CERT)
+        if self._settings.output_certs is not None:
+            # A fresh CSR writes all three files; the root un-merged, as Istio.
+            item = SecretItem(
+                resource_name=WORKLOAD_KEY_CERT,
+                certificate_chain=workload.chain,
+                private_key=workload.key,
+                root_cert=workload.root,
+            )
+            self._spawn(self._write_output(item))
+
+    # -- rotation --------------------------------------------------------------------------------
+    def rotation_delay(self, created: datetime, expires: datetime) -> timedelta:
+        """When to renew: at ``ratio`` of the lifetime left, the ratio jittered by ±jitter (sds.md §3.4)."""
+        settings = self._settings
+        jitter = self._rng() * settings.grace_period_ratio_jitter * (1 if self._rng() < 0.5 else -1)
+        ratio = min(1.0, max(0.0, settings.grace_period_ratio + jitter))
+        lifetime = expires - created
+        return max(timedelta(0), (expires - lifetime * ratio) - self._now())
+
+    def _schedule_rotation(self, workload: _Workload) -> None:
+        self._cancel_rotation()
+        delay = self.rotation_delay(workload.created, workload.expires).total_seconds()
+        loop = asyncio.get_running_loop()
+        self._rotation_timer = loop.call_later(delay, self._start_rotation, workload)
+
+    def _cancel_rotation(self) -> None:
+        if self._rotation_timer is not None:
+            self._rotation_timer.cancel()
+            self._rotation_timer = None
+        if self._rotation_task is not None:
+            self._rotation_task.cancel()
+            self._rotation_task = None
+
+    def _start_rotation(self, workload: _Workload) -> None:
+        if self._workload is not workload:
+            return  # stale: replaced meanwhile
+        self._rotation_task = asyncio.get_running_loop().create_task(self._rotate(workload))
+
+    async def _rotate(self, old: _Workload) -> None:
+        """Renew with backoff; keep serving ``old`` until a new certificate is in hand."""
+        backoff = self._new_backoff()
+        while self._workload is old:
+            try:
+                async with self._generate_lock:
+                    if self._workload is not old:
+                        return
+                    new = await self._sign_new()
+                    self._install(new)
+                ROTATIONS.inc()
+                log.info("rotated workload certificate (previous expired %s)", old.expires.isoformat())
+                self._notify(WORKLOAD_KEY_CERT)
+                return
+            except SecretError as err:
+                ROTATION_FAILURES.inc()
+                delay = backoff.next_delay()
+                left = (old.expires - self._now()).total_seconds()
+                log.warning(
+                    "certificate rotation failed: %s; retrying in %.1fs (current certificate valid for %.0fs)",
+                    err,
+                    delay,
+                    left,
+                )
+                await asyncio.sleep(delay)
+
+    # -- events and output -----------------------------------------------------------------------
+    def _notify(self, name: str) -> None:
+        for callback in self._callbacks:
+            try:
+                callback(name)
+            except Exception:
+                log.exception("secret update callback failed for %s", name)
+
+    def _on_file_changed(self, resource_name: str) -> None:
+        log.info("file-mounted secret %s changed, pushing", resource_name)
+        self._notify(resource_name)
+
+    def _spawn(self, coro: object) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _write_output(self, item: SecretItem) -> None:
+        directory = self._settings.output_certs
+        if directory is None:
+            return
+        async with self._output_lock:
+            try:
+                written = await asyncio.to_thread(
+                    write_output_certs, directory, item, self._settings.output_world_readable
+                )
+            except OSError as err:
+                log.error("failed to write certificates to %s: %s", directory, err)
+                return
+        if written:
+            log.info("wrote %s to %s", ", ".join(written), directory)
+
+
+def _non_empty(path: Path) -> bool:
+    """Istio's existence check for mounted certs: readable and non-empty."""
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def _reason(err: Exception) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror.lower() if err.filename is None else f"{err.strerror.lower()}: {err.filename}"
+    return str(err)

@@ -1,0 +1,313 @@
+"""PEM and X.509 helpers for certificates coming from files and from the CA.
+
+Pure functions, no I/O. PEM scanning follows Go's ``encoding/pem`` closely enough that the same
+bundles keep the same certificates as in Istio: base64 is decoded strictly, a block that does not
+decode is skipped and scanning resumes after it, and text outside blocks is ignored. Go also rejects
+negative serial numbers, which ``cryptography`` still accepts with a warning, so that check is ours.
+"""
+
+from __future__ import annotations
+
+import binascii
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
+
+from istio_agent.log import scope
+
+CERTIFICATE = "CERTIFICATE"
+
+_BEGIN = re.compile(rb"^-----BEGIN ([^\r\n-]*)-----(?=[ \t]*\r?$)", re.MULTILINE)
+_WHITESPACE = re.compile(rb"[ \t\r\n]+")
+# Padded standard base64, as Go's decoder requires (Python's strict mode still allows extra "=").
+_BASE64 = re.compile(rb"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+
+
+class PemError(ValueError):
+    """A PEM / X.509 input was rejected; the message is the reason (never contains key material)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    label: str
+    text: bytes
+    """From ``-----BEGIN`` to the end of the ``-----END ...-----`` marker, as in the input."""
+    der: bytes | None
+    """The decoded body, or None when it is not strict base64."""
+
+
+def _scan(data: bytes) -> Iterator[_Block]:
+    """Every BEGIN/END-delimited PEM block of ``data``, in order; text around the blocks is ignored.
+
+    A BEGIN line without its END (or with another BEGIN before its END) is garbage: scanning resumes
+    right after it, as Go does for a block it rejected.
+    """
+    pos = 0
+    while (begin := _BEGIN.search(data, pos)) is not None:
+        label = begin.group(1)
+        end_marker = re.compile(rb"^-----END " + re.escape(label) + rb"-----(?=[ \t]*\r?$)", re.MULTILINE)
+        end = end_marker.search(data, begin.end())
+        if end is None or _BEGIN.search(data, begin.end(), end.start()) is not None:
+            pos = begin.end()
+            continue
+        yield _Block(
+            label=label.decode("ascii", "replace"),
+            text=data[begin.start() : end.end()],
+            der=_decode_body(data[begin.end() : end.start()]),
+        )
+        pos = end.end()
+
+
+def _decode_body(body: bytes) -> bytes | None:
+    """Strict base64 of a PEM body, skipping RFC 1421 ``Key: value`` headers (ended by a blank line)."""
+    lines = body.splitlines()
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    if lines and b":" in lines[0]:
+        try:
+            blank = next(i for i, line in enumerate(lines) if not line.strip())
+        except StopIteration:
+            return None
+        lines = lines[blank + 1 :]
+    b64 = _WHITESPACE.sub(b"", b"".join(lines))
+    if not _BASE64.fullmatch(b64):
+        return None
+    return binascii.a2b_base64(b64)
+
+
+def _encode_pem(der: bytes, label: str = CERTIFICATE) -> bytes:
+    """Canonical PEM: 64-column base64, no headers, trailing newline."""
+    b64 = binascii.b2a_base64(der, newline=False)
+    lines = [b64[i : i + 64] for i in range(0, len(b64), 64)]
+    head, tail = f"-----BEGIN {label}-----\n".encode(), f"-----END {label}-----\n".encode()
+    return head + b"".join(line + b"\n" for line in lines) + tail
+
+
+def _serial_is_negative(der: bytes) -> bool:
+    """Peek at the serialNumber INTEGER (Certificate > TBSCertificate > [0] version? > INTEGER)."""
+
+    def header(pos: int) -> tuple[int, int, int]:
+        tag, first = der[pos], der[pos + 1]
+        if first < 0x80:
+            return tag, pos + 2, first
+        count = first & 0x7F
+        return tag, pos + 2 + count, int.from_bytes(der[pos + 2 : pos + 2 + count], "big")
+
+    try:
+        tag, pos, _ = header(0)
+        if tag != 0x30:
+            return False
+        tag, pos, _ = header(pos)
+        if tag != 0x30:
+            return False
+        if der[pos] == 0xA0:
+            _, start, length = header(pos)
+            pos = start + length
+        tag, start, length = header(pos)
+        return tag == 0x02 and length > 0 and bool(der[start] & 0x80)
+    except IndexError:
+        return False
+
+
+def _load_der(der: bytes) -> x509.Certificate:
+    if _serial_is_negative(der):
+        raise PemError("failed to parse X.509 certificate: negative serial number")
+    try:
+        return x509.load_der_x509_certificate(der)
+    except ValueError as e:
+        raise PemError(f"failed to parse X.509 certificate: {e}") from None
+
+
+def _as_bytes(data: bytes | str) -> bytes:
+    return data.encode() if isinstance(data, str) else data
+
+
+def split_pem_blocks(data: bytes) -> list[bytes]:
+    """The CERTIFICATE blocks of a bundle, BEGIN to END marker, body text exactly as in the input."""
+    return [block.text for block in _scan(data) if block.label == CERTIFICATE]
+
+
+def parse_certificate(pem: bytes | str) -> x509.Certificate:
+    """The first CERTIFICATE block of ``pem`` as an X.509 certificate.
+
+    Other PEM types before it (e.g. a key) are skipped, but a first certificate block that is not
+    valid base64 is an error: a corrupt leaf must not be silently replaced by the next certificate.
+    """
+    for block in _scan(_as_bytes(pem)):
+        if block.label != CERTIFICATE:
+            continue
+        if block.der is None:
+            break
+        return _load_der(block.der)
+    raise PemError("invalid PEM encoded certificate")
+
+
+def parse_root_bundle(data: bytes, source: str) -> bytes:
+    """The valid certificates of a root bundle file, re-encoded as canonical PEM and concatenated.
+
+    Blocks that do not decode or are not X.509 certificates are dropped (the reason is logged), so
+    one bad certificate in an OS or mounted bundle does not take the others down with it.
+    """
+    log = scope("cache")
+    certs: list[bytes] = []
+    errors: list[str] = []
+    for index, block in enumerate(_scan(data)):
+        if block.label != CERTIFICATE:
+            reason = f"block {index} is a {block.label!r} PEM block, not a CERTIFICATE"
+        elif block.der is None:
+            reason = f"block {index}: invalid PEM encoded certificate (bad base64)"
+        else:
+            try:
+                _load_der(block.der)
+            except PemError as e:
+                reason = f"block {index}: {e}"
+            else:
+                certs.append(_encode_pem(block.der))
+                continue
+        errors.append(reason)
+        log.warning("ignoring root certificate from %s: %s", source, reason)
+    if not certs:
+        if not data.strip():
+            detail = "file is empty"
+        else:
+            detail = "; ".join(errors) if errors else "no PEM encoded certificate found"
+        raise PemError(f"failed to parse root certs from file {source}: {detail}")
+    return b"".join(certs)
+
+
+def concat_certs(certs: Sequence[str]) -> bytes:
+    """The CA's chain elements joined as Istio does: a newline between elements lacking one."""
+    out: list[str] = []
+    for cert in certs:
+        if out and not out[-1].endswith("\n"):
+            out.append("\n")
+        out.append(cert)
+    return "".join(out).encode()
+
+
+def merge_root_bundles(*bundles: bytes) -> bytes:
+    """The union of root bundles: certificates de-duplicated, sorted, joined by one newline.
+
+    Istio sorts and de-duplicates the text of each block; we do the same on canonical PEM (which
+    equals the block text for well-formed input) so that the same certificate formatted differently
+    is still a duplicate. Blocks that do not decode are dropped: Envoy would reject the whole bundle.
+    """
+    unique: set[bytes] = set()
+    for bundle in bundles:
+        for block in _scan(bundle):
+            if block.label != CERTIFICATE:
+                continue
+            if block.der is None:
+                scope("cache").warning("dropping a trust bundle certificate that is not valid PEM")
+                continue
+            unique.add(_encode_pem(block.der).strip(b"\n"))
+    return b"\n".join(sorted(unique))
+
+
+def leaf_not_after(chain_pem: bytes | str) -> datetime:
+    """Expiry (UTC) of the first certificate of a chain."""
+    return parse_certificate(chain_pem).not_valid_after_utc
+
+
+def certificate_identities(cert: x509.Certificate) -> list[str]:
+    """The URI SANs of a certificate (SPIFFE identities); [] when it has no SAN extension."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    except ValueError as e:
+        raise PemError(f"failed to read the certificate's subject alternative names: {e}") from None
+    return list(san.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def _load_private_key(pem: bytes) -> PrivateKeyTypes:
+    """The first ``... PRIVATE KEY`` block (PKCS#1, SEC1 or PKCS#8); errors never echo the key."""
+    block = next((b for b in _scan(pem) if b.label.endswith("PRIVATE KEY")), None)
+    if block is None:
+        raise PemError("failed to parse private key: no PEM PRIVATE KEY block found")
+    try:
+        return serialization.load_pem_private_key(block.text, password=None)
+    except TypeError:
+        raise PemError("failed to parse private key: it is encrypted") from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise PemError(f"failed to parse private key: invalid {block.label} block") from None
+
+
+def _spki(key: PublicKeyTypes) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def public_keys_match(private_key_pem: bytes, cert: x509.Certificate) -> bool:
+    """Whether the certificate was issued for this private key; PemError when either key is unreadable."""
+    private_key = _load_private_key(private_key_pem)
+    try:
+        cert_key = cert.public_key()
+    except (ValueError, UnsupportedAlgorithm) as e:
+        raise PemError(f"unsupported public key in certificate: {e}") from None
+    return _spki(cert_key) == _spki(private_key.public_key())
+
+
+def _describe(name: x509.Name) -> str:
+    return f"'{name.rfc4514_string()}'" if len(name) else "an empty name"
+
+
+def validate_signed_chain(
+    chain: Sequence[str], private_key_pem: bytes, expected_identity: str, now: datetime | None = None
+) -> None:
+    """Refuse a CA response that cannot serve as our workload certificate.
+
+    Stricter than Istio (which only checks the length and that the leaf parses): the leaf must be
+    for our key and our identity, unexpired, and issued by the next element, so a misconfigured CA
+    is reported here instead of as TLS handshake failures later.
+    """
+    if len(chain) < 2:
+        raise PemError(
+            f"invalid empty CertChain: the CA returned {len(chain)} certificate(s), "
+            "expected at least 2 (the signed certificate followed by its issuers)"
+        )
+    for index, element in enumerate(chain):
+        try:
+            parse_certificate(element)
+        except PemError as e:
+            raise PemError(
+                f"element {index} of the certificate chain from CA is not a certificate: {e}"
+            ) from None
+    leaf = parse_certificate(chain[0])
+    if not public_keys_match(private_key_pem, leaf):
+        raise PemError("certificate from CA does not match our private key")
+    identities = certificate_identities(leaf)
+    if expected_identity not in identities:
+        got = ", ".join(identities) if identities else "no URI SAN"
+        raise PemError(f"certificate from CA is for {got}, expected {expected_identity}")
+    now = now or datetime.now(UTC)
+    if leaf.not_valid_after_utc <= now:
+        raise PemError(f"certificate from CA already expired at {leaf.not_valid_after_utc.isoformat()}")
+    # The next element may itself be a bundle (e.g. several roots during a root rotation).
+    issuers = [block.der for block in _scan(chain[1].encode()) if block.label == CERTIFICATE and block.der]
+    subjects = []
+    for der in issuers:
+        try:
+            subjects.append(_load_der(der).subject)
+        except PemError:
+            continue
+    if leaf.issuer not in subjects:
+        raise PemError(
+            f"certificate chain from CA is broken: the certificate is issued by {_describe(leaf.issuer)}, "
+            f"but the next element of the chain has subject {_describe(parse_certificate(chain[1]).subject)}"
+        )
+
+
+def load_key_cert_pair(cert_pem: bytes, key_pem: bytes) -> None:
+    """Check that a key/cert pair is usable together (the cert's leaf is for that key)."""
+    try:
+        cert = parse_certificate(cert_pem)
+    except PemError as e:
+        raise PemError(f"certificate: {e}") from None
+    if not public_keys_match(key_pem, cert):
+        raise PemError("private key does not match the public key of the certificate")

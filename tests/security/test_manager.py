@@ -1,0 +1,417 @@
+"""The secret manager: sources, cache, rotation, strict CA answer checks, OUTPUT_CERTS, files."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from istio_agent import metrics
+from istio_agent.config import Env, SecuritySettings
+from istio_agent.security.manager import SecretManager
+from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretError
+
+IDENTITY = "spiffe://cluster.local/ns/ns1/sa/sa1"
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _pem(cert: x509.Certificate) -> str:
+    return cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+class FakeCA:
+    """A fake CA in the test process: signs CSRs with a throwaway root, with knobs for failures."""
+
+    def __init__(self) -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.now(UTC)
+        self.root = (
+            x509.CertificateBuilder()
+            .subject_name(_name("fake root"))
+            .issuer_name(_name("fake root"))
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=1))
+            .not_valid_after(now + timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+        self.calls = 0
+        self.fail_next = 0
+        self.identity_override: str | None = None
+        self.answer_override: list[str] | None = None
+        self.closed = False
+
+    async def csr_sign(self, csr_pem: bytes, ttl: timedelta) -> list[str]:
+        self.calls += 1
+        if self.fail_next:
+            self.fail_next -= 1
+            raise RuntimeError("create certificate: rpc error: code = Unavailable desc = CA is down")
+        if self.answer_override is not None:
+            return self.answer_override
+        csr = x509.load_pem_x509_csr(csr_pem)
+        identity = self.identity_override or IDENTITY
+        now = datetime.now(UTC)
+        leaf = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([]))
+            .issuer_name(self.root.subject)
+            .public_key(csr.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(minutes=1))
+            .not_valid_after(now + ttl)
+            .add_extension(
+                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(identity)]), critical=True
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        return [_pem(leaf), _pem(self.root)]
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def make_settings(tmp_path: Path, **env: str) -> SecuritySettings:
+    base = {"POD_NAMESPACE": "ns1", "SERVICE_ACCOUNT": "sa1", "ECC_SIGNATURE_ALGORITHM": "ECDSA"}
+    return SecuritySettings.from_env(Env({**base, **env}), tmp_path)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.event = asyncio.Event()
+
+    def __call__(self, name: str) -> None:
+        self.names.append(name)
+        self.event.set()
+
+    async def wait_for(self, name: str, count: int = 1, timeout: float = 5.0) -> None:
+        async def until() -> None:
+            while self.names.count(name) < count:
+                self.event.clear()
+                await self.event.wait()
+
+        await asyncio.wait_for(until(), timeout)
+
+
+@pytest.fixture
+async def ca() -> FakeCA:
+    return FakeCA()
+
+
+async def started(
+    settings: SecuritySettings, ca: FakeCA | None, **kwargs: object
+) -> tuple[SecretManager, Recorder]:
+    manager = SecretManager(settings, ca, **kwargs)  # type: ignore[arg-type]
+    recorder = Recorder()
+    manager.add_update_callback(recorder)
+    await manager.start()
+    return manager, recorder
+
+
+def leaf_of(chain: bytes) -> x509.Certificate:
+    return x509.load_pem_x509_certificates(chain)[0]
+
+
+async def test_first_default_signs_then_caches(tmp_path: Path, ca: FakeCA) -> None:
+    manager, recorder = await started(make_settings(tmp_path), ca)
+    try:
+        first = await manager.generate(WORKLOAD_KEY_CERT)
+        assert len(x509.load_pem_x509_certificates(first.certificate_chain)) == 2  # root included, as Istio
+        leaf = leaf_of(first.certificate_chain)
+        key = serialization.load_pem_private_key(first.private_key, None)
+        assert leaf.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        ) == key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        assert recorder.names == [ROOT_CERT]  # a new root is announced once
+        second = await manager.generate(WORKLOAD_KEY_CERT)
+        assert second.certificate_chain == first.certificate_chain
+        assert ca.calls == 1
+        root = await manager.generate(ROOT_CERT)
+        assert root.is_root and not root.private_key
+        assert root.root_cert == _pem(ca.root).encode().strip()  # merged form: no trailing newline
+        assert ca.calls == 1
+        assert metrics.sample("cert_expiry_seconds", {"resource_name": "default"}) > 80000
+    finally:
+        await manager.stop()
+    assert ca.closed
+
+
+async def test_concurrent_requests_share_one_csr(tmp_path: Path, ca: FakeCA) -> None:
+    manager, _ = await started(make_settings(tmp_path), ca)
+    try:
+        items = await asyncio.gather(*(manager.generate(WORKLOAD_KEY_CERT) for _ in range(10)))
+        assert len({item.certificate_chain for item in items}) == 1
+        assert ca.calls == 1
+    finally:
+        await manager.stop()
+
+
+async def test_rotation_pushes_a_new_certificate(tmp_path: Path, ca: FakeCA) -> None:
+    settings = make_settings(tmp_path, SECRET_TTL="2s", SECRET_GRACE_PERIOD_RATIO_JITTER="0")
+    manager, recorder = await started(settings, ca)
+    try:
+        first = await manager.generate(WORKLOAD_KEY_CERT)
+        await recorder.wait_for(WORKLOAD_KEY_CERT)
+        second = await manager.generate(WORKLOAD_KEY_CERT)
+        assert (
+            leaf_of(second.certificate_chain).serial_number != leaf_of(first.certificate_chain).serial_number
+        )
+        assert ca.calls == 2
+    finally:
+        await manager.stop()
+
+
+async def test_ca_outage_during_rotation_keeps_serving_current_cert(tmp_path: Path, ca: FakeCA) -> None:
+    from istio_agent.backoff import ExponentialBackoff
+
+    settings = make_settings(tmp_path, SECRET_TTL="3s", SECRET_GRACE_PERIOD_RATIO_JITTER="0")
+    manager, recorder = await started(
+        settings, ca, backoff=lambda: ExponentialBackoff(initial=0.05, randomization=0.0)
+    )
+    try:
+        first = await manager.generate(WORKLOAD_KEY_CERT)
+        failures_before = metrics.sample("cert_rotation_failures")
+        ca.fail_next = 3
+        await recorder.wait_for(WORKLOAD_KEY_CERT, timeout=8)
+        assert metrics.sample("cert_rotation_failures") - failures_before == 3
+        rotated = await manager.generate(WORKLOAD_KEY_CERT)
+        assert rotated.certificate_chain != first.certificate_chain
+        assert ca.calls == 5  # first, three failures, the renewal
+    finally:
+        await manager.stop()
+
+
+async def test_during_outage_the_cached_cert_is_served(tmp_path: Path, ca: FakeCA) -> None:
+    settings = make_settings(tmp_path, SECRET_TTL="1h")
+    manager, _ = await started(settings, ca)
+    try:
+        first = await manager.generate(WORKLOAD_KEY_CERT)
+        ca.fail_next = 100
+        again = await manager.generate(WORKLOAD_KEY_CERT)
+        assert again.certificate_chain == first.certificate_chain
+    finally:
+        await manager.stop()
+
+
+@pytest.mark.parametrize(
+    ("setup", "reason"),
+    [
+        (
+            lambda ca: setattr(ca, "identity_override", "spiffe://cluster.local/ns/other/sa/x"),
+            "expected " + IDENTITY,
+        ),
+        (lambda ca: setattr(ca, "answer_override", ["not a certificate", "nor this"]), "CA answer refused"),
+        (lambda ca: setattr(ca, "answer_override", []), "CA answer refused"),
+    ],
+)
+async def test_bad_ca_answers_are_refused(tmp_path: Path, ca: FakeCA, setup: object, reason: str) -> None:
+    setup(ca)  # type: ignore[operator]
+    manager, recorder = await started(make_settings(tmp_path), ca)
+    refused_before = metrics.sample("ca_response_rejected")
+    try:
+        with pytest.raises(SecretError, match=reason):
+            await manager.generate(WORKLOAD_KEY_CERT)
+        assert metrics.sample("ca_response_rejected") == refused_before + 1
+        assert recorder.names == []
+    finally:
+        await manager.stop()
+
+
+async def test_ca_answer_for_another_key_is_refused(tmp_path: Path, ca: FakeCA) -> None:
+    other = FakeCA()
+    stolen = await FakeCA().csr_sign(
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([]))
+        .sign(ec.generate_private_key(ec.SECP256R1()), hashes.SHA256())
+        .public_bytes(serialization.Encoding.PEM),
+        timedelta(hours=1),
+    )
+    del other
+    ca.answer_override = stolen
+    manager, _ = await started(make_settings(tmp_path), ca)
+    try:
+        with pytest.raises(SecretError, match="does not match our private key"):
+            await manager.generate(WORKLOAD_KEY_CERT)
+    finally:
+        await manager.stop()
+
+
+async def test_unknown_names_and_missing_ca(tmp_path: Path, ca: FakeCA) -> None:
+    manager, _ = await started(make_settings(tmp_path), ca)
+    try:
+        with pytest.raises(SecretError, match="unknown resource name 'bogus'"):
+            await manager.generate("bogus")
+        with pytest.raises(SecretError):
+            await manager.generate("file-root:")
+    finally:
+        await manager.stop()
+    no_ca, _ = await started(make_settings(tmp_path), None)
+    try:
+        with pytest.raises(SecretError, match="ca client is nil"):
+            await no_ca.generate(WORKLOAD_KEY_CERT)
+    finally:
+        await no_ca.stop()
+
+
+async def test_prewarm_retries_until_the_ca_answers_and_writes_output(tmp_path: Path, ca: FakeCA) -> None:
+    from istio_agent.backoff import ExponentialBackoff
+
+    ca.fail_next = 2
+    settings = make_settings(tmp_path, OUTPUT_CERTS="out")
+    manager, _ = await started(settings, ca, backoff=lambda: ExponentialBackoff(initial=0.01))
+    try:
+        await asyncio.wait_for(manager.prewarm(), 5)
+        out = tmp_path / "out"
+        assert sorted(p.name for p in out.iterdir()) == ["cert-chain.pem", "key.pem", "root-cert.pem"]
+        for path in out.iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert (out / "root-cert.pem").read_text().strip() == _pem(ca.root).strip()
+        assert leaf_of((out / "cert-chain.pem").read_bytes()).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName
+        ).value.get_values_for_type(x509.UniformResourceIdentifier) == [IDENTITY]
+        assert ca.calls == 3
+    finally:
+        await manager.stop()
+
+
+def test_rotation_delay_table(tmp_path: Path) -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    hour = timedelta(hours=1)
+
+    def delay(ratio: float, created: datetime, expires: datetime) -> timedelta:
+        settings = make_settings(
+            tmp_path, SECRET_GRACE_PERIOD_RATIO=str(ratio), SECRET_GRACE_PERIOD_RATIO_JITTER="0"
+        )
+        return SecretManager(settings, None, now=lambda: now).rotation_delay(created, expires)
+
+    assert delay(0.5, now, now + hour) == timedelta(minutes=30)
+    assert delay(0.25, now, now + hour) == timedelta(minutes=45)
+    assert delay(0.75, now, now + hour) == timedelta(minutes=15)
+    assert delay(1, now, now + hour) == timedelta(0)
+    assert delay(0, now, now + hour) == hour
+    assert delay(0.25, now + timedelta(minutes=30), now + timedelta(minutes=90)) == timedelta(minutes=75)
+    assert delay(0.5, now - 2 * hour, now - hour) == timedelta(0)
+
+
+def test_rotation_jitter_bounds(tmp_path: Path) -> None:
+    import random
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    rng = random.Random(7).random
+    settings = make_settings(
+        tmp_path, SECRET_GRACE_PERIOD_RATIO="0.5", SECRET_GRACE_PERIOD_RATIO_JITTER="0.5"
+    )
+    manager = SecretManager(settings, None, now=lambda: now, rng=rng)
+    delays = [manager.rotation_delay(now, now + timedelta(hours=1)) for _ in range(1000)]
+    assert all(timedelta(0) <= d <= timedelta(hours=1) for d in delays)
+    assert min(delays) < timedelta(minutes=10) and max(delays) > timedelta(minutes=50)
+
+
+# -- file-mounted certificates ----------------------------------------------------------------------
+
+
+def write_pair(ca: FakeCA, directory: Path, identity: str = IDENTITY) -> tuple[bytes, bytes]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([])).sign(key, hashes.SHA256())
+    ca.identity_override = identity
+    chain = asyncio.run(ca.csr_sign(csr.public_bytes(serialization.Encoding.PEM), timedelta(hours=1)))
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return "".join(chain).encode(), key_pem
+
+
+def replace_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def test_mounted_certs_are_served_and_watched(tmp_path: Path) -> None:
+    ca = FakeCA()
+    certs = tmp_path / "etc/certs"
+    certs.mkdir(parents=True)
+    chain, key = write_pair(ca, certs)
+    (certs / "cert-chain.pem").write_bytes(chain)
+    (certs / "key.pem").write_bytes(key)
+    (certs / "root-cert.pem").write_text(_pem(ca.root))
+    new_chain, new_key = write_pair(ca, certs)
+
+    async def scenario() -> None:
+        manager, recorder = await started(make_settings(tmp_path, FILE_MOUNTED_CERTS="true"), None)
+        try:
+            item = await manager.generate(WORKLOAD_KEY_CERT)
+            assert (item.certificate_chain, item.private_key) == (chain, key)
+            root = await manager.generate(ROOT_CERT)
+            assert root.root_cert.strip() == _pem(ca.root).encode().strip()
+            assert recorder.names == []
+            # Replace the pair: certificate first, then key (a writer that is not atomic across files).
+            replace_atomically(certs / "cert-chain.pem", new_chain)
+            replace_atomically(certs / "key.pem", new_key)
+            await recorder.wait_for(WORKLOAD_KEY_CERT)
+            item = await manager.generate(WORKLOAD_KEY_CERT)
+            assert (item.certificate_chain, item.private_key) == (new_chain, new_key)
+            # Beyond Istio: a key-only change is pushed too.
+            count = recorder.names.count(WORKLOAD_KEY_CERT)
+            replace_atomically(certs / "key.pem", new_key + b"\n")
+            await recorder.wait_for(WORKLOAD_KEY_CERT, count + 1)
+        finally:
+            await manager.stop()
+
+    asyncio.run(scenario())
+
+
+async def test_file_resources(tmp_path: Path) -> None:
+    ca = FakeCA()
+    other = FakeCA()
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_text(
+        _pem(ca.root)
+        + "-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n"
+        + _pem(other.root)
+    )
+    manager, _ = await started(make_settings(tmp_path), None, file_load_timeout=0.2)
+    try:
+        root = await manager.generate(f"file-root:{bundle}")
+        assert len(x509.load_pem_x509_certificates(root.root_cert)) == 2
+        with pytest.raises(SecretError, match="no such file or directory"):
+            await manager.generate(f"file-root:{tmp_path}/missing.pem")
+        with pytest.raises(SecretError):
+            await manager.generate(f"file-cert:{tmp_path}/missing.pem~{tmp_path}/missing-key.pem")
+        empty = tmp_path / "empty.pem"
+        empty.write_text("")
+        with pytest.raises(SecretError):
+            await manager.generate(f"file-root:{empty}")
+    finally:
+        await manager.stop()
+
+
+async def test_trust_bundle_update_re_pushes(tmp_path: Path, ca: FakeCA) -> None:
+    manager, recorder = await started(make_settings(tmp_path), ca)
+    try:
+        await manager.generate(WORKLOAD_KEY_CERT)
+        extra = FakeCA()
+        manager.update_trust_bundle(_pem(extra.root).encode())
+        assert recorder.names[-2:] == [ROOT_CERT, WORKLOAD_KEY_CERT]
+        root = await manager.generate(ROOT_CERT)
+        assert len(x509.load_pem_x509_certificates(root.root_cert)) == 2
+        await manager.generate(WORKLOAD_KEY_CERT)
+        assert ca.calls == 2  # the cached certificate was dropped
+        manager.update_trust_bundle(_pem(extra.root).encode())
+        assert recorder.names.count(ROOT_CERT) == 2  # unchanged bundle: no push
+    finally:
+        await manager.stop()
