@@ -1,0 +1,80 @@
+"""Token sources (Istio's credential fetchers): the bearer token the agent shows the CA and istiod.
+
+The projected Kubernetes token is rotated by the kubelet, so the file is read on every call. A token
+that cannot be read is not an error: the call goes out without one, because a client certificate
+(PROV_CERT) may still authenticate it, and the CA's own rejection is the clearer message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from istio_agent.config import ConfigError, SecuritySettings
+from istio_agent.log import scope
+
+log = scope("citadelclient")
+
+MOCK_TOKEN = "test_token"
+FILE_JWT_POLICIES = ("third-party-jwt", "first-party-jwt")
+
+
+class TokenSource(Protocol):
+    """Produces the current bearer token; ``""`` means "send no token"."""
+
+    def token(self) -> str: ...
+
+
+class FileTokenSource:
+    """A token read from a file on every call (the kubelet rotates projected tokens in place)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._last_error: str | None = None
+
+    def token(self) -> str:
+        try:
+            text = self.path.read_bytes().decode("utf-8")
+        except OSError as err:
+            self._warn_once(f"failed to read token file {self.path}: {err.strerror or type(err).__name__}")
+            return ""
+        except UnicodeDecodeError:
+            self._warn_once(f"failed to read token file {self.path}: not UTF-8 text")
+            return ""
+        self._last_error = None
+        return text.strip()
+
+    def _warn_once(self, message: str) -> None:
+        # Rotation retries call us often; one line per distinct problem is enough to diagnose it.
+        if message != self._last_error:
+            self._last_error = message
+            log.warning("%s; continuing without a token", message)
+
+    def __repr__(self) -> str:
+        return f"FileTokenSource({str(self.path)!r})"
+
+
+class StaticTokenSource:
+    """A fixed token (the ``Mock`` credential fetcher, tests)."""
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def token(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        # Never show the value: even a static token is a credential.
+        return "StaticTokenSource(<redacted>)"
+
+
+def token_source_for(settings: SecuritySettings) -> TokenSource | None:
+    """The token source selected by CREDENTIAL_FETCHER_TYPE and JWT_POLICY, or None for no token."""
+    fetcher = settings.credential_fetcher_type
+    if fetcher in ("JWT", ""):
+        if settings.jwt_policy in FILE_JWT_POLICIES:
+            return FileTokenSource(settings.token_path)
+        return None
+    if fetcher == "Mock":
+        return StaticTokenSource(MOCK_TOKEN)
+    raise ConfigError(f"invalid value for CREDENTIAL_FETCHER_TYPE: invalid credential fetcher type {fetcher}")

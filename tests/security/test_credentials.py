@@ -1,0 +1,107 @@
+"""Token sources: file re-read on every call, quiet failures, the fetcher factory."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from istio_agent.config import ConfigError, SecuritySettings
+from istio_agent.security.credentials import (
+    FileTokenSource,
+    StaticTokenSource,
+    token_source_for,
+)
+
+LOGGER = "istio.citadelclient"
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+
+
+def test_file_token_is_reread_and_stripped(tmp_path: Path) -> None:
+    path = tmp_path / "istio-token"
+    path.write_text("  first-token\n")
+    source = FileTokenSource(path)
+    assert source.token() == "first-token"
+    path.write_text("second-token\n\n")
+    assert source.token() == "second-token"
+
+
+def test_missing_token_file_gives_empty_token_and_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="istio")
+    path = tmp_path / "istio-token"
+    source = FileTokenSource(path)
+    assert [source.token() for _ in range(3)] == ["", "", ""]
+    messages = warnings_of(caplog)
+    assert len(messages) == 1
+    assert str(path) in messages[0]
+
+
+def test_each_distinct_token_error_is_logged_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="istio")
+    path = tmp_path / "istio-token"
+    source = FileTokenSource(path)
+    source.token()
+    path.mkdir()  # a different error: a directory where the token should be
+    assert source.token() == ""
+    assert source.token() == ""
+    assert len(warnings_of(caplog)) == 2
+
+
+def test_token_recovery_resets_the_warning_and_never_logs_the_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="istio")
+    path = tmp_path / "istio-token"
+    source = FileTokenSource(path)
+    assert source.token() == ""
+    path.write_text("secret-jwt-value")
+    assert source.token() == "secret-jwt-value"
+    path.unlink()
+    assert source.token() == ""
+    assert len(warnings_of(caplog)) == 2
+    assert "secret-jwt-value" not in caplog.text
+
+
+def test_undecodable_token_file_is_treated_as_no_token(tmp_path: Path) -> None:
+    path = tmp_path / "istio-token"
+    path.write_bytes(b"\xff\xfe\x00bad")
+    assert FileTokenSource(path).token() == ""
+
+
+def test_static_token_hides_its_value() -> None:
+    source = StaticTokenSource("test_token")
+    assert source.token() == "test_token"
+    assert "test_token" not in repr(source)
+
+
+@pytest.mark.parametrize("fetcher", ["JWT", ""])
+@pytest.mark.parametrize("policy", ["third-party-jwt", "first-party-jwt"])
+def test_jwt_fetcher_reads_the_projected_token(tmp_path: Path, fetcher: str, policy: str) -> None:
+    settings = SecuritySettings(workdir=tmp_path, credential_fetcher_type=fetcher, jwt_policy=policy)
+    source = token_source_for(settings)
+    assert isinstance(source, FileTokenSource)
+    assert source.path == tmp_path / "var/run/secrets/tokens/istio-token"
+    source.path.parent.mkdir(parents=True)
+    source.path.write_text("jwt\n")
+    assert source.token() == "jwt"
+
+
+def test_other_jwt_policy_means_no_token(tmp_path: Path) -> None:
+    assert token_source_for(SecuritySettings(workdir=tmp_path, jwt_policy="none")) is None
+
+
+def test_mock_fetcher_gives_test_token(tmp_path: Path) -> None:
+    source = token_source_for(SecuritySettings(workdir=tmp_path, credential_fetcher_type="Mock"))
+    assert source is not None
+    assert source.token() == "test_token"
+
+
+def test_unknown_fetcher_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="invalid credential fetcher type foo"):
+        token_source_for(SecuritySettings(workdir=tmp_path, credential_fetcher_type="foo"))
