@@ -1,0 +1,124 @@
+"""Unix-domain-socket helpers for the SDS server: preparing the path, permissions, liveness.
+
+Envoy runs as a different user than the agent in some deployments, so the socket is made
+world-writable while its directory stays 0750. A socket file left behind by a dead agent must
+not block a restart, but a live socket owned by someone else (an external SDS server such as
+SPIRE) must be detected and left alone: both cases are told apart by speaking gRPC to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+
+import grpc
+
+from istio_agent.log import scope
+
+log = scope("sds")
+
+SOCKET_DIR_MODE = 0o750
+SOCKET_MODE = 0o666
+MAX_SOCKET_PATH_BYTES = 107
+"""sun_path holds 108 bytes including the terminating NUL on Linux."""
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, socket, symlink or empty directory (what Go's os.Remove accepts)."""
+    if path.is_dir() and not path.is_symlink():
+        path.rmdir()
+    else:
+        path.unlink()
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Make ``path`` ready to be bound: old file gone, parent directories present.
+
+    Raises OSError when an existing file cannot be removed or the path is too long for a socket.
+    A parent directory that cannot be created only warns: binding will then fail with its own error.
+    """
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        raise OSError(f"unix socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
+    try:
+        _remove(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # nothing there (a parent that is not a directory cannot hold a file either)
+    except OSError as err:
+        raise OSError(err.errno, f"failed to remove existing file at {path}: {err.strerror}") from err
+    try:
+        _make_dirs(path.parent)
+    except OSError as err:
+        log.warning("failed to create directory %s for unix socket: %s", path.parent, err)
+
+
+def _make_dirs(directory: Path) -> None:
+    """``mkdir -p`` where every directory created gets exactly SOCKET_DIR_MODE (umask aside)."""
+    missing: list[Path] = []
+    current = directory
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    for created in reversed(missing):
+        try:
+            created.mkdir(mode=SOCKET_DIR_MODE)
+        except FileExistsError:
+            continue
+        os.chmod(created, SOCKET_DIR_MODE)
+
+
+def make_socket_accessible(path: Path) -> None:
+    """Let any local user (Envoy may run under another uid) connect: chmod 0666 once listening."""
+    os.chmod(path, SOCKET_MODE)
+
+
+async def socket_is_healthy(path: Path, timeout: float = 1.0) -> bool:
+    """True when ``path`` is a non-regular file on which a gRPC server answers within ``timeout``.
+
+    A connection refused (nobody listening) is reported at once instead of waiting for the timeout.
+    """
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    if stat.S_ISREG(mode):
+        return False
+    async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
+        try:
+            return await asyncio.wait_for(_wait_ready(channel), timeout)
+        except (TimeoutError, grpc.RpcError):
+            return False
+
+
+async def _wait_ready(channel: grpc.aio.Channel) -> bool:
+    state = channel.get_state(try_to_connect=True)
+    while state is not grpc.ChannelConnectivity.READY:
+        if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+            return False
+        await channel.wait_for_state_change(state)
+        state = channel.get_state(try_to_connect=True)
+    return True
+
+
+async def remove_if_stale(path: Path, timeout: float = 1.0) -> bool:
+    """Delete ``path`` when it exists but no gRPC server answers on it; True when deleted.
+
+    Raises OSError when a stale file cannot be deleted (the agent cannot bind there either).
+    """
+    try:
+        path.lstat()
+    except FileNotFoundError:
+        return False
+    if await socket_is_healthy(path, timeout):
+        return False
+    try:
+        _remove(path)
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        raise OSError(err.errno, f"failed to remove stale socket {path}: {err.strerror}") from err
+    log.info("removed stale unix socket %s", path)
+    return True
