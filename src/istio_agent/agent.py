@@ -1,0 +1,115 @@
+"""The Agent: builds the subsystems from settings, runs them, and stops them in reverse order.
+
+So far it runs the workload-identity side (secret manager, CA client, SDS server); the xDS proxy,
+Envoy and the status server join it as their issues land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from istio_agent.config import ConfigError, ProxyConfig, SecuritySettings
+from istio_agent.config.security import CERT_CHAIN_FILE, CRL_PATH, KEY_FILE, ROOT_CERT_FILE
+from istio_agent.log import scope
+from istio_agent.security.caclient import CAClientOptions, CitadelClient
+from istio_agent.security.credentials import token_source_for
+from istio_agent.security.manager import SecretManager
+from istio_agent.security.sds import SdsServer
+from istio_agent.security.uds import remove_if_stale
+
+log = scope("agent")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    security: SecuritySettings
+    proxy_config: ProxyConfig = field(default_factory=ProxyConfig)
+
+
+@dataclass(frozen=True)
+class SdsPlan:
+    """Where the SDS server listens and where certificates come from (reference sds.md §1.2)."""
+
+    socket_path: Path
+    serve_only_files: bool
+    settings: SecuritySettings
+
+    @property
+    def uses_ca(self) -> bool:
+        return not self.serve_only_files and not self.settings.file_mounted_certs
+
+
+async def plan_sds(settings: SecuritySettings) -> SdsPlan:
+    """Decide the SDS socket and certificate source, as Istio's agent does at start-up."""
+    configured = settings.sds_socket_path
+    if await remove_if_stale(configured):
+        log.warning("removed stale SDS socket %s", configured)
+    elif configured.exists():
+        log.info(
+            "SDS socket %s is served by another process; serving only file-mounted certificates", configured
+        )
+        return SdsPlan(settings.files_socket_path, serve_only_files=True, settings=settings)
+    if configured != settings.default_sds_socket_path:
+        raise ConfigError(
+            f"agent configured for non-default SDS socket path: {configured} but no socket found"
+        )
+    credentials = settings.workload_credentials_dir
+    files = [credentials / CERT_CHAIN_FILE, credentials / KEY_FILE, credentials / ROOT_CERT_FILE]
+    if all(path.exists() for path in files):
+        log.info("using workload certificates mounted at %s", credentials)
+        settings = dataclasses.replace(
+            settings,
+            file_mounted_certs=True,
+            cert_chain_file=files[0],
+            key_file=files[1],
+            root_cert_file=files[2],
+        )
+    return SdsPlan(configured, serve_only_files=False, settings=settings)
+
+
+class Agent:
+    """One workload's agent. ``start()`` brings everything up; ``stop()`` tears it down."""
+
+    def __init__(self, settings: AgentSettings) -> None:
+        self._settings = settings
+        self.secret_manager: SecretManager | None = None
+        self.sds_server: SdsServer | None = None
+        self._prewarm: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        plan = await plan_sds(self._settings.security)
+        ca_client = None
+        if plan.uses_ca:
+            options = CAClientOptions.from_settings(plan.settings)
+            ca_client = CitadelClient(options, token_source_for(plan.settings))
+            log.info("CA client for %s (%s)", options.address, "plaintext" if options.plaintext else "TLS")
+        manager = SecretManager(plan.settings, ca_client)
+        self.secret_manager = manager
+        await manager.start()
+        crl = Path(CRL_PATH) if plan.settings.enable_ca_crl else None
+        self.sds_server = SdsServer(manager, plan.socket_path, crl_path=crl)
+        manager.add_update_callback(self.sds_server.on_secret_update)
+        await self.sds_server.start()
+        log.info("SDS server listening on %s", plan.socket_path)
+        if plan.uses_ca:
+            self._prewarm = asyncio.get_running_loop().create_task(manager.prewarm())
+
+    async def stop(self) -> None:
+        if self._prewarm is not None:
+            self._prewarm.cancel()
+            await asyncio.gather(self._prewarm, return_exceptions=True)
+        if self.sds_server is not None:
+            await self.sds_server.stop()
+        if self.secret_manager is not None:
+            await self.secret_manager.stop()
+        log.info("agent stopped")
+
+    async def __aenter__(self) -> Agent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

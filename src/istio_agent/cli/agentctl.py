@@ -1,0 +1,132 @@
+"""``agentctl``: developer commands around the agent (local control plane, tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Coroutine
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import click
+
+from istio_agent.config.env import parse_go_duration
+from istio_agent.controlplane.ca import StateError
+from istio_agent.controlplane.mesh import MeshError
+from istio_agent.controlplane.server import (
+    DEFAULT_ADDRESS,
+    DEFAULT_SECURE_ADDRESS,
+    ControlPlane,
+    ControlPlaneError,
+    format_address,
+    parse_address,
+)
+from istio_agent.controlplane.tokens import DEFAULT_AUDIENCE, mint_token
+from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
+
+log = scope("controlplane")
+STOP_GRACE_SECONDS = 1.0
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop when it is installed, else on asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
+@click.group()
+def main() -> None:
+    """Developer tools for istio-agent: a local control plane and its tokens."""
+
+
+@main.command()
+@click.option("--mesh", "mesh_path", required=True, type=click.Path(path_type=Path), help="mesh file (YAML)")
+@click.option(
+    "--state-dir", required=True, type=click.Path(path_type=Path), help="CA root, signing keys (made once)"
+)
+@click.option("--address", default=DEFAULT_ADDRESS, show_default=True, help="plaintext gRPC HOST:PORT")
+@click.option(
+    "--secure-address", default=DEFAULT_SECURE_ADDRESS, show_default=True, help="TLS gRPC HOST:PORT"
+)
+@click.option(
+    "--log_output_level", default=DEFAULT_OUTPUT_LEVELS, help="scope:level,... (debug|info|warn|error|none)"
+)
+@click.option("--log_as_json", is_flag=True, help="JSON log lines")
+def controlplane(
+    mesh_path: Path,
+    state_dir: Path,
+    address: str,
+    secure_address: str,
+    log_output_level: str,
+    log_as_json: bool,
+) -> None:
+    """Run the local control plane (Istio CA service) until SIGINT/SIGTERM."""
+    try:
+        configure(log_output_level, as_json=log_as_json)
+    except ValueError as err:
+        raise click.ClickException(f"--log_output_level: {err}") from None
+    plane = ControlPlane(mesh_path, state_dir, address, secure_address)
+    try:
+        _run(_serve(plane, address, secure_address))
+    except (ControlPlaneError, MeshError, StateError) as err:
+        raise click.ClickException(str(err)) from None
+
+
+async def _serve(plane: ControlPlane, address: str, secure_address: str) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await plane.start()
+        try:
+            click.echo(f"control plane: CA root {plane.root_cert_path}")
+            click.echo(f"serving plaintext on {format_address(parse_address(address)[0], plane.port)}")
+            click.echo(
+                f"serving TLS on {format_address(parse_address(secure_address)[0], plane.secure_port)}"
+            )
+            await stop.wait()
+            log.info("received termination signal, shutting down")
+        finally:
+            await plane.stop(STOP_GRACE_SECONDS)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def _duration(_ctx: click.Context, _param: click.Parameter, value: str) -> timedelta:
+    try:
+        ttl = parse_go_duration(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+    if ttl <= timedelta(0):
+        raise click.BadParameter(f"must be positive, got {value!r}")
+    return ttl
+
+
+@main.command()
+@click.option(
+    "--state-dir", required=True, type=click.Path(path_type=Path), help="the control plane's state dir"
+)
+@click.option("--namespace", required=True, help="Kubernetes namespace of the identity")
+@click.option("--service-account", required=True, help="service account of the identity")
+@click.option(
+    "--ttl", default="24h", show_default=True, callback=_duration, help="token lifetime (Go duration)"
+)
+@click.option("--audience", default=DEFAULT_AUDIENCE, show_default=True, help="token audience")
+def token(state_dir: Path, namespace: str, service_account: str, ttl: timedelta, audience: str) -> None:
+    """Print a token the local control plane accepts for NAMESPACE/SERVICE-ACCOUNT."""
+    try:
+        click.echo(mint_token(state_dir, namespace, service_account, ttl=ttl, audience=audience))
+    except (ValueError, StateError) as err:
+        raise click.ClickException(str(err)) from None
+
+
+if __name__ == "__main__":
+    main(prog_name="agentctl")

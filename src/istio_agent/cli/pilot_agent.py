@@ -1,0 +1,116 @@
+"""``pilot-agent``: Istio's workload agent command line (flags, env and exit codes as Istio's)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from istio_agent import __version__
+from istio_agent.agent import Agent, AgentSettings
+from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings
+from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
+
+log = scope("default")
+PROXY_TYPES = ("sidecar", "router", "waypoint", "ztunnel", "agentgateway")
+EXIT_ERROR = 255  # Istio exits with os.Exit(-1) on any command error
+TOLERANT = {"ignore_unknown_options": True, "allow_extra_args": True}
+
+
+def run_event_loop(main: object) -> None:
+    """Run a coroutine on uvloop when installed (the house rule), else asyncio's loop."""
+    try:
+        import uvloop
+
+        uvloop.run(main)  # type: ignore[arg-type]
+    except ImportError:
+        asyncio.run(main)  # type: ignore[arg-type]
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGINT/SIGTERM; later signals are swallowed, as in Istio."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("received termination signal, shutting down")
+
+
+@click.group(context_settings=TOLERANT)
+@click.option(
+    "--log_output_level", default=DEFAULT_OUTPUT_LEVELS, help="scope:level,... (debug|info|warn|error|none)"
+)
+@click.option("--log_as_json", is_flag=True, help="JSON log lines")
+@click.option("--log_target", multiple=True, default=["stdout"], hidden=True)
+@click.pass_context
+def main(ctx: click.Context, log_output_level: str, log_as_json: bool, log_target: tuple[str, ...]) -> None:
+    """Istio's workload agent (pilot-agent), in Python."""
+    ctx.obj = {"log_output_level": log_output_level, "log_as_json": log_as_json}
+
+
+@main.command(context_settings=TOLERANT)
+@click.argument("proxy_type", default="sidecar", required=False)
+@click.option("--meshConfig", "mesh_config", default="./etc/istio/config/mesh", help="mesh config file")
+@click.pass_context
+def proxy(ctx: click.Context, proxy_type: str, mesh_config: str) -> None:
+    """Run the agent next to the proxy (currently: workload certificates over SDS)."""
+    try:
+        configure(ctx.obj["log_output_level"], ctx.obj["log_as_json"], stream=sys.stdout)
+    except ValueError as err:
+        _fail(str(err))
+    if proxy_type not in PROXY_TYPES:
+        _fail(f"invalid proxy Type: {proxy_type}")
+    env = Env()
+    workdir = Path.cwd()
+    try:
+        proxy_config = ProxyConfig.load(env, workdir / mesh_config)
+        security = SecuritySettings.from_env(env, workdir, proxy_config)
+    except ConfigError as err:
+        _fail(str(err))
+    log.info("pilot-agent %s starting (%s) in %s", __version__, proxy_type, workdir)
+    try:
+        run_event_loop(_run_agent(AgentSettings(security=security, proxy_config=proxy_config)))
+    except ConfigError as err:
+        _fail(str(err))
+
+
+async def _run_agent(settings: AgentSettings) -> None:
+    agent = Agent(settings)
+    try:
+        await agent.start()
+        await wait_for_signal()
+    finally:
+        await agent.stop()
+
+
+@main.command()
+@click.option("-s", "--short", is_flag=True, help="print only the version")
+@click.option("-o", "--output", type=click.Choice(["", "yaml", "json"]), default="")
+def version(short: bool, output: str) -> None:
+    """Print the version."""
+    if short:
+        click.echo(__version__)
+    elif output == "json":
+        click.echo(
+            f'{{"clientVersion": {{"version": "{__version__}", "golang_version": "python{sys.version.split()[0]}"}}}}'
+        )
+    elif output == "yaml":
+        click.echo(
+            f"clientVersion:\n  version: {__version__}\n  golang_version: python{sys.version.split()[0]}"
+        )
+    else:
+        click.echo(f'version.BuildInfo{{Version:"{__version__}", PythonVersion:"{sys.version.split()[0]}"}}')
+
+
+def _fail(message: str) -> NoReturn:
+    click.echo(f"Error: {message}", err=True)
+    sys.exit(EXIT_ERROR)
+
+
+if __name__ == "__main__":
+    main()

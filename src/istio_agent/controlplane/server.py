@@ -1,0 +1,605 @@
+"""The local control plane process: Istio's CA service on a plaintext and a TLS port, like istiod.
+
+Port layout mirrors istiod: 15010 plaintext, 15012 TLS with a serving certificate from our own CA,
+so an agent pointed at either verifies and authenticates exactly as it would against istiod.
+
+Why the TLS port is terminated in Python: grpcio's server credentials either *require* a client
+certificate or never ask for one. Istiod asks but does not require (token-only and cert-only
+callers share the port), so the TLS listener here is an asyncio SSL server with
+``CERT_OPTIONAL`` that relays the decrypted bytes to a loopback gRPC server, remembering which
+verified client certificate belongs to which relayed connection. Both gRPC servers (plaintext and
+the TLS backend) get every service: the CA here, ADS later through :meth:`ControlPlane.add_servicer_hook`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import socket
+import ssl
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, NoReturn
+
+import grpc
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from watchfiles import awatch
+
+from istio_agent import metrics
+from istio_agent.controlplane.ca import ROOT_CERT_FILE, InvalidCSR, LocalCA, SigningRefused
+from istio_agent.controlplane.mesh import MeshConfig, MeshError, parse_mesh, read_mesh_bytes
+from istio_agent.controlplane.tokens import TokenError, TokenVerifier
+from istio_agent.log import scope
+from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
+
+log = scope("controlplane")
+
+DEFAULT_ADDRESS = "127.0.0.1:15010"
+DEFAULT_SECURE_ADDRESS = "127.0.0.1:15012"
+SERVING_HOSTS = ("istiod.istio-system.svc", "istiod.istio-system", "istiod", "localhost")
+DEFAULT_CERT_TTL = timedelta(hours=24)
+MAX_CERT_TTL_SECONDS = 90 * 24 * 3600
+AUTH_FAILURE = "request authenticate failure"
+_BACKEND_HOST = "127.0.0.1"
+_RELAY_CHUNK = 64 * 1024
+_TLS_HANDSHAKE_TIMEOUT = 10.0
+_WATCH_STOP_TIMEOUT = 2.0
+_CLOSE_TIMEOUT = 1.0
+_SERVER_OPTIONS = [("grpc.so_reuseport", 0)]  # a second control plane must fail to bind, not share the port
+
+CERTIFICATE_REQUESTS_FAILED = metrics.counter(
+    "controlplane_certificate_requests_failed",
+    "CreateCertificate calls the local control plane refused, by gRPC status code.",
+    ["code"],
+)
+
+ServerHook = Callable[[grpc.aio.Server], None]
+"""Registers services on a gRPC server; called once for the plaintext and once for the TLS server."""
+MeshListener = Callable[[MeshConfig], Awaitable[None] | None]
+"""Called with each newly applied mesh config (not for the initial one, read it from ``mesh``)."""
+
+
+class ControlPlaneError(Exception):
+    """The control plane cannot start (bad address, port in use); the message says which and why."""
+
+
+class AuthenticationError(Exception):
+    """The caller proved no identity; ``reason`` lists what was tried (never the token itself)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated caller: its SPIFFE identity and how it proved it."""
+
+    identity: str
+    method: str  # "token" or "client certificate"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split ``host:port`` / ``[v6]:port`` (empty host = all interfaces); ValueError when invalid."""
+    host, sep, port_text = text.strip().rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"invalid address {text!r}: expected HOST:PORT (port 0 picks a free port)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"invalid address {text!r}: write IPv6 hosts in brackets, e.g. [::1]:15010")
+    return host or "0.0.0.0", int(port_text)
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, bracketing IPv6 hosts."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Fail early, with the OS's reason, when the address cannot be listened on.
+
+    gRPC only says "Failed to bind" (after printing its own log line), which is no help to a user
+    who typed the wrong port; the race with another process binding in between is harmless.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise ControlPlaneError(f"cannot listen on {format_address(host, port)}: {err.strerror}") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as err:
+                raise ControlPlaneError(
+                    f"cannot listen on {format_address(host, port)}: {err.strerror or err}"
+                ) from None
+
+
+def _add_port(server: grpc.aio.Server, host: str, port: int) -> int:
+    if port:
+        _check_bindable(host, port)
+    address = format_address(host, port)
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError as err:
+        raise ControlPlaneError(f"cannot listen on {address}: {err}") from None
+
+
+def _peer_key(peer: str) -> tuple[str, int] | None:
+    """``ipv4:127.0.0.1:5000`` (gRPC's ``context.peer()``) -> ``("127.0.0.1", 5000)``."""
+    _, _, address = peer.partition(":")
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+class _TlsRelay:
+    """TLS listener that relays decrypted connections to a loopback gRPC server (see module docstring)."""
+
+    def __init__(self, context: ssl.SSLContext, backend_port: int) -> None:
+        self._context = context
+        self._backend_port = backend_port
+        self._server: asyncio.Server | None = None
+        self._peers: dict[tuple[str, int], bytes | None] = {}
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        if port:
+            _check_bindable(host, port)
+        try:
+            self._server = await asyncio.start_server(
+                self._relay,
+                host,
+                port,
+                ssl=self._context,
+                ssl_handshake_timeout=_TLS_HANDSHAKE_TIMEOUT,
+                reuse_address=True,
+            )
+        except OSError as err:
+            reason = os.strerror(err.errno) if err.errno else str(err)
+            raise ControlPlaneError(f"cannot listen on {format_address(host, port)}: {reason}") from None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def client_certificate(self, peer: str) -> bytes | None:
+        """DER of the verified client certificate of the relayed connection gRPC reports as ``peer``."""
+        key = _peer_key(peer)
+        return self._peers.get(key) if key else None
+
+    def stop_listening(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self) -> None:
+        self.stop_listening()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        ssl_object = writer.get_extra_info("ssl_object")
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        key: tuple[str, int] | None = None
+        backend_writer: asyncio.StreamWriter | None = None
+        try:
+            backend_reader, backend_writer = await asyncio.open_connection(_BACKEND_HOST, self._backend_port)
+            local = backend_writer.get_extra_info("sockname")
+            key = (str(local[0]), int(local[1]))
+            # Registered before the first byte is relayed, so no RPC on this connection can miss it.
+            self._peers[key] = der
+            pumps = [
+                asyncio.create_task(_pump(reader, backend_writer)),
+                asyncio.create_task(_pump(backend_reader, writer)),
+            ]
+            try:
+                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for pump in pumps:
+                    pump.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+        except OSError as err:
+            log.warning("TLS relay to the local gRPC server failed: %s", err)
+        except asyncio.CancelledError:
+            # Shutting down: no polite TLS close_notify exchange with a peer that may never answer.
+            for stream in (writer, backend_writer):
+                if stream is not None:
+                    stream.transport.abort()
+            raise
+        finally:
+            if key is not None:
+                self._peers.pop(key, None)
+            await asyncio.gather(
+                *(_close(stream) for stream in (writer, backend_writer) if stream is not None)
+            )
+            self._connections.discard(task)
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError, ssl.SSLError):
+        while data := await reader.read(_RELAY_CHUNK):
+            writer.write(data)
+            await writer.drain()
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    """Close a relay stream (TLS close_notify included), aborting it if the peer does not cooperate."""
+    writer.close()
+    try:
+        await asyncio.wait_for(writer.wait_closed(), _CLOSE_TIMEOUT)
+    except (OSError, TimeoutError):
+        writer.transport.abort()
+
+
+def _bearer_token(metadata: Sequence[Any] | None) -> str | None:
+    """The token of the first ``authorization`` header, ``""`` when it is not a bearer token."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.strip().partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return None
+
+
+def _metadata_value(metadata: Sequence[Any] | None, name: str) -> str:
+    for key, value in metadata or ():
+        if key == name:
+            return value.decode("latin-1") if isinstance(value, bytes) else str(value)
+    return ""
+
+
+def certificate_identity(cert: x509.Certificate, root: x509.Certificate) -> str:
+    """The SPIFFE identity of a client certificate issued by ``root``; ValueError saying why not."""
+    try:
+        cert.verify_directly_issued_by(root)
+    except (ValueError, TypeError, InvalidSignature):
+        raise ValueError("not issued by this control plane's CA") from None
+    now = datetime.now(UTC)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise ValueError("expired or not yet valid")
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (x509.ExtensionNotFound, ValueError):
+        raise ValueError("has no URI SAN") from None
+    uris = [
+        uri for uri in san.get_values_for_type(x509.UniformResourceIdentifier) if uri.startswith("spiffe://")
+    ]
+    if len(uris) != 1:
+        raise ValueError(f"must have exactly one spiffe:// URI SAN, has {len(uris)}")
+    return uris[0]
+
+
+class _CertificateService(istio_ca_pb2_grpc.IstioCertificateServiceServicer):
+    """``istio.v1.auth.IstioCertificateService``: authenticate the caller, sign its CSR."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self._plane = plane
+
+    async def CreateCertificate(
+        self, request: istio_ca_pb2.IstioCertificateRequest, context: grpc.aio.ServicerContext
+    ) -> istio_ca_pb2.IstioCertificateResponse:
+        try:
+            caller = self._plane.authenticate(context)
+        except AuthenticationError as err:
+            log.warning(
+                "certificate request from %s refused: %s: %s", context.peer(), AUTH_FAILURE, err.reason
+            )
+            await self._abort(context, grpc.StatusCode.UNAUTHENTICATED, f"{AUTH_FAILURE}: {err.reason}")
+        seconds = request.validity_duration
+        ttl = DEFAULT_CERT_TTL if seconds <= 0 else timedelta(seconds=min(seconds, MAX_CERT_TTL_SECONDS))
+        try:
+            chain = self._plane.ca.sign_csr(request.csr.encode("utf-8"), caller.identity, ttl)
+        except InvalidCSR as err:
+            log.warning("certificate request from %s refused: %s", caller.identity, err.reason)
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, err.reason)
+        except SigningRefused as err:
+            log.warning("certificate request from %s refused: %s", caller.identity, err.reason)
+            await self._abort(context, grpc.StatusCode.PERMISSION_DENIED, err.reason)
+        cluster = _metadata_value(context.invocation_metadata(), "clusterid")
+        log.info(
+            "signed certificate for %s (authenticated by %s, ttl %ds%s)",
+            caller.identity,
+            caller.method,
+            ttl.total_seconds(),
+            f", cluster {cluster[:64]!r}" if cluster else "",
+        )
+        return istio_ca_pb2.IstioCertificateResponse(cert_chain=chain)
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+        CERTIFICATE_REQUESTS_FAILED.labels(code=code.name).inc()
+        await context.abort(code, details)
+        raise AssertionError("context.abort returned")  # it always raises
+
+
+class ControlPlane:
+    """The local control plane: CA service on ``address`` (plaintext) and ``secure_address`` (TLS).
+
+    Extension points for the ADS side: :meth:`add_servicer_hook` (register services on both gRPC
+    servers), :meth:`add_mesh_listener` (hear about reloads), :attr:`mesh` and :meth:`authenticate`.
+    """
+
+    def __init__(
+        self,
+        mesh_path: Path,
+        state_dir: Path,
+        address: str = DEFAULT_ADDRESS,
+        secure_address: str = DEFAULT_SECURE_ADDRESS,
+    ) -> None:
+        self._mesh_path = mesh_path
+        self._state_dir = state_dir
+        self._address = address
+        self._secure_address = secure_address
+        self._hooks: list[ServerHook] = []
+        self._mesh_listeners: list[MeshListener] = []
+        self._mesh: MeshConfig | None = None
+        self._mesh_bytes: bytes | None = None
+        self._ca: LocalCA | None = None
+        self._verifier: TokenVerifier | None = None
+        self._servers: list[grpc.aio.Server] = []
+        self._relay: _TlsRelay | None = None
+        self._port: int | None = None
+        self._secure_port: int | None = None
+        self._watch_stop = threading.Event()
+        self._watch_task: asyncio.Task[None] | None = None
+        self._started = False
+
+    # -- extension points -------------------------------------------------------------------
+
+    def add_servicer_hook(self, hook: ServerHook) -> None:
+        """Have ``hook(server)`` register services on both gRPC servers; call before :meth:`start`."""
+        if self._started:
+            raise RuntimeError("add_servicer_hook must be called before start()")
+        self._hooks.append(hook)
+
+    def add_mesh_listener(self, listener: MeshListener) -> None:
+        """Call ``listener(config)`` after each successful mesh reload (errors in it are logged)."""
+        self._mesh_listeners.append(listener)
+
+    @property
+    def mesh(self) -> MeshConfig:
+        if self._mesh is None:
+            raise RuntimeError("control plane not started")
+        return self._mesh
+
+    @property
+    def ca(self) -> LocalCA:
+        if self._ca is None:
+            raise RuntimeError("control plane not started")
+        return self._ca
+
+    @property
+    def root_cert_path(self) -> Path:
+        return self._state_dir / ROOT_CERT_FILE
+
+    @property
+    def port(self) -> int:
+        """The bound plaintext port (useful with port 0)."""
+        if self._port is None:
+            raise RuntimeError("control plane not started")
+        return self._port
+
+    @property
+    def secure_port(self) -> int:
+        """The bound TLS port (useful with port 0)."""
+        if self._secure_port is None:
+            raise RuntimeError("control plane not started")
+        return self._secure_port
+
+    def peer_certificate(self, context: grpc.aio.ServicerContext) -> x509.Certificate | None:
+        """The verified TLS client certificate of the caller, if it presented one."""
+        der = self._relay.client_certificate(context.peer()) if self._relay is not None else None
+        try:
+            if der:
+                return x509.load_der_x509_certificate(der)
+            pems = (context.auth_context() or {}).get("x509_pem_cert")
+            return x509.load_pem_x509_certificate(pems[0]) if pems else None
+        except ValueError:
+            return None
+
+    def authenticate(self, context: grpc.aio.ServicerContext) -> Caller:
+        """Who is calling: a bearer token first, then a client certificate (as istiod tries both)."""
+        failures: list[str] = []
+        token = _bearer_token(context.invocation_metadata())
+        if token == "":
+            failures.append("authorization header is not a bearer token")
+        elif token is not None:
+            try:
+                identity = self._token_verifier.verify(token)
+                return Caller(identity.spiffe_id(self.mesh.trust_domain), "token")
+            except TokenError as err:
+                failures.append(err.reason)
+        cert = self.peer_certificate(context)
+        if cert is not None:
+            try:
+                return Caller(certificate_identity(cert, self.ca.root_cert), "client certificate")
+            except ValueError as err:
+                failures.append(f"client certificate {err}")
+        if not failures:
+            failures.append("no bearer token and no client certificate")
+        raise AuthenticationError("; ".join(failures))
+
+    @property
+    def _token_verifier(self) -> TokenVerifier:
+        if self._verifier is None:
+            raise RuntimeError("control plane not started")
+        return self._verifier
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the mesh and CA, write the root, then listen; ControlPlaneError/MeshError/StateError."""
+        if self._started:
+            raise RuntimeError("control plane already started")
+        self._started = True
+        try:
+            await self._start()
+        except BaseException:
+            await self._shutdown(0)
+            raise
+
+    async def _start(self) -> None:
+        try:
+            plain_host, plain_port = parse_address(self._address)
+            tls_host, tls_port = parse_address(self._secure_address)
+        except ValueError as err:
+            raise ControlPlaneError(str(err)) from None
+        self._mesh_bytes = read_mesh_bytes(self._mesh_path)
+        self._mesh = parse_mesh(self._mesh_bytes, self._mesh_path)
+        # The CA writes state_dir/root-cert.pem; it exists before any port is open.
+        self._ca = await asyncio.to_thread(LocalCA.load_or_create, self._state_dir, self._mesh.trust_domain)
+        self._verifier = await asyncio.to_thread(TokenVerifier, self._state_dir)
+        tls_context = self._tls_context(await self._serving_hosts(tls_host))
+
+        plain = self._new_server()
+        self._port = _add_port(plain, plain_host, plain_port)
+        backend = self._new_server()
+        backend_port = _add_port(backend, _BACKEND_HOST, 0)
+        for server in self._servers:
+            await server.start()
+        self._relay = _TlsRelay(tls_context, backend_port)
+        self._secure_port = await self._relay.start(tls_host, tls_port)
+        await self._start_watching()
+        log.info(
+            "control plane serving CA on %s (plaintext) and %s (TLS), trust domain %s, root %s",
+            format_address(plain_host, self._port),
+            format_address(tls_host, self._secure_port),
+            self._mesh.trust_domain,
+            self.root_cert_path,
+        )
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop accepting, let in-flight calls finish for up to ``grace`` seconds, then close everything."""
+        if self._started:
+            await self._shutdown(grace)
+
+    async def __aenter__(self) -> ControlPlane:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def _shutdown(self, grace: float) -> None:
+        self._started = False
+        await self._stop_watching()
+        if self._relay is not None:
+            self._relay.stop_listening()
+        await asyncio.gather(*(server.stop(grace) for server in self._servers))
+        if self._relay is not None:
+            await self._relay.close()
+        self._servers = []
+        self._relay = None
+
+    def _new_server(self) -> grpc.aio.Server:
+        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        istio_ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(_CertificateService(self), server)
+        for hook in self._hooks:
+            hook(server)
+        self._servers.append(server)
+        return server
+
+    async def _serving_hosts(self, listen_host: str) -> list[str]:
+        """Names and IPs the serving certificate covers: istiod's names plus what we listen on."""
+        hosts = [*SERVING_HOSTS, "127.0.0.1", "::1"]
+        wildcard = listen_host in ("0.0.0.0", "::")
+        names = [socket.gethostname()] if wildcard else [listen_host]
+        for name in names:
+            hosts.append(name)
+            with contextlib.suppress(OSError):
+                for info in await asyncio.get_running_loop().getaddrinfo(name, None, type=socket.SOCK_STREAM):
+                    hosts.append(str(ipaddress.ip_address(str(info[4][0]).split("%")[0])))
+        return [host for host in dict.fromkeys(hosts) if host not in ("0.0.0.0", "::")]
+
+    def _tls_context(self, hosts: list[str]) -> ssl.SSLContext:
+        key_pem, chain_pem = self.ca.issue_serving_cert(hosts)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.verify_mode = ssl.CERT_OPTIONAL  # istiod: verify a client certificate if one is given
+        context.load_verify_locations(cadata=self.ca.root_pem.decode("ascii"))
+        context.set_alpn_protocols(["h2"])
+        # ssl only loads keys from files: a private temporary file, removed as soon as it is read.
+        fd, name = tempfile.mkstemp(prefix=".serving-", suffix=".pem", dir=self._state_dir)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(key_pem + chain_pem)
+            context.load_cert_chain(name)
+        finally:
+            os.unlink(name)
+        return context
+
+    # -- mesh file ------------------------------------------------------------------------------
+
+    async def reload_mesh(self) -> bool:
+        """Re-read the mesh file; a bad file keeps the last good config. True when a new config applies."""
+        try:
+            data = read_mesh_bytes(self._mesh_path)
+        except MeshError as err:
+            log.error("%s; keeping the last good mesh config", err)
+            return False
+        if data == self._mesh_bytes:
+            return False
+        self._mesh_bytes = data
+        try:
+            config = parse_mesh(data, self._mesh_path)
+        except MeshError as err:
+            log.error("%s; keeping the last good mesh config", err)
+            return False
+        if config == self._mesh:
+            return False
+        previous, self._mesh = self._mesh, config
+        if previous is not None and previous.trust_domain != config.trust_domain:
+            log.info("mesh trust domain changed from %s to %s", previous.trust_domain, config.trust_domain)
+        log.info("reloaded mesh file %s", self._mesh_path)
+        for listener in list(self._mesh_listeners):
+            try:
+                result = listener(config)
+                if result is not None:
+                    await result
+            except Exception:
+                log.exception("mesh listener failed")
+        return True
+
+    async def _start_watching(self) -> None:
+        self._watch_stop.clear()
+        changes = awatch(
+            self._mesh_path.absolute().parent,
+            watch_filter=None,
+            stop_event=self._watch_stop,
+            recursive=False,
+        )
+        self._watch_task = asyncio.create_task(self._watch(changes))
+        # awatch sets up its inotify watch synchronously in the task's first step; yield once so that
+        # step runs, then re-read to catch an edit made between the first read and the watch.
+        await asyncio.sleep(0)
+        await self.reload_mesh()
+
+    async def _watch(self, changes: AsyncIterator[Any]) -> None:
+        try:
+            async for _ in changes:
+                await self.reload_mesh()
+        except Exception as err:
+            log.error("watching mesh file %s failed, reloads stop: %s", self._mesh_path, err)
+
+    async def _stop_watching(self) -> None:
+        task, self._watch_task = self._watch_task, None
+        if task is None:
+            return
+        self._watch_stop.set()
+        try:
+            await asyncio.wait_for(task, _WATCH_STOP_TIMEOUT)
+        except TimeoutError:
+            log.warning("mesh file watcher did not stop in time")

@@ -1,0 +1,104 @@
+"""Agent start-up decisions (reference sds.md §1.2) and the agent serving SDS end to end in-process."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.secret.v3 import sds_pb2_grpc
+from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
+
+from istio_agent.agent import Agent, AgentSettings, plan_sds
+from istio_agent.config import ConfigError, Env, SecuritySettings
+from istio_agent.security.sds import SdsServer
+from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
+
+
+def settings_for(workdir: Path, **env: str) -> SecuritySettings:
+    return SecuritySettings.from_env(Env({"POD_NAMESPACE": "ns", "SERVICE_ACCOUNT": "sa", **env}), workdir)
+
+
+class EmptyProvider:
+    async def generate(self, resource_name: str):  # type: ignore[no-untyped-def]
+        raise AssertionError("not used")
+
+
+async def test_default_plan_uses_the_ca(short_tmp: Path) -> None:
+    plan = await plan_sds(settings_for(short_tmp))
+    assert plan.socket_path == short_tmp / "var/run/secrets/workload-spiffe-uds/socket"
+    assert plan.uses_ca and not plan.serve_only_files
+
+
+async def test_healthy_external_socket_means_files_only(short_tmp: Path) -> None:
+    settings = settings_for(short_tmp)
+    external = SdsServer(EmptyProvider(), settings.sds_socket_path)  # type: ignore[arg-type]
+    await external.start()
+    try:
+        plan = await plan_sds(settings)
+        assert plan.serve_only_files and not plan.uses_ca
+        assert plan.socket_path == short_tmp / "var/run/secrets/credential-uds/files-socket"
+    finally:
+        await external.stop()
+
+
+async def test_stale_socket_is_removed(short_tmp: Path) -> None:
+    settings = settings_for(short_tmp)
+    settings.sds_socket_path.parent.mkdir(parents=True)
+    server = await asyncio.start_unix_server(lambda r, w: None, path=str(settings.sds_socket_path))
+    server.close()
+    await server.wait_closed()
+    settings.sds_socket_path.touch(exist_ok=True)
+    plan = await plan_sds(settings)
+    assert plan.uses_ca
+    assert not settings.sds_socket_path.exists()
+
+
+async def test_non_default_socket_without_server_is_an_error(short_tmp: Path) -> None:
+    with pytest.raises(ConfigError, match="non-default SDS socket path"):
+        await plan_sds(settings_for(short_tmp, WORKLOAD_IDENTITY_SOCKET_FILE="spire.sock"))
+
+
+async def test_workload_credentials_are_served_without_a_ca(short_tmp: Path) -> None:
+    ca_key, ca_cert = make_ca()
+    key = new_key("ec")
+    leaf = issue(ca_key, ca_cert, uri_sans=["spiffe://cluster.local/ns/ns/sa/sa"], public_key=key.public_key())
+    creds = short_tmp / "var/run/secrets/workload-spiffe-credentials"
+    creds.mkdir(parents=True)
+    (creds / "cert-chain.pem").write_bytes(to_pem(leaf))
+    (creds / "key.pem").write_bytes(key_to_pem(key))
+    (creds / "root-cert.pem").write_bytes(to_pem(ca_cert))
+    # CA_ADDR points nowhere: contacting it would fail the test.
+    settings = settings_for(short_tmp, CA_ADDR="127.0.0.1:1")
+    plan = await plan_sds(settings)
+    assert not plan.uses_ca and plan.settings.file_mounted_certs
+
+    async with Agent(AgentSettings(security=settings)):
+        secrets = await fetch(settings.sds_socket_path, ["default", "ROOTCA"])
+    assert secrets["default"].tls_certificate.certificate_chain.inline_bytes == to_pem(leaf)
+    assert secrets["ROOTCA"].validation_context.trusted_ca.inline_bytes.strip() == to_pem(ca_cert).strip()
+
+
+async def fetch(socket: Path, names: list[str]) -> dict[str, secret_pb2.Secret]:
+    """One SotW SDS request for ``names`` over the socket, as Envoy sends it."""
+    async with grpc.aio.insecure_channel(f"unix:{socket}") as channel:
+        stub = sds_pb2_grpc.SecretDiscoveryServiceStub(channel)
+        call = stub.StreamSecrets()
+        await call.write(
+            discovery_pb2.DiscoveryRequest(
+                node=base_pb2.Node(id="sidecar~127.0.0.1~a.ns~ns.svc.cluster.local"),
+                resource_names=names,
+                type_url="type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret",
+            )
+        )
+        response = await asyncio.wait_for(call.read(), 10)
+        call.cancel()
+    secrets = {}
+    for resource in response.resources:
+        secret = secret_pb2.Secret()
+        resource.Unpack(secret)
+        secrets[secret.name] = secret
+    return secrets
