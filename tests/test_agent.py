@@ -8,9 +8,9 @@ from pathlib import Path
 import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
-from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 
 from istio_agent.agent import Agent, AgentSettings, plan_sds
 from istio_agent.config import ConfigError, Env, SecuritySettings
@@ -65,7 +65,9 @@ async def test_non_default_socket_without_server_is_an_error(short_tmp: Path) ->
 async def test_workload_credentials_are_served_without_a_ca(short_tmp: Path) -> None:
     ca_key, ca_cert = make_ca()
     key = new_key("ec")
-    leaf = issue(ca_key, ca_cert, uri_sans=["spiffe://cluster.local/ns/ns/sa/sa"], public_key=key.public_key())
+    leaf = issue(
+        ca_key, ca_cert, uri_sans=["spiffe://cluster.local/ns/ns/sa/sa"], public_key=key.public_key()
+    )
     creds = short_tmp / "var/run/secrets/workload-spiffe-credentials"
     creds.mkdir(parents=True)
     (creds / "cert-chain.pem").write_bytes(to_pem(leaf))

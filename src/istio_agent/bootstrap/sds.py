@@ -27,7 +27,9 @@ def sds_cluster(socket_path: Path | str) -> dict[str, Any]:
         },
         "load_assignment": {
             "cluster_name": SDS_CLUSTER,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": str(socket_path)}}}}]}],
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": str(socket_path)}}}}]}
+            ],
         },
     }
 

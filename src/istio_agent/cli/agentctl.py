@@ -128,5 +128,18 @@ def token(state_dir: Path, namespace: str, service_account: str, ttl: timedelta,
         raise click.ClickException(str(err)) from None
 
 
+@main.command()
+@click.option("--keep", is_flag=True, help="leave everything running and print how to stop it")
+def demo(keep: bool) -> None:
+    """Local control plane + pilot-agent + a real Envoy terminating mTLS with the agent's certificate."""
+    from istio_agent.ctl.demo import demo as run_demo
+
+    try:
+        code = run_demo(keep, click.echo)
+    except (RuntimeError, TimeoutError, OSError) as err:
+        raise click.ClickException(f"demo failed: {err}") from None
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
     main(prog_name="agentctl")

@@ -1,0 +1,1 @@
+"""Operator commands (demo now; proxy-status and secret comparison later)."""
