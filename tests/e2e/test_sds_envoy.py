@@ -116,7 +116,9 @@ def mesh(short_tmp: Path):  # type: ignore[no-untyped-def]
         control_plane.stop()
 
 
-def start_pair(control_plane: ControlPlane, workdir: Path, **env: str) -> tuple[Agent, Envoy, int]:
+def start_pair(
+    control_plane: ControlPlane, workdir: Path, delta_sds: bool = False, **env: str
+) -> tuple[Agent, Envoy, int]:
     agent = Agent(
         workdir,
         env_for(
@@ -130,7 +132,9 @@ def start_pair(control_plane: ControlPlane, workdir: Path, **env: str) -> tuple[
     agent.start()
     admin_port, listener_port = free_port(), free_port()
     node = f"sidecar~127.0.0.1~{SERVICE_ACCOUNT}.{NAMESPACE}~{NAMESPACE}.svc.cluster.local"
-    bootstrap = mtls_bootstrap(node, f"{SERVICE_ACCOUNT}.{NAMESPACE}", admin_port, listener_port)
+    bootstrap = mtls_bootstrap(
+        node, f"{SERVICE_ACCOUNT}.{NAMESPACE}", admin_port, listener_port, delta_sds=delta_sds
+    )
     envoy = Envoy(workdir, bootstrap, admin_port)
     envoy.start()
     return agent, envoy, listener_port
@@ -149,11 +153,14 @@ def wait_for_secrets(envoy: Envoy) -> dict[str, dict[str, Any]]:
     return served_secrets(envoy)
 
 
-def test_envoy_gets_workload_certificate_and_terminates_mtls(mesh) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("delta_sds", [False, True], ids=["sotw", "delta"])
+def test_envoy_gets_workload_certificate_and_terminates_mtls(mesh, delta_sds: bool) -> None:  # type: ignore[no-untyped-def]
     control_plane, workdir = mesh
-    agent, envoy, port = start_pair(control_plane, workdir, ECC_SIGNATURE_ALGORITHM="ECDSA")
+    agent, envoy, port = start_pair(control_plane, workdir, delta_sds, ECC_SIGNATURE_ALGORITHM="ECDSA")
     try:
         secrets = wait_for_secrets(envoy)
+        kind = "delta" if delta_sds else "sotw"
+        assert f"SDS: new connection id=1 ({kind})" in agent.log_path.read_text()
         leaf = leaf_from_secret(secrets["default"])
         sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [IDENTITY]

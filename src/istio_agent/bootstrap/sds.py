@@ -34,13 +34,13 @@ def sds_cluster(socket_path: Path | str) -> dict[str, Any]:
     }
 
 
-def sds_secret_config(name: str) -> dict[str, Any]:
+def sds_secret_config(name: str, *, delta: bool = False) -> dict[str, Any]:
     """An SdsSecretConfig for ``name`` served by the agent (node sent on the first message only)."""
     return {
         "name": name,
         "sds_config": {
             "api_config_source": {
-                "api_type": "GRPC",
+                "api_type": "DELTA_GRPC" if delta else "GRPC",
                 "grpc_services": [{"envoy_grpc": {"cluster_name": SDS_CLUSTER}}],
                 "set_node_on_first_message_only": True,
                 "transport_api_version": "V3",
@@ -52,11 +52,16 @@ def sds_secret_config(name: str) -> dict[str, Any]:
 
 
 def mtls_context(
-    *, downstream: bool, peer_spiffe_prefix: str | None = None, alpn: list[str] | None = None
+    *,
+    downstream: bool,
+    peer_spiffe_prefix: str | None = None,
+    alpn: list[str] | None = None,
+    delta: bool = False,
 ) -> dict[str, Any]:
     """A TLS context using ``default`` as our certificate and ``ROOTCA`` to verify the peer.
 
-    ``peer_spiffe_prefix`` (e.g. ``spiffe://cluster.local/``) restricts accepted peer identities.
+    ``peer_spiffe_prefix`` (e.g. ``spiffe://cluster.local/``) restricts accepted peer identities;
+    ``delta`` subscribes with Delta SDS instead of state-of-the-world.
     """
     validation: dict[str, Any] = {}
     if peer_spiffe_prefix:
@@ -64,10 +69,10 @@ def mtls_context(
             {"san_type": "URI", "matcher": {"prefix": peer_spiffe_prefix}}
         ]
     common: dict[str, Any] = {
-        "tls_certificate_sds_secret_configs": [sds_secret_config("default")],
+        "tls_certificate_sds_secret_configs": [sds_secret_config("default", delta=delta)],
         "combined_validation_context": {
             "default_validation_context": validation,
-            "validation_context_sds_secret_config": sds_secret_config("ROOTCA"),
+            "validation_context_sds_secret_config": sds_secret_config("ROOTCA", delta=delta),
         },
     }
     if alpn:

@@ -51,7 +51,9 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def mtls_bootstrap(node_id: str, cluster: str, admin_port: int, listener_port: int) -> dict[str, Any]:
+def mtls_bootstrap(
+    node_id: str, cluster: str, admin_port: int, listener_port: int, *, delta_sds: bool = False
+) -> dict[str, Any]:
     """Envoy with one mTLS listener (``default`` + ``ROOTCA`` over SDS) that echoes the verified caller."""
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -104,7 +106,9 @@ def mtls_bootstrap(node_id: str, cluster: str, admin_port: int, listener_port: i
                     "filter_chains": [
                         {
                             "transport_socket": mtls_context(
-                                downstream=True, peer_spiffe_prefix=f"spiffe://{TRUST_DOMAIN}/"
+                                downstream=True,
+                                peer_spiffe_prefix=f"spiffe://{TRUST_DOMAIN}/",
+                                delta=delta_sds,
                             ),
                             "filters": [
                                 {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
@@ -216,9 +220,7 @@ def run_demo(base: Path, keep: bool, echo: Callable[[str], None]) -> int:
             cwd=workdir,
             env=env,
         )
-        wait_until(
-            lambda: processes.alive() and (workdir / SDS_SOCKET).exists(), 30, "the SDS socket"
-        )
+        wait_until(lambda: processes.alive() and (workdir / SDS_SOCKET).exists(), 30, "the SDS socket")
 
         echo(
             f"[3/5] starting Envoy (admin 127.0.0.1:{admin_port}, mTLS listener 127.0.0.1:{listener_port}) ..."
