@@ -47,8 +47,11 @@ async def wait_for_signal() -> None:
 )
 @click.option("--log_as_json", is_flag=True, help="JSON log lines")
 @click.option("--log_target", multiple=True, default=["stdout"], hidden=True)
+@click.option("--log_stacktrace_level", default="default:none", hidden=True)
+@click.option("--log_caller", default="", hidden=True)
+@click.option("--vklog", default="0", hidden=True)
 @click.pass_context
-def main(ctx: click.Context, log_output_level: str, log_as_json: bool, log_target: tuple[str, ...]) -> None:
+def main(ctx: click.Context, log_output_level: str, log_as_json: bool, **_ignored: object) -> None:
     """Istio's workload agent (pilot-agent), in Python."""
     ctx.obj = {"log_output_level": log_output_level, "log_as_json": log_as_json}
 
@@ -56,11 +59,37 @@ def main(ctx: click.Context, log_output_level: str, log_as_json: bool, log_targe
 @main.command(context_settings=TOLERANT)
 @click.argument("proxy_type", default="sidecar", required=False)
 @click.option("--meshConfig", "mesh_config", default="./etc/istio/config/mesh", help="mesh config file")
+# Istio's proxy flags, accepted so the injection template's command line works unchanged; they take
+# effect with the Envoy bootstrap and lifecycle work.
+@click.option("--domain", default="", hidden=True)
+@click.option("--serviceCluster", "service_cluster", default="istio-proxy", hidden=True)
+@click.option("--proxyLogLevel", "proxy_log_level", default="warning", hidden=True)
+@click.option("--proxyComponentLogLevel", "proxy_component_log_level", default="", hidden=True)
+@click.option("--concurrency", default=0, type=int, hidden=True)
+@click.option("--templateFile", "template_file", default="", hidden=True)
+@click.option("--outlierLogPath", "outlier_log_path", default="", hidden=True)
+@click.option("--stsPort", "sts_port", default=0, type=int, hidden=True)
+@click.option("--tokenManagerPlugin", "token_manager_plugin", default="", hidden=True)
+@click.option("--profiling", default=True, type=bool, hidden=True)
+# Root flags are persistent in Istio (cobra): they may also follow the subcommand.
+@click.option("--log_output_level", "log_output_level", default=None, hidden=True)
+@click.option("--log_as_json", "log_as_json", is_flag=True, default=None, hidden=True)
 @click.pass_context
-def proxy(ctx: click.Context, proxy_type: str, mesh_config: str) -> None:
+def proxy(
+    ctx: click.Context,
+    proxy_type: str,
+    mesh_config: str,
+    log_output_level: str | None,
+    log_as_json: bool | None,
+    **_later: object,
+) -> None:
     """Run the agent next to the proxy (currently: workload certificates over SDS)."""
     try:
-        configure(ctx.obj["log_output_level"], ctx.obj["log_as_json"], stream=sys.stdout)
+        configure(
+            log_output_level or ctx.obj["log_output_level"],
+            bool(log_as_json) or ctx.obj["log_as_json"],
+            stream=sys.stdout,
+        )
     except ValueError as err:
         _fail(str(err))
     if proxy_type not in PROXY_TYPES:
