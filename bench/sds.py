@@ -33,6 +33,7 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 
 from istio_agent.config import Env, SecuritySettings
 from istio_agent.controlplane.ca import LocalCA
+from istio_agent.ctl.local import free_port, port_open, wait_until
 from istio_agent.security.caclient import CAClientOptions, CitadelClient
 from istio_agent.security.credentials import token_source_for
 from istio_agent.security.keys import KeyOptions, generate_csr
@@ -42,14 +43,6 @@ from istio_agent.security.sds import SdsServer
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 NODE = base_pb2.Node(id="sidecar~127.0.0.1~bench.default~default.svc.cluster.local")
 KEY_TYPES = {"ECDSA P-256": {"ECC_SIGNATURE_ALGORITHM": "ECDSA"}, "RSA 2048": {}}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager
@@ -79,16 +72,7 @@ def control_plane(base: Path) -> Iterator[tuple[Path, int]]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 20
-        import socket
-
-        while time.monotonic() < deadline:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", secure)) == 0 and (state / "root-cert.pem").exists():
-                    break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError("control plane did not start")
+        wait_until(lambda: port_open(secure) and (state / "root-cert.pem").exists(), 20, "the control plane")
         yield state, secure
     finally:
         process.terminate()

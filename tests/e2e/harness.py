@@ -6,54 +6,20 @@ own directory (the agent's well-known paths are relative to it, as in Istio).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from istio_agent.ctl.local import free_port, port_open, wait_until
 from istio_agent.envoy.binary import find_envoy
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-async def async_wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def agentctl(*args: str) -> str:
@@ -196,18 +162,7 @@ class Envoy:
                 self.process.wait()
 
 
-@contextlib.contextmanager
-def running(*things: Any) -> Iterator[None]:
-    try:
-        for thing in things:
-            thing.start()
-        yield
-    finally:
-        for thing in reversed(things):
-            thing.stop()
-
-
-def env_for(workdir: Path, **extra: str) -> dict[str, str]:
+def env_for(**extra: str) -> dict[str, str]:
     """A clean environment mapping for an agent (no inherited Istio variables)."""
     base = {key: value for key, value in os.environ.items() if key in ("PATH", "HOME")}
     base.update(extra)

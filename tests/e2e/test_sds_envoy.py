@@ -22,8 +22,9 @@ from cryptography import x509
 
 from istio_agent.controlplane.ca import LocalCA
 from istio_agent.ctl.demo import mtls_bootstrap
+from istio_agent.ctl.local import free_port, wait_until
 from istio_agent.security.keys import KeyOptions, generate_csr
-from tests.e2e.harness import ControlPlane, Envoy, env_for, free_port, wait_until
+from tests.e2e.harness import ControlPlane, Envoy, env_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -122,7 +123,6 @@ def start_pair(
     agent = Agent(
         workdir,
         env_for(
-            workdir,
             CA_ADDR=f"127.0.0.1:{control_plane.secure_port}",
             POD_NAMESPACE=NAMESPACE,
             SERVICE_ACCOUNT=SERVICE_ACCOUNT,

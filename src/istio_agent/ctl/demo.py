@@ -16,7 +16,6 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,26 +28,12 @@ from cryptography import x509
 from istio_agent.bootstrap.sds import mtls_context, sds_cluster
 from istio_agent.controlplane.ca import LocalCA
 from istio_agent.controlplane.tokens import mint_token
+from istio_agent.ctl.local import free_port, port_open, wait_until
 from istio_agent.envoy.binary import find_envoy
 from istio_agent.security.keys import KeyOptions, generate_csr
 
 SDS_SOCKET = "./var/run/secrets/workload-spiffe-uds/socket"
 TRUST_DOMAIN = "cluster.local"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def mtls_bootstrap(
@@ -151,12 +136,6 @@ class Processes:
                     process.wait()
             codes[name] = process.returncode
         return codes
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def envoy_secrets(admin_port: int) -> dict[str, Any]:
