@@ -121,11 +121,12 @@ class SecretManager:
         await self._watcher.start()
 
     async def stop(self) -> None:
-        if self._rotation_timer is not None:
-            self._rotation_timer.cancel()
-        for task in [*self._tasks, *([self._rotation_task] if self._rotation_task else [])]:
+        rotation = self._rotation_task
+        self._cancel_rotation()
+        tasks = [*self._tasks, *([rotation] if rotation else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._watcher.stop()
         if self._ca is not None:
             await self._ca.close()
@@ -346,7 +347,9 @@ class SecretManager:
         return max(timedelta(0), (expires - lifetime * ratio) - self._now())
 
     def _schedule_rotation(self, workload: _Workload) -> None:
-        self._cancel_rotation()
+        # Only the timer: this may run inside the rotation task itself, which must finish its push.
+        if self._rotation_timer is not None:
+            self._rotation_timer.cancel()
         delay = self.rotation_delay(workload.created, workload.expires).total_seconds()
         loop = asyncio.get_running_loop()
         self._rotation_timer = loop.call_later(delay, self._start_rotation, workload)
