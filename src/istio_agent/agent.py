@@ -93,7 +93,6 @@ class Agent:
         self.sds_server = SdsServer(manager, plan.socket_path, crl_path=crl)
         manager.add_update_callback(self.sds_server.on_secret_update)
         await self.sds_server.start()
-        log.info("SDS server listening on %s", plan.socket_path)
         if plan.uses_ca:
             self._prewarm = asyncio.get_running_loop().create_task(manager.prewarm())
 
