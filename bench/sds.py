@@ -23,7 +23,6 @@ import json
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -41,7 +40,7 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 from istio_agent.config import Env, SecuritySettings
 from istio_agent.controlplane.ca import LocalCA
 from istio_agent.ctl.demo import mtls_bootstrap
-from istio_agent.ctl.local import free_port, port_open, wait_until
+from istio_agent.ctl.local import controlplane_command, free_port, port_open, wait_until
 from istio_agent.envoy.binary import find_envoy
 from istio_agent.security.caclient import CAClientOptions, CitadelClient
 from istio_agent.security.credentials import token_source_for
@@ -61,22 +60,7 @@ def control_plane(base: Path) -> Iterator[tuple[Path, int]]:
     state = base / "state"
     port, secure = free_port(), free_port()
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "istio_agent.cli.agentctl",
-            "controlplane",
-            "--mesh",
-            str(mesh),
-            "--state-dir",
-            str(state),
-            "--address",
-            f"127.0.0.1:{port}",
-            "--secure-address",
-            f"127.0.0.1:{secure}",
-            "--log_output_level",
-            "default:warn",
-        ],
+        controlplane_command(mesh, state, port, secure, "--log_output_level", "default:warn"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

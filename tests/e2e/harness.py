@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from istio_agent.ctl.local import free_port, port_open, wait_until
+from istio_agent.ctl.local import controlplane_command, free_port, port_open, wait_until
 from istio_agent.envoy.binary import find_envoy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,20 +54,7 @@ class ControlPlane:
     def start(self) -> None:
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "istio_agent.cli.agentctl",
-                "controlplane",
-                "--mesh",
-                str(self.mesh_file),
-                "--state-dir",
-                str(self.state_dir),
-                "--address",
-                f"127.0.0.1:{self.port}",
-                "--secure-address",
-                f"127.0.0.1:{self.secure_port}",
-            ],
+            controlplane_command(self.mesh_file, self.state_dir, self.port, self.secure_port),
             stdout=log,
             stderr=subprocess.STDOUT,
         )

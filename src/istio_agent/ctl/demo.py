@@ -28,7 +28,7 @@ from cryptography import x509
 from istio_agent.bootstrap.sds import mtls_context, sds_cluster
 from istio_agent.controlplane.ca import LocalCA
 from istio_agent.controlplane.tokens import mint_token
-from istio_agent.ctl.local import free_port, port_open, wait_until
+from istio_agent.ctl.local import controlplane_command, free_port, port_open, wait_until
 from istio_agent.envoy.binary import find_envoy
 from istio_agent.security.keys import KeyOptions, generate_csr
 
@@ -161,20 +161,7 @@ def run_demo(base: Path, keep: bool, echo: Callable[[str], None]) -> int:
         echo(f"[1/5] starting the local control plane (CA) on 127.0.0.1:{tls_port} ...")
         processes.start(
             "control plane",
-            [
-                python,
-                "-m",
-                "istio_agent.cli.agentctl",
-                "controlplane",
-                "--mesh",
-                str(mesh),
-                "--state-dir",
-                str(state),
-                "--address",
-                f"127.0.0.1:{plain_port}",
-                "--secure-address",
-                f"127.0.0.1:{tls_port}",
-            ],
+            controlplane_command(mesh, state, plain_port, tls_port),
             base / "controlplane.log",
         )
         wait_until(lambda: processes.alive() and port_open(tls_port), 30, "the control plane")

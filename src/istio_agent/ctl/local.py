@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import socket
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -28,3 +30,13 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: f
             return
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def controlplane_command(mesh: Path, state_dir: Path, port: int, secure_port: int, *extra: str) -> list[str]:
+    """The command line of ``agentctl controlplane`` on 127.0.0.1 with this interpreter."""
+    return [
+        sys.executable, "-m", "istio_agent.cli.agentctl", "controlplane",
+        "--mesh", str(mesh), "--state-dir", str(state_dir),
+        "--address", f"127.0.0.1:{port}", "--secure-address", f"127.0.0.1:{secure_port}",
+        *extra,
+    ]  # fmt: skip
