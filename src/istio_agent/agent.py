@@ -45,9 +45,7 @@ class SdsPlan:
 async def plan_sds(settings: SecuritySettings) -> SdsPlan:
     """Decide the SDS socket and certificate source, as Istio's agent does at start-up."""
     configured = settings.sds_socket_path
-    if await remove_if_stale(configured):
-        log.warning("removed stale SDS socket %s", configured)
-    elif configured.exists():
+    if not await remove_if_stale(configured) and configured.exists():
         log.info(
             "SDS socket %s is served by another process; serving only file-mounted certificates", configured
         )

@@ -51,6 +51,15 @@ def test_missing_ca_root_is_a_clear_error(short_tmp: Path) -> None:
     assert "root CA file for CA does not exist" in done.stderr + done.stdout
 
 
+def test_unbindable_socket_path_is_a_clear_error(short_tmp: Path) -> None:
+    deep = short_tmp / ("d" * 90)
+    deep.mkdir()
+    done = run_agent(deep, "proxy", CA_ADDR="127.0.0.1:15010")  # plaintext: no root needed
+    assert done.returncode == 255
+    assert "longer than 107 bytes" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_unknown_proxy_type(short_tmp: Path) -> None:
     done = run_agent(short_tmp, "proxy", "gateway")
     assert done.returncode == 255

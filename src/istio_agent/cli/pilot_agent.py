@@ -104,7 +104,7 @@ def proxy(
     log.info("pilot-agent %s starting (%s) in %s", __version__, proxy_type, workdir)
     try:
         run_event_loop(_run_agent(AgentSettings(security=security, proxy_config=proxy_config)))
-    except ConfigError as err:
+    except (ConfigError, OSError) as err:  # bad settings, or a socket path that cannot be bound
         _fail(str(err))
 
 
