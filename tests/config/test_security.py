@@ -116,3 +116,16 @@ def test_proxy_config_overlays(tmp_path: Path) -> None:
 def test_bad_proxy_config_names_the_field(raw: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ProxyConfig.load(Env({"PROXY_CONFIG": raw}))
+
+
+def test_proxy_config_durations() -> None:
+    config = ProxyConfig().overlay(
+        {"drainDuration": "10s", "terminationDrainDuration": "1.5s"}, "PROXY_CONFIG"
+    )
+    assert config.drain_duration.total_seconds() == 10
+    assert config.termination_drain_duration.total_seconds() == 1.5
+    assert ProxyConfig().termination_drain_duration.total_seconds() == 5
+    with pytest.raises(ConfigError, match="terminationDrainDuration"):
+        ProxyConfig().overlay({"terminationDrainDuration": "soon"}, "PROXY_CONFIG")
+    with pytest.raises(ConfigError, match="drainDuration must be whole seconds"):
+        ProxyConfig().overlay({"drainDuration": "1.5s"}, "PROXY_CONFIG")

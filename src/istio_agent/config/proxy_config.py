@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from istio_agent.config.env import ConfigError, Env
+from istio_agent.config.env import ConfigError, Env, parse_go_duration
 
 DEFAULT_DISCOVERY_ADDRESS = "istiod.istio-system.svc:15012"
 
@@ -28,6 +29,8 @@ class ProxyConfig:
     status_port: int = 15020
     control_plane_auth_policy: str = "MUTUAL_TLS"
     proxy_metadata: dict[str, str] = field(default_factory=dict)
+    drain_duration: timedelta = timedelta(seconds=45)
+    termination_drain_duration: timedelta = timedelta(seconds=5)
 
     _FIELDS = {
         "discoveryAddress": "discovery_address",
@@ -38,6 +41,8 @@ class ProxyConfig:
         "statusPort": "status_port",
         "controlPlaneAuthPolicy": "control_plane_auth_policy",
         "proxyMetadata": "proxy_metadata",
+        "drainDuration": "drain_duration",
+        "terminationDrainDuration": "termination_drain_duration",
     }
 
     def overlay(self, doc: dict[str, Any], source: str) -> ProxyConfig:
@@ -52,6 +57,8 @@ class ProxyConfig:
                 if not isinstance(value, dict):
                     raise ConfigError(f"{source}: proxyMetadata must be a map of strings")
                 changes[name] = {**current, **{str(k): str(v) for k, v in value.items()}}
+            elif isinstance(current, timedelta):
+                changes[name] = _duration(value, key, source)
             elif isinstance(current, int):
                 if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).isdigit():
                     raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
@@ -71,6 +78,10 @@ class ProxyConfig:
         for name in ("proxy_admin_port", "status_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{source}: {name} out of range")
+        if self.drain_duration.total_seconds() < 1 or self.drain_duration.total_seconds() % 1:
+            raise ConfigError(f"{source}: drainDuration must be whole seconds, at least 1s")
+        if self.termination_drain_duration < timedelta(0):
+            raise ConfigError(f"{source}: terminationDrainDuration must not be negative")
         if self.control_plane_auth_policy not in ("NONE", "MUTUAL_TLS"):
             raise ConfigError(f"{source}: controlPlaneAuthPolicy must be NONE or MUTUAL_TLS")
 
@@ -87,6 +98,16 @@ class ProxyConfig:
         if raw.strip():
             config = config.overlay(_parse_document(raw, "PROXY_CONFIG"), "PROXY_CONFIG")
         return config
+
+
+def _duration(value: Any, key: str, source: str) -> timedelta:
+    """A ProxyConfig duration: Go syntax (``5s``) as in YAML/JSON protobuf form; bare numbers are seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{source}: {key} must be a duration such as 5s, got {value!r}")
+    try:
+        return timedelta(seconds=value) if isinstance(value, int | float) else parse_go_duration(value)
+    except ValueError as err:
+        raise ConfigError(f"{source}: {key}: {err}") from None
 
 
 def _parse_document(text: str, source: str) -> dict[str, Any]:
