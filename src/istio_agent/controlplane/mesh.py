@@ -1,21 +1,54 @@
 """The local control plane's mesh file: a small YAML document describing the mesh.
 
-Only ``trustDomain`` is interpreted here. The rest (``services``, ``workloads``, ``nameTable``, ...)
-is kept verbatim in ``raw`` for the ADS side, so one file drives the whole control plane.
+The whole document is validated up front into frozen dataclasses (``services``, ``workloads``,
+``nameTable``), so the xDS generators can trust what they get and a typo in the file is a clear
+error naming the entry, never a silently ignored key or a half-built snapshot. ``raw`` keeps the
+document as loaded.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
 DEFAULT_TRUST_DOMAIN = "cluster.local"
+DEFAULT_DOMAIN_SUFFIX = "cluster.local"
+DEFAULT_NAMESPACE = "default"
+DEFAULT_SERVICE_ACCOUNT = "default"
+DEFAULT_WORKLOAD_ADDRESS = "127.0.0.1"
+PROTOCOLS = ("http", "tcp")
+
 # SPIFFE trust domain names: lower-case letters, digits, '.', '-' and '_'.
 _TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]{1,255}$")
+# Kubernetes DNS-1123 label (service and namespace names) and subdomain (pod and account names).
+_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# A DNS name as a name-table key: optional leading "*." wildcard, optional trailing dot.
+_HOST = re.compile(
+    r"^(?=.{1,254}$)(\*\.)?[A-Za-z0-9_]([-A-Za-z0-9_]{0,61}[A-Za-z0-9_])?"
+    r"(\.[A-Za-z0-9_]([-A-Za-z0-9_]{0,61}[A-Za-z0-9_])?)*\.?$"
+)
+
+_TOP_KEYS = ("trustDomain", "domainSuffix", "services", "workloads", "nameTable")
+_SERVICE_KEYS = ("name", "namespace", "port", "protocol", "addresses")
+_WORKLOAD_KEYS = (
+    "name",
+    "namespace",
+    "serviceAccount",
+    "address",
+    "labels",
+    "services",
+    "inboundPort",
+    "appPort",
+    "outbound",
+)
+_OUTBOUND_KEYS = ("service", "port")
+_NAME_ENTRY_KEYS = ("ips", "registry", "shortname", "namespace", "altHosts")
 
 
 class MeshError(Exception):
@@ -28,11 +61,100 @@ class MeshError(Exception):
 
 
 @dataclass(frozen=True)
+class Service:
+    """A mesh service: ``<name>.<namespace>.svc.<domain_suffix>`` on one port."""
+
+    name: str
+    namespace: str
+    port: int
+    protocol: str = "http"
+    addresses: tuple[str, ...] = ()
+    domain_suffix: str = DEFAULT_DOMAIN_SUFFIX
+
+    @property
+    def hostname(self) -> str:
+        return f"{self.name}.{self.namespace}.svc.{self.domain_suffix}"
+
+    @property
+    def ref(self) -> str:
+        """The canonical ``name.namespace`` reference workloads use."""
+        return f"{self.name}.{self.namespace}"
+
+
+@dataclass(frozen=True)
+class OutboundBinding:
+    """A loopback listener (no iptables): the workload's Envoy listens on 127.0.0.1:<port> for ``service``.
+
+    ``service`` is the canonical ``name.namespace`` reference.
+    """
+
+    service: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One proxy (pod or VM) and what it serves and calls; ``services`` are canonical ``name.namespace``."""
+
+    name: str
+    namespace: str = DEFAULT_NAMESPACE
+    service_account: str = DEFAULT_SERVICE_ACCOUNT
+    address: str = DEFAULT_WORKLOAD_ADDRESS
+    labels: dict[str, str] = field(default_factory=dict)
+    services: tuple[str, ...] = ()
+    inbound_port: int | None = None
+    app_port: int | None = None
+    outbound: tuple[OutboundBinding, ...] = ()
+
+    def spiffe_id(self, trust_domain: str) -> str:
+        return f"spiffe://{trust_domain}/ns/{self.namespace}/sa/{self.service_account}"
+
+
+@dataclass(frozen=True)
+class NameEntry:
+    """One NDS name-table entry as written in ``nameTable`` (Istio's NameTable.NameInfo)."""
+
+    ips: tuple[str, ...] = ()
+    registry: str = ""
+    shortname: str = ""
+    namespace: str = ""
+    alt_hosts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     """The parsed mesh file; ``raw`` is the whole document as loaded (do not mutate it)."""
 
     trust_domain: str = DEFAULT_TRUST_DOMAIN
     raw: dict[str, Any] = field(default_factory=dict)
+    domain_suffix: str = DEFAULT_DOMAIN_SUFFIX
+    services: tuple[Service, ...] = ()
+    workloads: tuple[Workload, ...] = ()
+    name_table: dict[str, NameEntry] = field(default_factory=dict)
+
+    def service(self, ref: str, default_namespace: str) -> Service | None:
+        """The service ``ref`` names: ``name`` (in ``default_namespace``) or ``name.namespace``."""
+        name, namespace = split_ref(ref, default_namespace)
+        for service in self.services:
+            if service.name == name and service.namespace == namespace:
+                return service
+        return None
+
+    def workload(self, name: str, namespace: str) -> Workload | None:
+        for workload in self.workloads:
+            if workload.name == name and workload.namespace == namespace:
+                return workload
+        return None
+
+    def backing_workloads(self, service: Service) -> tuple[Workload, ...]:
+        """The workloads that list ``service`` among the services they back, in file order."""
+        return tuple(w for w in self.workloads if service.ref in w.services)
+
+
+def split_ref(ref: str, default_namespace: str) -> tuple[str, str]:
+    """``"name"`` or ``"name.namespace"`` as (name, namespace)."""
+    name, dot, namespace = ref.partition(".")
+    return (name, namespace) if dot else (name, default_namespace)
 
 
 def load_mesh(path: Path) -> MeshConfig:
@@ -73,11 +195,278 @@ def parse_mesh(data: bytes | str, path: Path) -> MeshConfig:
         document = {}
     if not isinstance(document, dict):
         raise MeshError(path, f"the document must be a mapping, not {type(document).__name__}")
-    trust_domain = document.get("trustDomain", DEFAULT_TRUST_DOMAIN)
-    if not isinstance(trust_domain, str) or not _TRUST_DOMAIN.match(trust_domain):
-        raise MeshError(
-            path,
-            f"trustDomain {trust_domain!r} is not a valid trust domain "
-            "(use lower-case letters, digits, '.', '-' and '_')",
+    return _MeshReader(path).read(document)
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+def _kind(value: object) -> str:
+    """How a YAML value reads in an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+def _ip(value: str) -> str | None:
+    """The canonical text of an IPv4/IPv6 address, None when ``value`` is not one."""
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        return None
+
+
+class _Fields:
+    """One mapping of the mesh file; every problem is reported under its ``where`` prefix."""
+
+    def __init__(self, path: Path, where: str, value: object, known: tuple[str, ...]) -> None:
+        self.path = path
+        self.where = where
+        if not isinstance(value, dict):
+            self.fail(f"must be a mapping, not {_kind(value)}", sep=" ")
+        unknown = sorted(str(key) for key in value if key not in known)
+        if unknown:
+            listed = ", ".join(f'"{key}"' for key in unknown)
+            noun = "key" if len(unknown) == 1 else "keys"
+            self.fail(f"unknown {noun} {listed} (known: {', '.join(known)})")
+        self.value: dict[Any, Any] = value
+
+    def fail(self, reason: str, sep: str = ": ") -> NoReturn:
+        raise MeshError(self.path, f"{self.where}{sep}{reason}" if self.where else reason)
+
+    def string(self, key: str, default: str | None = None) -> str:
+        value = self.value.get(key)
+        if value is None:
+            if default is None:
+                self.fail(f'missing required key "{key}"')
+            return default
+        if not isinstance(value, str):
+            self.fail(f"{key} must be a string, not {_kind(value)}")
+        return value
+
+    def name(self, key: str, pattern: re.Pattern[str], what: str, default: str | None = None) -> str:
+        value = self.string(key, default)
+        if not pattern.match(value):
+            self.fail(f"{key} {value!r} is not a valid {what}")
+        return value
+
+    def port(self, key: str) -> int:
+        value = self.value.get(key)
+        if value is None:
+            self.fail(f'missing required key "{key}"')
+        return self.port_value(key, value)
+
+    def optional_port(self, key: str) -> int | None:
+        value = self.value.get(key)
+        return None if value is None else self.port_value(key, value)
+
+    def port_value(self, what: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(f"{what} must be an integer, not {_kind(value)}")
+        if not 1 <= value <= 65535:
+            self.fail(f"{what} {value} is out of range 1..65535")
+        return value
+
+    def items(self, key: str) -> list[Any]:
+        value = self.value.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            self.fail(f"{key} must be a list, not {_kind(value)}")
+        return value
+
+    def strings(self, key: str) -> list[str]:
+        values = self.items(key)
+        for index, item in enumerate(values):
+            if not isinstance(item, str):
+                self.fail(f"{key}[{index}] must be a string, not {_kind(item)}")
+        return values
+
+    def ips(self, key: str) -> tuple[str, ...]:
+        result = []
+        for index, item in enumerate(self.strings(key)):
+            address = _ip(item)
+            if address is None:
+                self.fail(f'{key}[{index}] "{item}" is not an IP address')
+            result.append(address)
+        return tuple(result)
+
+
+class _MeshReader:
+    """Turns the loaded YAML document into a MeshConfig, or raises the first MeshError."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self, document: dict[Any, Any]) -> MeshConfig:
+        top = _Fields(self.path, "", document, _TOP_KEYS)
+        trust_domain = document.get("trustDomain", DEFAULT_TRUST_DOMAIN)
+        if not isinstance(trust_domain, str) or not _TRUST_DOMAIN.match(trust_domain):
+            top.fail(
+                f"trustDomain {trust_domain!r} is not a valid trust domain "
+                "(use lower-case letters, digits, '.', '-' and '_')"
+            )
+        domain_suffix = top.string("domainSuffix", DEFAULT_DOMAIN_SUFFIX)
+        if not _SUBDOMAIN.match(domain_suffix):
+            top.fail(f"domainSuffix {domain_suffix!r} is not a valid DNS domain")
+        services = self._services(top.items("services"), domain_suffix)
+        partial = MeshConfig(trust_domain=trust_domain, domain_suffix=domain_suffix, services=services)
+        workloads = self._workloads(top.items("workloads"), partial)
+        return MeshConfig(
+            trust_domain=trust_domain,
+            raw=document,
+            domain_suffix=domain_suffix,
+            services=services,
+            workloads=workloads,
+            name_table=self._name_table(document.get("nameTable")),
         )
-    return MeshConfig(trust_domain=trust_domain, raw=document)
+
+    def _services(self, items: list[Any], domain_suffix: str) -> tuple[Service, ...]:
+        services: list[Service] = []
+        seen: dict[str, int] = {}
+        for index, item in enumerate(items):
+            entry = _Fields(self.path, f"services[{index}]", item, _SERVICE_KEYS)
+            name = entry.name("name", _LABEL, "DNS-1123 label")
+            namespace = entry.name("namespace", _LABEL, "namespace (DNS-1123 label)", DEFAULT_NAMESPACE)
+            entry.where = f"services[{index}] ({name}.{namespace})"
+            port = entry.port("port")
+            protocol = entry.string("protocol", "http").lower()
+            if protocol not in PROTOCOLS:
+                entry.fail(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+            service = Service(name, namespace, port, protocol, entry.ips("addresses"), domain_suffix)
+            if service.hostname in seen:
+                entry.fail(f"duplicate service {service.hostname} (also services[{seen[service.hostname]}])")
+            seen[service.hostname] = index
+            services.append(service)
+        return tuple(services)
+
+    def _workloads(self, items: list[Any], mesh: MeshConfig) -> tuple[Workload, ...]:
+        workloads: list[Workload] = []
+        seen: dict[str, int] = {}
+        for index, item in enumerate(items):
+            workload = self._workload(index, item, mesh)
+            key = f"{workload.name}.{workload.namespace}"
+            if key in seen:
+                raise MeshError(
+                    self.path, f"workloads[{index}] ({key}): duplicate workload (also workloads[{seen[key]}])"
+                )
+            seen[key] = index
+            workloads.append(workload)
+        return tuple(workloads)
+
+    def _workload(self, index: int, item: object, mesh: MeshConfig) -> Workload:
+        entry = _Fields(self.path, f"workloads[{index}]", item, _WORKLOAD_KEYS)
+        name = entry.name("name", _SUBDOMAIN, "workload name (DNS-1123 subdomain)")
+        namespace = entry.name("namespace", _LABEL, "namespace (DNS-1123 label)", DEFAULT_NAMESPACE)
+        entry.where = f"workloads[{index}] ({name}.{namespace})"
+        account = entry.name(
+            "serviceAccount", _SUBDOMAIN, "service account (DNS-1123 subdomain)", DEFAULT_SERVICE_ACCOUNT
+        )
+        raw_address = entry.string("address", DEFAULT_WORKLOAD_ADDRESS)
+        address = _ip(raw_address)
+        if address is None:
+            entry.fail(f'address "{raw_address}" is not an IP address')
+        labels = self._labels(entry)
+        backed: list[str] = []
+        for ref_index, ref in enumerate(entry.strings("services")):
+            service = mesh.service(ref, namespace)
+            if service is None:
+                entry.fail(
+                    f'services[{ref_index}] refers to unknown service "{".".join(split_ref(ref, namespace))}"'
+                )
+            if service.ref in backed:
+                entry.fail(f'services[{ref_index}] lists "{service.ref}" again')
+            backed.append(service.ref)
+        inbound_port = entry.optional_port("inboundPort")
+        app_port = entry.optional_port("appPort")
+        if backed and inbound_port is None:
+            entry.fail("backs services but has no inboundPort (where its Envoy accepts mesh traffic)")
+        if backed and app_port is None:
+            entry.fail("backs services but has no appPort (where its application listens)")
+        if inbound_port is not None and inbound_port == app_port:
+            entry.fail(f"inboundPort and appPort are both {inbound_port}")
+        outbound = self._outbound(entry, mesh, namespace, inbound_port, app_port)
+        return Workload(
+            name=name,
+            namespace=namespace,
+            service_account=account,
+            address=address,
+            labels=labels,
+            services=tuple(backed),
+            inbound_port=inbound_port,
+            app_port=app_port,
+            outbound=outbound,
+        )
+
+    @staticmethod
+    def _labels(entry: _Fields) -> dict[str, str]:
+        value = entry.value.get("labels")
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            entry.fail(f"labels must be a mapping, not {_kind(value)}")
+        for key, label in value.items():
+            if not isinstance(key, str):
+                entry.fail(f"labels key {key!r} must be a string, not {_kind(key)}")
+            if not isinstance(label, str):
+                entry.fail(f'labels["{key}"] must be a string, not {_kind(label)} (quote it)')
+        return dict(sorted(value.items()))
+
+    def _outbound(
+        self,
+        entry: _Fields,
+        mesh: MeshConfig,
+        namespace: str,
+        inbound_port: int | None,
+        app_port: int | None,
+    ) -> tuple[OutboundBinding, ...]:
+        bindings: list[OutboundBinding] = []
+        ports: dict[int, int] = {}
+        for index, item in enumerate(entry.items("outbound")):
+            where = f"outbound[{index}]"
+            binding = _Fields(self.path, f"{entry.where}: {where}", item, _OUTBOUND_KEYS)
+            ref = binding.string("service")
+            service = mesh.service(ref, namespace)
+            if service is None:
+                entry.fail(f'{where} refers to unknown service "{".".join(split_ref(ref, namespace))}"')
+            port = binding.port("port")
+            if port in ports:
+                entry.fail(f"{where} port {port} is already used by outbound[{ports[port]}]")
+            if port == inbound_port:
+                entry.fail(f"{where} port {port} is the workload's inboundPort")
+            if port == app_port:
+                entry.fail(f"{where} port {port} is the workload's appPort")
+            ports[port] = index
+            bindings.append(OutboundBinding(service.ref, port))
+        return tuple(bindings)
+
+    def _name_table(self, value: object) -> dict[str, NameEntry]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise MeshError(self.path, f"nameTable must be a mapping, not {_kind(value)}")
+        table: dict[str, NameEntry] = {}
+        for host in sorted(value, key=str):
+            if not isinstance(host, str) or not _HOST.match(host):
+                raise MeshError(self.path, f"nameTable key {host!r} is not a valid host name")
+            entry = _Fields(self.path, f'nameTable["{host}"]', value[host], _NAME_ENTRY_KEYS)
+            table[host] = NameEntry(
+                ips=entry.ips("ips"),
+                registry=entry.string("registry", ""),
+                shortname=entry.string("shortname", ""),
+                namespace=entry.string("namespace", ""),
+                alt_hosts=tuple(entry.strings("altHosts")),
+            )
+        return table
