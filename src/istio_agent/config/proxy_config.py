@@ -24,6 +24,7 @@ class ProxyConfig:
     discovery_address: str = DEFAULT_DISCOVERY_ADDRESS
     config_path: str = "./etc/istio/proxy"
     binary_path: str = "/usr/local/bin/envoy"
+    custom_config_file: str = ""
     service_cluster: str = "istio-proxy"
     proxy_admin_port: int = 15000
     status_port: int = 15020
@@ -36,6 +37,7 @@ class ProxyConfig:
         "discoveryAddress": "discovery_address",
         "configPath": "config_path",
         "binaryPath": "binary_path",
+        "customConfigFile": "custom_config_file",
         "serviceCluster": "service_cluster",
         "proxyAdminPort": "proxy_admin_port",
         "statusPort": "status_port",

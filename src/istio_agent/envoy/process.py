@@ -1,0 +1,191 @@
+"""Supervising the Envoy process: start it, report how it exited, drain and stop it (lifecycle.md §5).
+
+Envoy is started once and never restarted: when it exits, the agent exits too (status 0) and the
+container's restart policy takes over. On shutdown the agent never sends SIGTERM; it asks Envoy to
+drain listeners over the admin API, waits the termination drain period (or until Envoy exits), then
+sends SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
+import aiohttp
+from yarl import URL
+
+from istio_agent.config.bootstrap import BootstrapSettings
+from istio_agent.log import scope
+
+log = scope("envoy")
+DRAIN_REQUEST_TIMEOUT = 5.0
+
+
+class EnvoyStartError(OSError):
+    """Envoy could not be executed (missing binary, permissions)."""
+
+
+def envoy_command(settings: BootstrapSettings, bootstrap_path: Path) -> list[str]:
+    """Envoy's command line, in Istio's exact order (reference lifecycle.md §5.2)."""
+    ipv = "v6" if settings.ipv6_only else "v4"
+    command = [
+        str(settings.binary),
+        "-c", str(bootstrap_path),
+        "--drain-time-s", str(int(settings.drain_duration.total_seconds())),
+        "--drain-strategy", "immediate",
+        "--local-address-ip-version", ipv,
+        "--file-flush-interval-msec", str(int(settings.file_flush_interval.total_seconds() * 1000)),
+        "--disable-hot-restart",
+        "--allow-unknown-static-fields",
+    ]  # fmt: skip
+    if settings.file_flush_min_size_kb > 0:
+        command += ["--file-flush-min-size-kb", str(settings.file_flush_min_size_kb)]
+    if settings.log_level:
+        command += ["-l", settings.log_level]
+    if settings.component_log_level:
+        command += ["--component-log-level", settings.component_log_level]
+    if settings.skip_deprecated_logs:
+        command.append("--skip-deprecated-logs")
+    if settings.enable_core_dump:
+        command.append("--enable-core-dump")
+    if settings.config_yaml:
+        command += ["--config-yaml", settings.config_yaml]
+    if settings.concurrency > 0:
+        command += ["--concurrency", str(settings.concurrency)]
+    return command
+
+
+def describe_exit(returncode: int) -> str:
+    """Go's wording for a process exit (``exit status 1``, ``signal: killed``), as Istio logs it."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        name = signal.strsignal(-returncode) or f"signal {-returncode}"
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"signal: {name.lower()}"
+
+
+class EnvoyProcess:
+    """One Envoy process started on a bootstrap file.
+
+    ``owns_bootstrap``: the file was generated for this run and is deleted once Envoy has exited
+    (a user-supplied ``customConfigFile`` is not).
+    """
+
+    def __init__(
+        self, settings: BootstrapSettings, bootstrap_path: Path, *, owns_bootstrap: bool = True
+    ) -> None:
+        self._settings = settings
+        self._bootstrap_path = bootstrap_path
+        self._owns_bootstrap = owns_bootstrap
+        self._process: asyncio.subprocess.Process | None = None
+        self._exited: asyncio.Task[int] | None = None
+        self._aborting = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.returncode if self._process else None
+
+    def command(self) -> list[str]:
+        return envoy_command(self._settings, self._bootstrap_path)
+
+    async def start(self) -> None:
+        """Start Envoy with the agent's environment and stdout/stderr; raise EnvoyStartError if it cannot run."""
+        if self._process is not None:
+            raise RuntimeError("Envoy was already started")
+        command = self.command()
+        log.info("Envoy command: %s", command)
+        try:
+            self._process = await asyncio.create_subprocess_exec(*command)
+        except OSError as err:
+            self._remove_bootstrap()
+            raise EnvoyStartError(err.errno, f"failed to start Envoy {command[0]}: {err.strerror}") from None
+        self._exited = asyncio.get_running_loop().create_task(self._watch(self._process), name="envoy-exit")
+
+    async def wait(self) -> int:
+        """Wait for Envoy to exit (for any reason) and return its exit status (negative: signal)."""
+        if self._exited is None:
+            raise RuntimeError("Envoy was not started")
+        return await asyncio.shield(self._exited)
+
+    async def drain_and_stop(self, graceful_drain: bool = True) -> int:
+        """Shut Envoy down as Istio does: drain listeners, wait the termination drain period, SIGKILL.
+
+        ``graceful_drain=False`` (after ``/quitquitquit`` or ``/drain``) kills Envoy at once.
+        """
+        if self._exited is None:
+            raise RuntimeError("Envoy was not started")
+        if graceful_drain and not self._exited.done():
+            log.info("Agent draining Proxy for termination")
+            await self.drain_listeners()
+            await self._drain_period()
+            log.info("Graceful termination period complete, terminating remaining proxies.")
+        elif not graceful_drain:
+            log.info("Agent skipping draining Proxy")
+        await self.kill()
+        if self._aborting:
+            log.info("Envoy aborted normally")
+        return await self.wait()
+
+    async def drain_listeners(self) -> None:
+        """POST ``/drain_listeners?inboundonly&graceful`` (sidecars) or ``?graceful``; errors are only logged."""
+        query = "inboundonly&graceful" if self._settings.proxy_type == "sidecar" else "graceful"
+        url = URL(f"{self._settings.admin_url}/drain_listeners?{query}", encoded=True)
+        try:
+            timeout = aiohttp.ClientTimeout(total=DRAIN_REQUEST_TIMEOUT)
+            async with aiohttp.ClientSession(timeout=timeout) as session, session.post(url) as response:
+                body = await response.text()
+                if response.status != 200:
+                    log.warning("Envoy drain request returned %d: %s", response.status, body.strip()[:200])
+        except (aiohttp.ClientError, TimeoutError, OSError) as err:
+            log.warning("Envoy drain request to %s failed: %s", url, err or type(err).__name__)
+
+    async def kill(self) -> None:
+        """SIGKILL Envoy (if still running) and wait until it has exited."""
+        if self._process is None or self._exited is None:
+            return
+        if self._process.returncode is None and not self._exited.done():
+            self._aborting = True
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
+        await self.wait()
+
+    async def _drain_period(self) -> None:
+        """Wait terminationDrainDuration, or less if Envoy exits first.
+
+        (EXIT_ON_ZERO_ACTIVE_CONNECTIONS, polling active connections instead, slots in here.)
+        """
+        assert self._exited is not None
+        period = self._settings.termination_drain_duration.total_seconds()
+        log.info("Graceful termination period is %ss, starting...", f"{period:g}")
+        done, _ = await asyncio.wait({self._exited}, timeout=period)
+        if done:
+            log.info("Envoy exited with status %s", describe_exit(self._exited.result()))
+
+    async def _watch(self, process: asyncio.subprocess.Process) -> int:
+        returncode = await process.wait()
+        if self._aborting:
+            pass  # killed by us while stopping: drain_and_stop/kill report it
+        elif returncode == 0:
+            log.info("Envoy exited normally")
+        else:
+            reason = describe_exit(returncode)
+            if returncode == -signal.SIGKILL:
+                log.warning("Envoy may have been out of memory killed. Check memory usage and limits.")
+            log.error("Envoy exited with error: %s", reason)
+        self._remove_bootstrap()
+        return returncode
+
+    def _remove_bootstrap(self) -> None:
+        if self._owns_bootstrap:
+            try:
+                self._bootstrap_path.unlink(missing_ok=True)
+            except OSError as err:
+                log.warning("failed to remove Envoy bootstrap %s: %s", self._bootstrap_path, err.strerror)

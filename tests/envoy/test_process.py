@@ -1,0 +1,316 @@
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from istio_agent.bootstrap.envoy import build_bootstrap, write_bootstrap
+from istio_agent.config.bootstrap import BootstrapSettings
+from istio_agent.ctl.local import free_port, port_open, wait_until
+from istio_agent.envoy.binary import find_envoy
+from istio_agent.envoy.process import EnvoyProcess, EnvoyStartError, describe_exit, envoy_command
+from tests.bootstrap import make_settings
+
+
+@pytest.fixture
+def envoy_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger="istio.envoy")
+    return caplog
+
+
+def fake_envoy(directory: Path, script: str) -> Path:
+    """A stand-in executable for supervision tests that do not need Envoy itself."""
+    path = directory / "fake-envoy"
+    path.write_text(f"#!/bin/sh\n{script}\n")
+    path.chmod(0o755)
+    return path
+
+
+def with_binary(settings: BootstrapSettings, binary: Path, **changes: object) -> BootstrapSettings:
+    return dataclasses.replace(settings, binary=binary, **changes)  # type: ignore[arg-type]
+
+
+# -- command line ------------------------------------------------------------------------------------
+def test_command_default_order(short_tmp: Path) -> None:
+    settings = make_settings(short_tmp)
+    bootstrap = short_tmp / "etc/istio/proxy/envoy-rev.json"
+    assert envoy_command(settings, bootstrap) == [
+        str(find_envoy()),
+        "-c", str(bootstrap),
+        "--drain-time-s", "45",
+        "--drain-strategy", "immediate",
+        "--local-address-ip-version", "v4",
+        "--file-flush-interval-msec", "1000",
+        "--disable-hot-restart",
+        "--allow-unknown-static-fields",
+        "-l", "warning",
+        "--skip-deprecated-logs",
+    ]  # fmt: skip
+
+
+def test_command_with_every_option(short_tmp: Path) -> None:
+    (short_tmp / "override.yaml").write_text("a: 1\n")
+    settings = make_settings(
+        short_tmp,
+        env={"ISTIO_ENVOY_ENABLE_CORE_DUMP": "true", "ISTIO_BOOTSTRAP_OVERRIDE": "override.yaml"},
+        proxy_config={"drainDuration": "10s"},
+        log_level="info,misc:error,upstream:debug",
+        concurrency=2,
+    )
+    settings = dataclasses.replace(
+        settings, file_flush_interval=timedelta(seconds=10), file_flush_min_size_kb=128
+    )
+    assert EnvoyProcess(settings, Path("/b.json")).command() == [
+        str(find_envoy()),
+        "-c", "/b.json",
+        "--drain-time-s", "10",
+        "--drain-strategy", "immediate",
+        "--local-address-ip-version", "v4",
+        "--file-flush-interval-msec", "10000",
+        "--disable-hot-restart",
+        "--allow-unknown-static-fields",
+        "--file-flush-min-size-kb", "128",
+        "-l", "info",
+        "--component-log-level", "misc:error,upstream:debug",
+        "--skip-deprecated-logs",
+        "--enable-core-dump",
+        "--config-yaml", '{"a":1}',
+        "--concurrency", "2",
+    ]  # fmt: skip
+
+
+def test_command_without_optional_flags(short_tmp: Path) -> None:
+    settings = make_settings(short_tmp, env={"ENVOY_SKIP_DEPRECATED_LOGS": "false"}, log_level="misc:error")
+    settings = dataclasses.replace(settings, ips=("fd00::1",))
+    command = envoy_command(settings, Path("/b.json"))
+    assert command[-4:] == [
+        "--disable-hot-restart",
+        "--allow-unknown-static-fields",
+        "--component-log-level",
+        "misc:error",
+    ]
+    assert command[command.index("--local-address-ip-version") + 1] == "v6"
+    assert "-l" not in command and "--skip-deprecated-logs" not in command and "--concurrency" not in command
+
+
+def test_describe_exit() -> None:
+    assert describe_exit(0) == "exit status 0"
+    assert describe_exit(1) == "exit status 1"
+    assert describe_exit(-signal.SIGKILL) == "signal: killed"
+    assert describe_exit(-signal.SIGTERM) == "signal: terminated"
+
+
+# -- supervision with a stand-in process -------------------------------------------------------------
+async def test_missing_binary_is_a_start_error_and_cleans_up(short_tmp: Path) -> None:
+    settings = with_binary(make_settings(short_tmp), short_tmp / "no-such-envoy")
+    bootstrap = write_bootstrap(settings)
+    process = EnvoyProcess(settings, bootstrap)
+    with pytest.raises(EnvoyStartError, match=r"failed to start Envoy .*no-such-envoy"):
+        await process.start()
+    assert not bootstrap.exists()
+    with pytest.raises(RuntimeError, match="not started"):
+        await process.wait()
+
+
+async def test_exit_with_error_is_reported(short_tmp: Path, envoy_logs: pytest.LogCaptureFixture) -> None:
+    settings = with_binary(make_settings(short_tmp), fake_envoy(short_tmp, "exit 3"))
+    bootstrap = write_bootstrap(settings)
+    process = EnvoyProcess(settings, bootstrap)
+    await process.start()
+    assert process.pid is not None
+    assert await process.wait() == 3
+    assert process.returncode == 3
+    assert "Envoy exited with error: exit status 3" in envoy_logs.text
+    assert "out of memory" not in envoy_logs.text
+    assert not bootstrap.exists()
+    with pytest.raises(RuntimeError, match="already started"):
+        await process.start()
+
+
+async def test_normal_exit_keeps_a_bootstrap_it_does_not_own(
+    short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
+) -> None:
+    settings = with_binary(make_settings(short_tmp), fake_envoy(short_tmp, "exit 0"))
+    custom = short_tmp / "custom-bootstrap.json"
+    custom.write_text("{}")
+    process = EnvoyProcess(settings, custom, owns_bootstrap=False)
+    await process.start()
+    assert await process.wait() == 0
+    assert "Envoy exited normally" in envoy_logs.text
+    assert custom.exists()
+
+
+async def test_stop_without_drain_kills_at_once(
+    short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
+) -> None:
+    settings = with_binary(
+        make_settings(
+            short_tmp, proxy_config={"proxyAdminPort": free_port(), "terminationDrainDuration": "60s"}
+        ),
+        fake_envoy(short_tmp, "exec sleep 60"),
+    )
+    process = EnvoyProcess(settings, write_bootstrap(settings))
+    await process.start()
+    started = time.monotonic()
+    assert await process.drain_and_stop(graceful_drain=False) == -signal.SIGKILL
+    assert time.monotonic() - started < 10
+    assert "Envoy aborted normally" in envoy_logs.text
+    assert "Envoy exited with error" not in envoy_logs.text
+    assert not settings.bootstrap_path.exists()
+
+
+async def test_drain_period_ends_when_envoy_exits(
+    short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
+) -> None:
+    settings = with_binary(
+        make_settings(
+            short_tmp, proxy_config={"proxyAdminPort": free_port(), "terminationDrainDuration": "60s"}
+        ),
+        fake_envoy(short_tmp, "sleep 0.3; exit 0"),
+    )
+    process = EnvoyProcess(settings, write_bootstrap(settings))
+    await process.start()
+    started = time.monotonic()
+    assert await process.drain_and_stop() == 0
+    assert time.monotonic() - started < 20
+    assert "Envoy drain request" in envoy_logs.text  # nothing listens on the admin port: only logged
+    assert "Envoy exited normally" in envoy_logs.text
+    assert "aborted" not in envoy_logs.text
+
+
+@pytest.mark.parametrize(
+    ("proxy_type", "expected"),
+    [("sidecar", "/drain_listeners?inboundonly&graceful"), ("router", "/drain_listeners?graceful")],
+)
+async def test_drain_listeners_request(short_tmp: Path, proxy_type: str, expected: str) -> None:
+    received: list[tuple[str, str]] = []
+
+    async def drain(request: web.Request) -> web.Response:
+        received.append((request.method, request.raw_path))
+        return web.Response(text="OK\n")
+
+    app = web.Application()
+    app.router.add_post("/drain_listeners", drain)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        settings = make_settings(short_tmp, proxy_config={"proxyAdminPort": port}, proxy_type=proxy_type)
+        await EnvoyProcess(settings, settings.bootstrap_path).drain_listeners()
+    finally:
+        await runner.cleanup()
+    assert received == [("POST", expected)]
+
+
+async def test_drain_against_closed_admin_port_only_logs(
+    short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
+) -> None:
+    settings = make_settings(short_tmp, proxy_config={"proxyAdminPort": free_port()})
+    await EnvoyProcess(settings, settings.bootstrap_path).drain_listeners()
+    assert "Envoy drain request" in envoy_logs.text
+
+
+# -- a real Envoy ------------------------------------------------------------------------------------
+def real_envoy_settings(workdir: Path) -> BootstrapSettings:
+    """Free loopback ports for admin/15021/15090; the XDS and SDS sockets do not exist."""
+    return make_settings(
+        workdir,
+        env={"ENVOY_STATUS_PORT": str(free_port()), "ENVOY_PROMETHEUS_PORT": str(free_port())},
+        proxy_config={
+            "proxyAdminPort": free_port(),
+            "statusPort": free_port(),
+            "terminationDrainDuration": "1s",
+        },
+        listener_host="127.0.0.1",
+        log_level="warning",
+    )
+
+
+def admin_answers(settings: BootstrapSettings) -> bool:
+    try:
+        with urllib.request.urlopen(f"{settings.admin_url}/ready", timeout=1):
+            return True
+    except urllib.error.HTTPError:
+        return True  # 503 while waiting for xDS: Envoy is up and answering
+    except OSError:
+        return False
+
+
+async def wait_for_admin(settings: BootstrapSettings, process: EnvoyProcess) -> None:
+    def up() -> bool:
+        if process.returncode is not None:
+            raise RuntimeError(f"Envoy exited early with {process.returncode}")
+        return admin_answers(settings)
+
+    await asyncio.to_thread(wait_until, up, 20, "Envoy's admin endpoint")
+
+
+@pytest.mark.e2e
+async def test_real_envoy_start_drain_and_stop(short_tmp: Path, envoy_logs: pytest.LogCaptureFixture) -> None:
+    settings = real_envoy_settings(short_tmp)
+    assert not settings.xds_socket_path.exists() and not settings.sds_socket_path.exists()
+    process = EnvoyProcess(settings, write_bootstrap(settings))
+    await process.start()
+    try:
+        await wait_for_admin(settings, process)
+        started = time.monotonic()
+        assert await process.drain_and_stop() == -signal.SIGKILL
+        elapsed = time.monotonic() - started
+    finally:
+        await process.kill()
+    assert 0.9 <= elapsed < 10
+    assert "Envoy drain request" not in envoy_logs.text  # Envoy accepted the drain
+    assert "Graceful termination period is 1s" in envoy_logs.text
+    assert "Envoy aborted normally" in envoy_logs.text
+    assert not settings.bootstrap_path.exists()
+    assert not port_open(settings.proxy_admin_port)
+
+
+@pytest.mark.e2e
+async def test_real_envoy_killed_externally(short_tmp: Path, envoy_logs: pytest.LogCaptureFixture) -> None:
+    settings = real_envoy_settings(short_tmp)
+    process = EnvoyProcess(settings, write_bootstrap(settings))
+    await process.start()
+    try:
+        await wait_for_admin(settings, process)
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        assert await asyncio.wait_for(process.wait(), 20) == -signal.SIGKILL
+    finally:
+        await process.kill()
+    assert "Envoy exited with error: signal: killed" in envoy_logs.text
+    assert "out of memory" in envoy_logs.text
+    assert "aborted" not in envoy_logs.text
+    assert not settings.bootstrap_path.exists()
+
+
+@pytest.mark.e2e
+async def test_real_envoy_rejecting_its_config_exits_with_error(
+    short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
+) -> None:
+    settings = real_envoy_settings(short_tmp)
+    bootstrap = build_bootstrap(settings)
+    bootstrap["dynamic_resources"]["ads_config"]["grpc_services"][0]["envoy_grpc"]["cluster_name"] = "nope"
+    broken = short_tmp / "broken.json"
+    broken.write_text(json.dumps(bootstrap))
+    process = EnvoyProcess(settings, broken, owns_bootstrap=False)
+    await process.start()
+    try:
+        assert await asyncio.wait_for(process.wait(), 20) == 1
+    finally:
+        await process.kill()
+    assert "Envoy exited with error: exit status 1" in envoy_logs.text
+    assert broken.exists()
