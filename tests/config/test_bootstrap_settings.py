@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from istio_agent import __version__
+from istio_agent import ISTIO_VERSION
 from istio_agent.config import ConfigError
 from istio_agent.config import bootstrap as bootstrap_config
 from istio_agent.config.bootstrap import interface_addresses, node_ips, split_log_level
@@ -43,7 +43,7 @@ def test_defaults(tmp_path: Path) -> None:
     assert s.profile_path == tmp_path / "var/lib/istio/data/envoy.prof"
     assert s.binary == find_envoy()  # /usr/local/bin/envoy does not exist here
     assert (s.listener_host, s.prometheus_host, s.localhost) == ("0.0.0.0", "0.0.0.0", "127.0.0.1")
-    assert s.metadata["ISTIO_VERSION"] == __version__
+    assert s.metadata["ISTIO_VERSION"] == ISTIO_VERSION
     assert s.metadata["NAME"] == "v0" and s.metadata["NAMESPACE"] == "default"
     assert s.metadata["PILOT_SAN"] == ["istiod.istio-system.svc"]
     assert s.max_downstream_connections == 2147483647

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from istio_agent import __version__
+from istio_agent import ISTIO_VERSION
 from istio_agent.bootstrap import node
 from istio_agent.config.env import ConfigError, Env
 from istio_agent.config.proxy_config import ProxyConfig
@@ -166,7 +166,7 @@ class BootstrapSettings:
                 meta_env=env.with_prefix("ISTIO_META_"),
                 meta_json=_meta_json(env),
                 dns_proxy_addr=env.text("DNS_PROXY_ADDR"),
-                istio_version=__version__,
+                istio_version=ISTIO_VERSION,
                 instance_ips=ips,
                 envoy_status_port=status_port,
                 envoy_prometheus_port=prometheus_port,
