@@ -1,0 +1,198 @@
+"""Settings of the agent's xDS proxy (Envoy <-> agent <-> istiod), from Istio's env names.
+
+Paths relative to the agent's working directory (``./etc/certs``, ``./var/run/secrets/...``) are made
+absolute against ``SecuritySettings.workdir``, as everywhere else in the agent.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from istio_agent.config.env import ConfigError, Env
+from istio_agent.config.proxy_config import ProxyConfig
+from istio_agent.config.security import (
+    CERT_CHAIN_FILE,
+    ISTIO_CA_ROOT,
+    KEY_FILE,
+    LEGACY_CERTS_DIR,
+    ROOT_CERT_FILE,
+    SecuritySettings,
+    is_plaintext_address,
+)
+
+XDS_SOCKET_FILE = "XDS"
+DEFAULT_MAX_STREAMS = 100000
+DEFAULT_MAX_RECV_BYTES = 4 * 1024 * 1024
+DEFAULT_KEEPALIVE_INTERVAL = timedelta(seconds=30)
+DEFAULT_KEEPALIVE_TIMEOUT = timedelta(seconds=10)
+ISTIOD_HOST = "istiod.istio-system.svc"
+FILE_JWT_POLICIES = ("third-party-jwt", "first-party-jwt")
+TLS_CLIENT_ROOT_CERT = "ISTIO_META_TLS_CLIENT_ROOT_CERT"
+TLS_CLIENT_CERT_CHAIN = "ISTIO_META_TLS_CLIENT_CERT_CHAIN"
+TLS_CLIENT_KEY = "ISTIO_META_TLS_CLIENT_KEY"
+
+_HEADER_NAME = re.compile(r"^[0-9a-z_.\-]+$")
+
+
+def _printable_ascii(value: str) -> bool:
+    return all(0x20 <= ord(c) < 0x7F for c in value)
+
+
+@dataclass(frozen=True)
+class XdsSettings:
+    socket_path: Path
+    discovery_address: str
+    plaintext: bool = False
+    root_ca: Path | None = None
+    """None: the OS trust store (or no TLS at all when ``plaintext``)."""
+    server_name: str = ""
+    client_cert: Path | None = None
+    client_key: Path | None = None
+    token_path: Path | None = None
+    cluster_id: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    keepalive_interval: timedelta = DEFAULT_KEEPALIVE_INTERVAL
+    keepalive_timeout: timedelta = DEFAULT_KEEPALIVE_TIMEOUT
+    max_streams: int = DEFAULT_MAX_STREAMS
+    max_recv_bytes: int = DEFAULT_MAX_RECV_BYTES
+    nds_enabled: bool = False
+    pcds_enabled: bool = False
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Env,
+        security: SecuritySettings,
+        proxy_config: ProxyConfig,
+        proxy_type: str = "sidecar",
+    ) -> XdsSettings:
+        """Read the xDS proxy's env vars; raise ConfigError naming the variable on any invalid value."""
+        workdir = security.workdir
+        address = proxy_config.discovery_address
+        plaintext = proxy_config.control_plane_auth_policy == "NONE" or is_plaintext_address(address)
+
+        def resolve(path: str) -> Path:
+            return Path(path) if Path(path).is_absolute() else workdir / path
+
+        def metadata(name: str) -> str:
+            # proxyMetadata values reach the agent as env vars in Istio; a real env var wins.
+            return env.text(name) or proxy_config.proxy_metadata.get(name, "")
+
+        def flag(name: str) -> bool:
+            raw = metadata(name)
+            return Env({name: raw}).flag(name) if raw else False
+
+        client_cert = client_key = None
+        if security.prov_cert is not None:
+            client_cert, client_key = security.prov_cert / CERT_CHAIN_FILE, security.prov_cert / KEY_FILE
+        elif security.file_mounted_certs:
+            chain, key = metadata(TLS_CLIENT_CERT_CHAIN), metadata(TLS_CLIENT_KEY)
+            client_cert = resolve(chain) if chain else None
+            client_key = resolve(key) if key else None
+
+        token_path = None
+        if security.credential_fetcher_type in ("JWT", "") and security.jwt_policy in FILE_JWT_POLICIES:
+            token_path = security.token_path
+
+        return cls(
+            socket_path=resolve(proxy_config.config_path) / XDS_SOCKET_FILE,
+            discovery_address=address,
+            plaintext=plaintext,
+            root_ca=None if plaintext else _find_root_ca(env, security, resolve, metadata),
+            server_name=_server_name(address, security.istiod_san),
+            client_cert=client_cert,
+            client_key=client_key,
+            token_path=token_path,
+            cluster_id=_cluster_id(security.cluster_id),
+            headers=_headers(env),
+            keepalive_interval=_positive_duration(env, "GRPC_KEEPALIVE_INTERVAL", DEFAULT_KEEPALIVE_INTERVAL),
+            keepalive_timeout=_positive_duration(env, "GRPC_KEEPALIVE_TIMEOUT", DEFAULT_KEEPALIVE_TIMEOUT),
+            max_streams=_positive_int(env, "ISTIO_GPRC_MAXSTREAMS", DEFAULT_MAX_STREAMS),
+            max_recv_bytes=_positive_int(env, "ISTIO_GPRC_MAXRECVMSGSIZE", DEFAULT_MAX_RECV_BYTES),
+            nds_enabled=(proxy_type == "sidecar" and flag("ISTIO_META_DNS_CAPTURE"))
+            or flag("ISTIO_META_ENABLE_DNS_SERVER"),
+            pcds_enabled=env.flag("PROXY_CONFIG_XDS_AGENT"),
+        )
+
+
+def _find_root_ca(
+    env: Env,
+    security: SecuritySettings,
+    resolve: Callable[[str], Path],
+    metadata: Callable[[str], str],
+) -> Path | None:
+    """Istio's FindRootCAForXDS: which root verifies istiod; None is the OS trust store."""
+    configured = env.text("XDS_ROOT_CA")
+    if configured == "SYSTEM":
+        return None
+    if configured:
+        path = resolve(configured)
+        source = "XDS_ROOT_CA"
+    elif (security.workdir / LEGACY_CERTS_DIR / ROOT_CERT_FILE).is_file():
+        return security.workdir / LEGACY_CERTS_DIR / ROOT_CERT_FILE
+    elif security.prov_cert is not None:
+        return security.prov_cert / ROOT_CERT_FILE  # unchecked: the agent may provision it later
+    elif security.file_mounted_certs:
+        mounted = metadata(TLS_CLIENT_ROOT_CERT)
+        if not mounted:
+            raise ConfigError(
+                f"invalid value for {TLS_CLIENT_ROOT_CERT}: FILE_MOUNTED_CERTS is set, "
+                "so the root certificate for XDS must be configured"
+            )
+        path = resolve(mounted)
+        source = TLS_CLIENT_ROOT_CERT
+    elif security.pilot_cert_provider == "none":
+        raise ConfigError(
+            "root CA file for XDS required but configured provider as none (PILOT_CERT_PROVIDER)"
+        )
+    else:
+        path = security.workdir / ISTIO_CA_ROOT
+        source = "XDS_ROOT_CA (default)"
+    if not path.exists():
+        raise ConfigError(f"root CA file for XDS does not exist {path} (from {source})")
+    return path
+
+
+def _server_name(address: str, istiod_san: str) -> str:
+    if istiod_san:
+        return istiod_san
+    host = address.rpartition(":")[0].strip("[]")
+    return ISTIOD_HOST if "localhost" in host else host
+
+
+def _cluster_id(value: str) -> str:
+    if not _printable_ascii(value):
+        raise ConfigError("invalid value for ISTIO_META_CLUSTER_ID: must be printable ASCII")
+    return value
+
+
+def _headers(env: Env) -> dict[str, str]:
+    """XDS_HEADER_<NAME>=v -> gRPC metadata ``<name>: v``, refused at startup when gRPC would refuse it."""
+    headers: dict[str, str] = {}
+    for raw_name, value in sorted(env.with_prefix("XDS_HEADER_").items()):
+        variable = f"XDS_HEADER_{raw_name}"
+        name = raw_name.lower()
+        if not _HEADER_NAME.match(name) or name.startswith("grpc-") or name.endswith("-bin"):
+            raise ConfigError(f"invalid value for {variable}: {name!r} cannot be used as a gRPC header name")
+        if not _printable_ascii(value):
+            raise ConfigError(f"invalid value for {variable}: header values must be printable ASCII")
+        headers[name] = value
+    return headers
+
+
+def _positive_duration(env: Env, name: str, default: timedelta) -> timedelta:
+    value = env.duration(name, default)
+    if value <= timedelta(0):
+        raise ConfigError(f"invalid value for {name}={env.text(name)!r}: must be positive")
+    return value
+
+
+def _positive_int(env: Env, name: str, default: int) -> int:
+    value = env.integer(name, default)
+    if value <= 0:
+        raise ConfigError(f"invalid value for {name}={env.text(name)!r}: must be a positive integer")
+    return value

@@ -1,0 +1,565 @@
+"""The agent's xDS proxy: Envoy's ADS streams (SotW and Delta) relayed to istiod, one upstream each.
+
+Behaviour follows Istio's pilot-agent (reference xds.md §2), with three deliberate differences:
+
+* every downstream stream is served independently; a new stream does not close the previous one;
+* memory is bounded: there are no queues, each direction awaits the write on the other side, so a
+  slow reader is back-pressured through gRPC flow control (writes to one upstream call are
+  serialised by a lock shared with the agent's own requests: ACKs, NDS/PCDS, health);
+* an upstream failure ends the downstream stream with the upstream's status code and a text naming
+  the upstream, so Envoy's own backoff drives reconnection and its log says where the problem is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeAlias
+
+import grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.protobuf import any_pb2
+from google.rpc import status_pb2
+
+from istio_agent import metrics
+from istio_agent.config.xds import XdsSettings
+from istio_agent.log import scope
+from istio_agent.security import uds
+from istio_agent.xds import types
+from istio_agent.xds.upstream import DialError, UpstreamDialer
+
+log = scope("xdsproxy")
+
+INTERNAL_CODE = 13
+"""google.rpc.Code INTERNAL: the code of the agent's NACKs and of unhealthy health reports."""
+STOP_WAIT = 5.0
+"""How long stop() waits for the streams to finish their clean-up."""
+_EXPECTED_UNAVAILABLE = ("client disconnected", "error reading from server: EOF", "transport is closing")
+_EXPECTED_ANY = (
+    "stream terminated by RST_STREAM with error code: NO_ERROR",
+    "received prior goaway: code: NO_ERROR",
+)
+
+ISTIOD_FAILURES = metrics.counter(
+    "istiod_connection_failures", "Upstream xDS streams that failed before istiod answered."
+)
+ISTIOD_TERMINATIONS = metrics.counter(
+    "istiod_connection_terminations", "Upstream xDS streams that ended, by kind.", ["type"]
+)
+ENVOY_TERMINATIONS = metrics.counter(
+    "envoy_connection_terminations", "Downstream xDS streams ended by Envoy, by kind.", ["type"]
+)
+REQUESTS = metrics.counter("xds_proxy_requests", "xDS requests sent to istiod (Envoy's and the agent's).")
+RESPONSES = metrics.counter("xds_proxy_responses", "xDS responses received from istiod.")
+RECV_MAX = metrics.gauge("pilot_xds_recv_max", "Largest xDS request received from Envoy, in bytes.")
+CONNECTIONS = metrics.gauge("xds_proxy_connections", "Open downstream xDS streams.")
+NACKS = metrics.counter(
+    "xds_proxy_nacks", "Responses rejected by Envoy (NACKs seen on the way up).", ["type_url"]
+)
+PUSHES = metrics.counter("xds_proxy_pushes", "Responses forwarded to Envoy.", ["type_url"])
+
+Request: TypeAlias = discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest
+Response: TypeAlias = discovery_pb2.DiscoveryResponse | discovery_pb2.DeltaDiscoveryResponse
+
+
+class TypeHandler(Protocol):
+    """An agent-owned type: its responses go to ``handle`` instead of Envoy."""
+
+    type_url: str
+
+    def handle(self, resource: any_pb2.Any) -> None:
+        """Consume the resource; raise ValueError(text) to NACK it."""
+
+
+def classify(code: grpc.StatusCode, details: str) -> str:
+    """Istio's GRPCErrorType as a metric label: ``cancelled`` (graceful or expected) or ``error``."""
+    if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return "cancelled"
+    if code == grpc.StatusCode.UNAVAILABLE and any(text in details for text in _EXPECTED_UNAVAILABLE):
+        return "cancelled"
+    if any(text in details for text in _EXPECTED_ANY):
+        return "cancelled"
+    return "error"
+
+
+# -- the two protocol flavours ---------------------------------------------------------------------
+class _Flavour(Protocol):
+    name: str
+
+    def open(
+        self, stub: ads_pb2_grpc.AggregatedDiscoveryServiceStub, metadata: list[tuple[str, str]]
+    ) -> Any: ...
+
+    def agent_request(self, type_url: str) -> Request: ...
+
+    def reply(self, response: Any, error: str | None) -> Request: ...
+
+    def first_resource(self, response: Any) -> any_pb2.Any | None: ...
+
+
+def _error_detail(error: str | None) -> status_pb2.Status | None:
+    return None if error is None else status_pb2.Status(code=INTERNAL_CODE, message=error)
+
+
+class _Sotw:
+    name = "SotW"
+
+    def open(self, stub: ads_pb2_grpc.AggregatedDiscoveryServiceStub, metadata: list[tuple[str, str]]) -> Any:
+        return stub.StreamAggregatedResources(metadata=metadata, wait_for_ready=False)
+
+    def agent_request(self, type_url: str) -> Request:
+        return discovery_pb2.DiscoveryRequest(type_url=type_url)
+
+    def reply(self, response: discovery_pb2.DiscoveryResponse, error: str | None) -> Request:
+        return discovery_pb2.DiscoveryRequest(
+            version_info=response.version_info,
+            type_url=response.type_url,
+            response_nonce=response.nonce,
+            error_detail=_error_detail(error),
+        )
+
+    def first_resource(self, response: discovery_pb2.DiscoveryResponse) -> any_pb2.Any | None:
+        return response.resources[0] if response.resources else None
+
+
+class _Delta:
+    name = "Delta"
+
+    def open(self, stub: ads_pb2_grpc.AggregatedDiscoveryServiceStub, metadata: list[tuple[str, str]]) -> Any:
+        return stub.DeltaAggregatedResources(metadata=metadata, wait_for_ready=False)
+
+    def agent_request(self, type_url: str) -> Request:
+        return discovery_pb2.DeltaDiscoveryRequest(type_url=type_url)
+
+    def reply(self, response: discovery_pb2.DeltaDiscoveryResponse, error: str | None) -> Request:
+        return discovery_pb2.DeltaDiscoveryRequest(
+            type_url=response.type_url, response_nonce=response.nonce, error_detail=_error_detail(error)
+        )
+
+    def first_resource(self, response: discovery_pb2.DeltaDiscoveryResponse) -> any_pb2.Any | None:
+        return response.resources[0].resource if response.resources else None
+
+
+SOTW: _Flavour = _Sotw()
+DELTA: _Flavour = _Delta()
+
+
+# -- per-stream state and outcomes -----------------------------------------------------------------
+class _UpstreamError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _DownstreamError(Exception):
+    """Envoy's side of the stream broke (read or write failed)."""
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How a downstream stream ends: the status sent to Envoy (None: Envoy is gone, send nothing)."""
+
+    code: grpc.StatusCode | None = grpc.StatusCode.OK
+    details: str = ""
+
+
+@dataclass(eq=False)
+class _Stream:
+    id: int
+    flavour: _Flavour
+    call: Any = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    health_wake: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: tuple[asyncio.Task[None], ...] = ()
+    initial_sent: bool = False
+    answered: bool = False
+    """istiod has sent at least one response on this stream (the connection attempt succeeded)."""
+    half_closed: bool = False
+    stopping: bool = False
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        for task in self.tasks:
+            task.cancel()
+
+
+class XdsProxy:
+    """ADS server on a Unix socket for Envoy; each stream relayed to its own upstream stream to istiod."""
+
+    def __init__(
+        self,
+        settings: XdsSettings,
+        *,
+        handlers: Sequence[TypeHandler] = (),
+        dialer: UpstreamDialer | None = None,
+    ) -> None:
+        self._settings = settings
+        self._handlers: dict[str, TypeHandler] = {}
+        for handler in handlers:
+            if handler.type_url in self._handlers:
+                raise ValueError(f"two handlers for {handler.type_url}")
+            self._handlers[handler.type_url] = handler
+        self._dialer = dialer or UpstreamDialer(settings)
+        self._server: grpc.aio.Server | None = None
+        self._streams: dict[int, _Stream] = {}
+        self._ids = itertools.count(1)
+        self._health: tuple[discovery_pb2.DiscoveryRequest, discovery_pb2.DeltaDiscoveryRequest] | None = None
+        self._failed_attempts = 0
+        self._last_failure = ""
+        self._recv_max = 0
+        self._stopping = False
+
+    @property
+    def socket_path(self) -> Path:
+        return self._settings.socket_path
+
+    def active_streams(self) -> int:
+        return len(self._streams)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Listen on the socket (replacing any stale file) and open it to every local user."""
+        if self._server is not None:
+            raise RuntimeError("xDS proxy already started")
+        path = self.socket_path
+        uds.prepare_socket_path(path)
+        server = grpc.aio.server(options=self._server_options())
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_Servicer(self), server)
+        try:
+            server.add_insecure_port(f"unix:{path}")
+            await server.start()
+        except Exception as err:
+            await server.stop(None)
+            raise OSError(f"xDS proxy could not listen on {path}: {err}") from err
+        self._server = server
+        self._stopping = False
+        uds.make_socket_accessible(path)
+        log.info("xDS proxy listening on %s, upstream %s", path, self._dialer.describe())
+
+    async def stop(self) -> None:
+        """End every stream (OK to Envoy, upstream cancelled and closed), then stop the server."""
+        self._stopping = True
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.shutdown()
+        if streams:
+            waiting = asyncio.gather(*(stream.finished.wait() for stream in streams))
+            try:
+                await asyncio.wait_for(waiting, STOP_WAIT)
+            except TimeoutError:
+                log.warning(
+                    "xDS proxy: %d stream(s) did not finish within %.0fs", len(self._streams), STOP_WAIT
+                )
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(0.5)
+            log.info("xDS proxy stopped")
+
+    def _server_options(self) -> list[tuple[str, int]]:
+        settings = self._settings
+        interval_ms = int(settings.keepalive_interval.total_seconds() * 1000)
+        return [
+            ("grpc.max_concurrent_streams", settings.max_streams),
+            ("grpc.max_receive_message_length", settings.max_recv_bytes),
+            ("grpc.keepalive_time_ms", interval_ms),
+            ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout.total_seconds() * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", interval_ms // 2),
+        ]
+
+    # -- health ---------------------------------------------------------------------------------------
+    def report_health(self, healthy: bool, message: str = "") -> None:
+        """Store the workload's health and send it on every stream past its first LDS request.
+
+        The stored report is also sent after the first LDS request of every later stream, so
+        istiod learns the current state after a reconnect.
+        """
+        detail = None if healthy else status_pb2.Status(code=INTERNAL_CODE, message=message)
+        self._health = (
+            discovery_pb2.DiscoveryRequest(type_url=types.HEALTH_INFO, error_detail=detail),
+            discovery_pb2.DeltaDiscoveryRequest(type_url=types.HEALTH_INFO, error_detail=detail),
+        )
+        for stream in self._streams.values():
+            stream.health_wake.set()
+
+    def _health_request(self, stream: _Stream) -> Request | None:
+        if self._health is None:
+            return None
+        return self._health[1] if stream.flavour is DELTA else self._health[0]
+
+    # -- one downstream stream ------------------------------------------------------------------------
+    async def serve(
+        self, flavour: _Flavour, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
+    ) -> None:
+        if self._stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "xDS proxy is shutting down")
+        stream = _Stream(next(self._ids), flavour)
+        self._streams[stream.id] = stream
+        CONNECTIONS.inc()
+        log.debug("Envoy opened %s xDS stream %d", flavour.name, stream.id)
+        outcome = _Outcome(None)
+        try:
+            outcome = await self._relay(stream, requests, context)
+        except asyncio.CancelledError:
+            ENVOY_TERMINATIONS.labels(type="cancelled").inc()
+            log.debug("%s xDS stream %d: cancelled by Envoy", flavour.name, stream.id)
+            raise
+        finally:
+            del self._streams[stream.id]
+            CONNECTIONS.dec()
+            stream.finished.set()
+        if outcome.code is None:
+            return
+        log.debug(
+            "%s xDS stream %d ended: %s %s", flavour.name, stream.id, outcome.code.name, outcome.details
+        )
+        if outcome.code != grpc.StatusCode.OK:
+            await context.abort(outcome.code, outcome.details)
+
+    async def _relay(
+        self, stream: _Stream, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
+    ) -> _Outcome:
+        try:
+            channel = self._dialer.dial()
+        except DialError as err:
+            ISTIOD_FAILURES.inc()
+            self._note_failure(str(err))
+            return _Outcome(grpc.StatusCode.UNAVAILABLE, f"xDS upstream {self._dialer.describe()}: {err}")
+        try:
+            stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+            stream.call = stream.flavour.open(stub, self._dialer.metadata())
+            stream.tasks = (
+                asyncio.create_task(self._pump_requests(stream, requests), name=f"xds-{stream.id}-requests"),
+                asyncio.create_task(self._pump_responses(stream, context), name=f"xds-{stream.id}-responses"),
+                asyncio.create_task(self._pump_health(stream), name=f"xds-{stream.id}-health"),
+            )
+            return self._settle(stream, await self._first_outcome(stream))
+        finally:
+            # Shielded: a second cancellation (server stopping) must not leave the channel open.
+            await asyncio.shield(self._close_upstream(stream, channel))
+
+    async def _first_outcome(self, stream: _Stream) -> BaseException | None:
+        """The exception that ends the relay, or None when istiod ended the stream with OK."""
+        responses = stream.tasks[1]
+        pending = set(stream.tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.cancelled():
+                    return asyncio.CancelledError()  # stop(): end the stream cleanly
+                error = task.exception()
+                if error is not None:
+                    return error
+                if task is responses:
+                    return None
+                # Envoy half-closed its side: keep relaying what istiod still sends.
+        return None
+
+    def _settle(self, stream: _Stream, error: BaseException | None) -> _Outcome:
+        """Count and log how the stream ended; the status for Envoy."""
+        name = f"{stream.flavour.name} xDS stream {stream.id}"
+        if stream.stopping or isinstance(error, asyncio.CancelledError):
+            return _Outcome(grpc.StatusCode.OK)
+        if error is None:
+            ISTIOD_TERMINATIONS.labels(type="cancelled").inc()
+            log.debug("%s: upstream %s closed the stream", name, self._dialer.address)
+            return _Outcome(grpc.StatusCode.OK)
+        if isinstance(error, _UpstreamError):
+            details = f"xDS upstream {self._dialer.describe()}: {error.details}"
+            kind = classify(error.code, error.details)
+            if not stream.answered:
+                ISTIOD_FAILURES.inc()
+                self._note_failure(f"{error.code.name}: {error.details}")
+            else:
+                ISTIOD_TERMINATIONS.labels(type=kind).inc()
+                level = log.debug if kind == "cancelled" else log.warning
+                level(
+                    "%s: upstream %s ended the stream: %s: %s",
+                    name,
+                    self._dialer.address,
+                    error.code.name,
+                    error.details,
+                )
+            return _Outcome(error.code, details)
+        if isinstance(error, _DownstreamError):
+            ENVOY_TERMINATIONS.labels(type="error").inc()
+            log.warning("%s: Envoy side failed: %s", name, error)
+            return _Outcome(None)
+        log.error("%s: internal error", name, exc_info=error)
+        return _Outcome(grpc.StatusCode.INTERNAL, f"xDS proxy internal error: {type(error).__name__}")
+
+    async def _close_upstream(self, stream: _Stream, channel: grpc.aio.Channel) -> None:
+        for task in stream.tasks:
+            task.cancel()
+        if stream.tasks:
+            await asyncio.gather(*stream.tasks, return_exceptions=True)
+        if stream.call is not None and not stream.call.done():
+            stream.call.cancel()
+            ISTIOD_TERMINATIONS.labels(type="cancelled").inc()
+        await channel.close()
+
+    # -- reconnect logging ----------------------------------------------------------------------------
+    def _note_failure(self, reason: str) -> None:
+        """First failure of a run at warning; the same failure again only at debug, with a count."""
+        self._failed_attempts += 1
+        if self._failed_attempts == 1 or reason != self._last_failure:
+            log.warning("cannot connect to xDS upstream %s: %s", self._dialer.describe(), reason)
+        else:
+            log.debug(
+                "still cannot connect to xDS upstream %s (%d failed attempts): %s",
+                self._dialer.address,
+                self._failed_attempts,
+                reason,
+            )
+        self._last_failure = reason
+
+    def _note_success(self) -> None:
+        if self._failed_attempts:
+            log.info("connected to %s after %d failed attempts", self._dialer.address, self._failed_attempts)
+        self._failed_attempts = 0
+        self._last_failure = ""
+
+    # -- request path: Envoy -> istiod ----------------------------------------------------------------
+    async def _pump_requests(self, stream: _Stream, requests: AsyncIterator[Request]) -> None:
+        iterator = aiter(requests)
+        while True:
+            try:
+                request = await anext(iterator)
+            except StopAsyncIteration:
+                break
+            except grpc.RpcError as err:
+                raise _DownstreamError(f"read failed: {err}") from None
+            self._observe(request)
+            await self._send_upstream(stream, request)
+            if not stream.initial_sent and request.type_url == types.LISTENER:
+                await self._send_initial_requests(stream)
+        # Envoy half-closed: pass it on; istiod ends the stream and so do we.
+        stream.half_closed = True
+        async with stream.lock:
+            if not stream.call.done():
+                await stream.call.done_writing()
+
+    def _observe(self, request: Request) -> None:
+        size = request.ByteSize()
+        if size > self._recv_max:
+            self._recv_max = size
+            RECV_MAX.set(size)
+        if request.HasField("error_detail"):
+            NACKS.labels(type_url=request.type_url).inc()
+            log.debug("Envoy rejected %s: %s", request.type_url, request.error_detail.message)
+
+    async def _send_initial_requests(self, stream: _Stream) -> None:
+        """After the first LDS request: subscribe to the agent's own types, then report health."""
+        order = [types.NAME_TABLE, types.PROXY_CONFIG]
+        order += [url for url in self._handlers if url not in order]
+        for type_url in order:
+            if type_url in self._handlers:
+                await self._send_upstream(stream, stream.flavour.agent_request(type_url))
+        stream.initial_sent = True
+        health = self._health_request(stream)
+        if health is not None:
+            await self._send_upstream(stream, health)
+
+    async def _pump_health(self, stream: _Stream) -> None:
+        while True:
+            await stream.health_wake.wait()
+            stream.health_wake.clear()
+            health = self._health_request(stream)
+            # Before the first LDS request the report waits: it is sent with the initial requests.
+            if stream.initial_sent and health is not None:
+                await self._send_upstream(stream, health)
+
+    async def _send_upstream(self, stream: _Stream, request: Request) -> None:
+        async with stream.lock:
+            if stream.half_closed:
+                log.debug(
+                    "stream %d: not sending %s after Envoy closed its side", stream.id, request.type_url
+                )
+                return
+            try:
+                await stream.call.write(request)
+            except grpc.RpcError as err:
+                raise await self._upstream_error(stream, err) from None
+            except asyncio.InvalidStateError as err:
+                raise await self._upstream_error(stream, err) from None
+        REQUESTS.inc()
+
+    async def _upstream_error(self, stream: _Stream, err: Exception) -> _UpstreamError:
+        if isinstance(err, grpc.aio.AioRpcError):
+            return _UpstreamError(err.code(), err.details() or "")
+        code = await stream.call.code()
+        details = await stream.call.details()
+        if code == grpc.StatusCode.OK:
+            return _UpstreamError(grpc.StatusCode.UNAVAILABLE, f"stream closed while sending: {err}")
+        return _UpstreamError(code, details or "")
+
+    # -- response path: istiod -> Envoy ---------------------------------------------------------------
+    async def _pump_responses(self, stream: _Stream, context: grpc.aio.ServicerContext) -> None:
+        call = stream.call
+        while True:
+            try:
+                response = await call.read()
+            except grpc.RpcError as err:
+                raise await self._upstream_error(stream, err) from None
+            if response is grpc.aio.EOF:
+                return
+            if not stream.answered:
+                stream.answered = True
+                self._note_success()
+            RESPONSES.inc()
+            handler = self._handlers.get(response.type_url)
+            if handler is not None:
+                await self._handle_agent_type(stream, handler, response)
+            elif not types.is_forwardable(response.type_url):
+                log.debug(
+                    "skipping forwarding type url %s to Envoy: not a valid Envoy type", response.type_url
+                )
+            else:
+                try:
+                    await context.write(response)
+                except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError) as err:
+                    raise _DownstreamError(f"write failed: {err}") from None
+                PUSHES.labels(type_url=response.type_url).inc()
+
+    async def _handle_agent_type(self, stream: _Stream, handler: TypeHandler, response: Response) -> None:
+        resource = stream.flavour.first_resource(response)
+        if resource is None:
+            log.debug("empty %s response from istiod: nothing to do, no ACK", response.type_url)
+            return
+        error: str | None = None
+        try:
+            handler.handle(resource)
+        except ValueError as err:
+            error = str(err) or type(err).__name__
+        except Exception as err:
+            log.exception("handler for %s failed", response.type_url)
+            error = f"{type(err).__name__}: {err}"
+        if error is not None:
+            log.warning("rejecting %s from istiod: %s", response.type_url, error)
+        await self._send_upstream(stream, stream.flavour.reply(response, error))
+
+
+class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    """Adapter from the generated service base class to XdsProxy."""
+
+    def __init__(self, proxy: XdsProxy) -> None:
+        self._proxy = proxy
+
+    async def StreamAggregatedResources(
+        self,
+        request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        await self._proxy.serve(SOTW, request_iterator, context)
+
+    async def DeltaAggregatedResources(
+        self,
+        request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        await self._proxy.serve(DELTA, request_iterator, context)

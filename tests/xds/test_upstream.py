@@ -1,0 +1,271 @@
+"""The upstream dialer: channel options, credentials read at each dial, per-stream metadata (real TLS on loopback)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+
+from istio_agent.config import XdsSettings
+from istio_agent.xds import DialError, UpstreamDialer
+from tests.security.certs import PrivateKey, issue, key_to_pem, make_ca, new_key, to_pem
+from tests.xds import CDS, WAIT, FakeIstiod, FakeUpstreamStream
+
+ISTIOD_NAME = "istiod.istio-system.svc"
+
+
+@dataclass
+class Pki:
+    ca_key: PrivateKey
+    ca: x509.Certificate
+    root: Path
+    """The CA certificate on disk (what XDS_ROOT_CA would point at)."""
+
+    def client_pair(self, directory: Path, *, not_after: datetime | None = None) -> tuple[Path, Path]:
+        key = new_key()
+        cert = issue(
+            self.ca_key,
+            self.ca,
+            uri_sans=["spiffe://cluster.local/ns/default/sa/vm"],
+            public_key=key.public_key(),
+            not_after=not_after,
+            not_before=datetime.now(UTC) - timedelta(days=2) if not_after else None,
+        )
+        chain, key_path = directory / "cert-chain.pem", directory / "key.pem"
+        chain.write_bytes(to_pem(cert) + to_pem(self.ca))
+        key_path.write_bytes(key_to_pem(key))
+        return chain, key_path
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    ca_key, ca = make_ca("istiod-root")
+    root = tmp_path / "root-cert.pem"
+    root.write_bytes(to_pem(ca))
+    return Pki(ca_key, ca, root)
+
+
+async def start_istiod(pki: Pki, *, require_client_cert: bool) -> FakeIstiod:
+    server_key = new_key()
+    cert = issue(pki.ca_key, pki.ca, dns_sans=[ISTIOD_NAME], public_key=server_key.public_key())
+    fake = FakeIstiod(
+        tls=(key_to_pem(server_key), to_pem(cert) + to_pem(pki.ca)),
+        client_ca=to_pem(pki.ca),
+        require_client_cert=require_client_cert,
+        auto_reply=True,
+    )
+    return await fake.start()
+
+
+@pytest.fixture
+async def tls_istiod(pki: Pki) -> AsyncIterator[FakeIstiod]:
+    """istiod with TLS that does not ask for a client certificate (the token authenticates)."""
+    fake = await start_istiod(pki, require_client_cert=False)
+    yield fake
+    await fake.stop()
+
+
+@pytest.fixture
+async def mtls_istiod(pki: Pki) -> AsyncIterator[FakeIstiod]:
+    """istiod that requires a client certificate issued by the mesh CA."""
+    fake = await start_istiod(pki, require_client_cert=True)
+    yield fake
+    await fake.stop()
+
+
+def tls_settings(address: str, root: Path | None, **changes: object) -> XdsSettings:
+    fields: dict[str, object] = {
+        "socket_path": Path("/unused/XDS"),
+        "discovery_address": address,
+        "plaintext": False,
+        "root_ca": root,
+        "server_name": ISTIOD_NAME,
+    }
+    fields.update(changes)
+    return XdsSettings(**fields)  # type: ignore[arg-type]
+
+
+async def roundtrip(dialer: UpstreamDialer, istiod: FakeIstiod) -> FakeUpstreamStream:
+    """Dial, open an ADS stream with the dialer's metadata, get one answer; istiod's view of the stream."""
+    channel = dialer.dial()
+    try:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(
+            metadata=dialer.metadata(), wait_for_ready=False, timeout=WAIT
+        )
+        await call.write(discovery_pb2.DiscoveryRequest(type_url=CDS))
+        answer = await call.read()
+        assert answer.type_url == CDS
+        call.cancel()
+        return await istiod.next_stream()
+    finally:
+        await channel.close()
+
+
+# -- options --------------------------------------------------------------------------------------
+def test_channel_options_follow_settings() -> None:
+    settings = tls_settings(
+        "istiod:15012", None, keepalive_interval=timedelta(seconds=7), keepalive_timeout=timedelta(seconds=3)
+    )
+    options = dict(UpstreamDialer(settings).channel_options())
+    assert options["grpc.keepalive_time_ms"] == 7000
+    assert options["grpc.keepalive_timeout_ms"] == 3000
+    assert options["grpc.max_receive_message_length"] == 2**31 - 1
+    assert options["grpc.ssl_target_name_override"] == ISTIOD_NAME
+    plain = dict(UpstreamDialer(XdsSettings(Path("/x"), "istiod:15010", plaintext=True)).channel_options())
+    assert "grpc.ssl_target_name_override" not in plain
+
+
+def test_describe_names_address_and_server_name() -> None:
+    assert UpstreamDialer(tls_settings("10.0.0.1:15012", None)).describe() == (
+        f"10.0.0.1:15012 (TLS, server name {ISTIOD_NAME})"
+    )
+    assert (
+        UpstreamDialer(XdsSettings(Path("/x"), "a:15010", plaintext=True)).describe() == "a:15010 (plaintext)"
+    )
+
+
+# -- metadata -------------------------------------------------------------------------------------
+def test_metadata_has_cluster_id_headers_and_fresh_token(tmp_path: Path) -> None:
+    token = tmp_path / "istio-token"
+    token.write_text(" first-token\n")
+    settings = XdsSettings(
+        Path("/x"), "a:15010", plaintext=True, token_path=token, cluster_id="c1", headers={"x-a": "1"}
+    )
+    dialer = UpstreamDialer(settings)
+    assert dialer.metadata() == [("clusterid", "c1"), ("x-a", "1"), ("authorization", "Bearer first-token")]
+    token.write_text("second-token")
+    assert ("authorization", "Bearer second-token") in dialer.metadata()
+
+
+def test_cluster_id_header_is_sent_even_when_empty() -> None:
+    assert UpstreamDialer(XdsSettings(Path("/x"), "a:15010", plaintext=True)).metadata() == [
+        ("clusterid", "")
+    ]
+
+
+def test_missing_token_warns_once_and_sends_no_header(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = XdsSettings(Path("/x"), "a:15010", plaintext=True, token_path=tmp_path / "absent")
+    dialer = UpstreamDialer(settings)
+    caplog.set_level(logging.WARNING)
+    for _ in range(3):
+        assert [name for name, _ in dialer.metadata()] == ["clusterid"]
+    assert len([r for r in caplog.records if "absent" in r.getMessage()]) == 1
+
+
+def test_token_unfit_for_a_header_is_not_sent_nor_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    token = tmp_path / "istio-token"
+    token.write_text("secret-part\x01more secret")
+    dialer = UpstreamDialer(XdsSettings(Path("/x"), "a:15010", plaintext=True, token_path=token))
+    caplog.set_level(logging.DEBUG)
+    assert [name for name, _ in dialer.metadata()] == ["clusterid"]
+    assert "secret" not in caplog.text
+    assert str(token) in caplog.text
+
+
+# -- TLS ------------------------------------------------------------------------------------------
+async def test_plaintext_dial_works() -> None:
+    istiod = await FakeIstiod(auto_reply=True).start()
+    try:
+        dialer = UpstreamDialer(XdsSettings(Path("/x"), istiod.address, plaintext=True, cluster_id="k"))
+        stream = await roundtrip(dialer, istiod)
+        assert stream.metadata["clusterid"] == "k"
+    finally:
+        await istiod.stop()
+
+
+async def test_tls_verifies_istiod_and_presents_client_cert(
+    tmp_path: Path, pki: Pki, mtls_istiod: FakeIstiod
+) -> None:
+    chain, key = pki.client_pair(tmp_path)
+    dialer = UpstreamDialer(tls_settings(mtls_istiod.address, pki.root, client_cert=chain, client_key=key))
+    stream = await roundtrip(dialer, mtls_istiod)
+    assert stream.peer_cert is not None
+    assert x509.load_pem_x509_certificate(stream.peer_cert) == x509.load_pem_x509_certificate(
+        chain.read_bytes()
+    )
+
+
+async def test_without_client_cert_mtls_istiod_refuses(pki: Pki, mtls_istiod: FakeIstiod) -> None:
+    """The counterpart of the test above: the certificate is what makes the handshake succeed."""
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await roundtrip(UpstreamDialer(tls_settings(mtls_istiod.address, pki.root)), mtls_istiod)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _spoil(problem: str, pki: Pki, directory: Path) -> tuple[Path, Path]:
+    if problem == "expired":
+        return pki.client_pair(directory, not_after=datetime.now(UTC) - timedelta(hours=1))
+    chain, key = pki.client_pair(directory)
+    if problem == "garbage":
+        chain.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    elif problem == "wrong-key":
+        key.write_bytes(key_to_pem(new_key()))
+    elif problem == "missing":
+        chain.unlink()
+    return chain, key
+
+
+@pytest.mark.parametrize("problem", ["expired", "garbage", "wrong-key", "missing"])
+async def test_unusable_client_cert_is_not_presented(tmp_path: Path, pki: Pki, problem: str) -> None:
+    chain, key = _spoil(problem, pki, tmp_path)
+    dialer = UpstreamDialer(tls_settings("istiod:15012", pki.root, client_cert=chain, client_key=key))
+    assert dialer.client_certificate() is None
+    await dialer.dial().close()  # still dials, without a certificate
+
+
+def test_usable_client_cert_is_read_at_each_dial(tmp_path: Path, pki: Pki) -> None:
+    chain, key = pki.client_pair(tmp_path)
+    dialer = UpstreamDialer(tls_settings("istiod:15012", pki.root, client_cert=chain, client_key=key))
+    assert dialer.client_certificate() == (key.read_bytes(), chain.read_bytes())
+    chain, key = pki.client_pair(tmp_path)  # re-provisioned in place
+    assert dialer.client_certificate() == (key.read_bytes(), chain.read_bytes())
+
+
+@pytest.mark.parametrize("problem", ["garbage", "wrong-key"])
+async def test_broken_client_cert_does_not_break_the_stream(
+    tmp_path: Path, pki: Pki, tls_istiod: FakeIstiod, problem: str
+) -> None:
+    """Handed to gRPC, such a pair would fail every connection; skipped, the token can still authenticate."""
+    chain, key = _spoil(problem, pki, tmp_path)
+    dialer = UpstreamDialer(tls_settings(tls_istiod.address, pki.root, client_cert=chain, client_key=key))
+    await roundtrip(dialer, tls_istiod)
+
+
+async def test_root_is_read_at_each_dial(tmp_path: Path, pki: Pki, tls_istiod: FakeIstiod) -> None:
+    root = tmp_path / "xds-root.pem"
+    root.write_bytes(to_pem(make_ca("some-other-root")[1]))
+    dialer = UpstreamDialer(tls_settings(tls_istiod.address, root))
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await roundtrip(dialer, tls_istiod)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    root.write_bytes(pki.root.read_bytes())  # the mounted root is replaced: the next stream uses it
+    await roundtrip(dialer, tls_istiod)
+
+
+def test_missing_root_is_a_dial_error(tmp_path: Path) -> None:
+    dialer = UpstreamDialer(tls_settings("istiod:15012", tmp_path / "absent.pem"))
+    with pytest.raises(DialError, match=r"absent\.pem"):
+        dialer.dial()
+
+
+def test_root_without_certificates_is_a_dial_error(tmp_path: Path) -> None:
+    root = tmp_path / "root.pem"
+    root.write_text("no certificates here\n")
+    with pytest.raises(DialError, match=r"root\.pem"):
+        UpstreamDialer(tls_settings("istiod:15012", root)).dial()
+
+
+async def test_system_roots_dial_without_a_root_file() -> None:
+    channel = UpstreamDialer(tls_settings("istiod:15012", None)).dial()
+    await channel.close()
