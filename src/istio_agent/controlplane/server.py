@@ -1,4 +1,4 @@
-"""The local control plane process: Istio's CA service on a plaintext and a TLS port, like istiod.
+"""The local control plane process: Istio's CA service and ADS on a plaintext and a TLS port, like istiod.
 
 Port layout mirrors istiod: 15010 plaintext, 15012 TLS with a serving certificate from our own CA,
 so an agent pointed at either verifies and authenticates exactly as it would against istiod.
@@ -8,7 +8,11 @@ certificate or never ask for one. Istiod asks but does not require (token-only a
 callers share the port), so the TLS listener here is an asyncio SSL server with
 ``CERT_OPTIONAL`` that relays the decrypted bytes to a loopback gRPC server, remembering which
 verified client certificate belongs to which relayed connection. Both gRPC servers (plaintext and
-the TLS backend) get every service: the CA here, ADS later through :meth:`ControlPlane.add_servicer_hook`.
+the TLS backend) get every service: the CA, ADS (:mod:`.ads`, fed by :mod:`.xdsgen` from the mesh
+file) and whatever :meth:`ControlPlane.add_servicer_hook` adds.
+
+ADS authentication follows istiod: on the TLS port the caller must prove an identity (token or
+client certificate) in the proxy's namespace; the plaintext port, like istiod's 15010, does not ask.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ from cryptography.exceptions import InvalidSignature
 from watchfiles import awatch
 
 from istio_agent import metrics
+from istio_agent.controlplane.ads import AdsServer, PushObserver
 from istio_agent.controlplane.ca import ROOT_CERT_FILE, InvalidCSR, LocalCA, SigningRefused
 from istio_agent.controlplane.mesh import MeshConfig, MeshError, parse_mesh, read_mesh_bytes
 from istio_agent.controlplane.tokens import TokenError, TokenVerifier
+from istio_agent.controlplane.xdsgen import ProxyNode, build_snapshot
 from istio_agent.log import scope
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 
@@ -169,6 +175,11 @@ class _TlsRelay:
             reason = os.strerror(err.errno) if err.errno else str(err)
             raise ControlPlaneError(f"cannot listen on {format_address(host, port)}: {reason}") from None
         return int(self._server.sockets[0].getsockname()[1])
+
+    def relays(self, peer: str) -> bool:
+        """Whether ``peer`` (gRPC's ``context.peer()``) is a connection that came in over TLS."""
+        key = _peer_key(peer)
+        return key is not None and key in self._peers
 
     def client_certificate(self, peer: str) -> bytes | None:
         """DER of the verified client certificate of the relayed connection gRPC reports as ``peer``."""
@@ -338,8 +349,12 @@ class ControlPlane:
         state_dir: Path,
         address: str = DEFAULT_ADDRESS,
         secure_address: str = DEFAULT_SECURE_ADDRESS,
+        *,
+        push_observer: PushObserver | None = None,
     ) -> None:
         self._mesh_path = mesh_path
+        self._push_observer = push_observer
+        self._ads: AdsServer | None = None
         self._state_dir = state_dir
         self._address = address
         self._secure_address = secure_address
@@ -380,6 +395,12 @@ class ControlPlane:
         if self._ca is None:
             raise RuntimeError("control plane not started")
         return self._ca
+
+    @property
+    def ads(self) -> AdsServer:
+        if self._ads is None:
+            raise RuntimeError("control plane not started")
+        return self._ads
 
     @property
     def root_cert_path(self) -> Path:
@@ -432,6 +453,21 @@ class ControlPlane:
             failures.append("no bearer token and no client certificate")
         raise AuthenticationError("; ".join(failures))
 
+    async def authorize_proxy(self, context: grpc.aio.ServicerContext, proxy: ProxyNode) -> None:
+        """ADS admission: on the TLS port, an authenticated caller from the proxy's own namespace."""
+        if self._relay is None or not self._relay.relays(context.peer()):
+            return  # the plaintext port, like istiod's 15010, does not authenticate
+        try:
+            caller = self.authenticate(context)
+        except AuthenticationError as err:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authentication failure: {err.reason}")
+        namespace = caller.identity.split("/ns/", 1)[-1].split("/", 1)[0]
+        if proxy.namespace and namespace != proxy.namespace:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"authorization failed: {caller.identity} may not act for a proxy in namespace {proxy.namespace}",
+            )
+
     @property
     def _token_verifier(self) -> TokenVerifier:
         if self._verifier is None:
@@ -463,6 +499,9 @@ class ControlPlane:
         self._ca = await asyncio.to_thread(LocalCA.load_or_create, self._state_dir, self._mesh.trust_domain)
         self._verifier = await asyncio.to_thread(TokenVerifier, self._state_dir)
         tls_context = self._tls_context(await self._serving_hosts(tls_host))
+        self._ads = AdsServer(
+            self._mesh, build_snapshot, authorize=self.authorize_proxy, observer=self._push_observer
+        )
 
         plain = self._new_server()
         self._port = _add_port(plain, plain_host, plain_port)
@@ -474,7 +513,7 @@ class ControlPlane:
         self._secure_port = await self._relay.start(tls_host, tls_port)
         await self._start_watching()
         log.info(
-            "control plane serving CA on %s (plaintext) and %s (TLS), trust domain %s, root %s",
+            "control plane serving CA and ADS on %s (plaintext) and %s (TLS), trust domain %s, root %s",
             format_address(plain_host, self._port),
             format_address(tls_host, self._secure_port),
             self._mesh.trust_domain,
@@ -498,6 +537,8 @@ class ControlPlane:
         await self._stop_watching()
         if self._relay is not None:
             self._relay.stop_listening()
+        if self._ads is not None:
+            await self._ads.close()
         await asyncio.gather(*(server.stop(grace) for server in self._servers))
         if self._relay is not None:
             await self._relay.close()
@@ -507,6 +548,7 @@ class ControlPlane:
     def _new_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(options=_SERVER_OPTIONS)
         istio_ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(_CertificateService(self), server)
+        self.ads.register(server)
         for hook in self._hooks:
             hook(server)
         self._servers.append(server)
@@ -564,6 +606,8 @@ class ControlPlane:
         if previous is not None and previous.trust_domain != config.trust_domain:
             log.info("mesh trust domain changed from %s to %s", previous.trust_domain, config.trust_domain)
         log.info("reloaded mesh file %s", self._mesh_path)
+        if self._ads is not None:
+            await self._ads.update_mesh(config)
         for listener in list(self._mesh_listeners):
             try:
                 result = listener(config)
