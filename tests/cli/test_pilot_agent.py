@@ -13,6 +13,8 @@ from click.testing import CliRunner
 from istio_agent import __version__
 from istio_agent.cli.pilot_agent import main
 
+PLAINTEXT_CONTROL_PLANE = '{"discoveryAddress": "127.0.0.1:15010"}'
+
 
 def run_agent(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME")}
@@ -34,7 +36,7 @@ def run_agent(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[
         ({"ECC_CURVE": "P521"}, "ECC_CURVE"),
         ({"PROXY_CONFIG": "discoveryAddress: nope"}, "discoveryAddress"),
         (
-            {"WORKLOAD_IDENTITY_SOCKET_FILE": "spire.sock", "CA_ADDR": "127.0.0.1:15010"},
+            {"WORKLOAD_IDENTITY_SOCKET_FILE": "spire.sock", "PROXY_CONFIG": PLAINTEXT_CONTROL_PLANE},
             "non-default SDS socket",
         ),
     ],
@@ -48,13 +50,17 @@ def test_bad_settings_exit_255_with_the_reason(short_tmp: Path, env: dict[str, s
 def test_missing_ca_root_is_a_clear_error(short_tmp: Path) -> None:
     done = run_agent(short_tmp, "proxy", CA_ADDR="127.0.0.1:15012")
     assert done.returncode == 255
-    assert "root CA file for CA does not exist" in done.stderr + done.stdout
+    assert "root CA file for XDS does not exist" in done.stderr + done.stdout
+    plaintext_xds = run_agent(
+        short_tmp, "proxy", CA_ADDR="127.0.0.1:15012", PROXY_CONFIG=PLAINTEXT_CONTROL_PLANE
+    )
+    assert "root CA file for CA does not exist" in plaintext_xds.stderr + plaintext_xds.stdout
 
 
 def test_unbindable_socket_path_is_a_clear_error(short_tmp: Path) -> None:
     deep = short_tmp / ("d" * 90)
     deep.mkdir()
-    done = run_agent(deep, "proxy", CA_ADDR="127.0.0.1:15010")  # plaintext: no root needed
+    done = run_agent(deep, "proxy", PROXY_CONFIG=PLAINTEXT_CONTROL_PLANE)  # plaintext: no root needed
     assert done.returncode == 255
     assert "longer than 107 bytes" in done.stderr
     assert "Traceback" not in done.stderr
@@ -93,5 +99,5 @@ def test_injection_template_command_line_is_accepted(short_tmp: Path) -> None:
         "--someFutureFlag=1",
         CA_ADDR="127.0.0.1:15012",
     )
-    assert "root CA file for CA does not exist" in done.stderr + done.stdout
+    assert "root CA file for XDS does not exist" in done.stderr + done.stdout
     assert '"scope": "default"' in done.stdout  # --log_as_json after the subcommand took effect

@@ -12,7 +12,9 @@ import click
 
 from istio_agent import __version__
 from istio_agent.agent import Agent, AgentSettings
-from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings
+from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, XdsSettings
+from istio_agent.config.bootstrap import BootstrapSettings
+from istio_agent.envoy.process import EnvoyStartError
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 
 log = scope("default")
@@ -59,13 +61,14 @@ def main(ctx: click.Context, log_output_level: str, log_as_json: bool, **_ignore
 @main.command(context_settings=TOLERANT)
 @click.argument("proxy_type", default="sidecar", required=False)
 @click.option("--meshConfig", "mesh_config", default="./etc/istio/config/mesh", help="mesh config file")
-# Istio's proxy flags, accepted so the injection template's command line works unchanged; they take
-# effect with the Envoy bootstrap and lifecycle work.
-@click.option("--domain", default="", hidden=True)
+@click.option("--domain", default="", help="DNS domain suffix (default <POD_NAMESPACE>.svc.cluster.local)")
 @click.option("--serviceCluster", "service_cluster", default="istio-proxy", hidden=True)
-@click.option("--proxyLogLevel", "proxy_log_level", default="warning", hidden=True)
+@click.option(
+    "--proxyLogLevel", "proxy_log_level", default="warning", help="Envoy log level (and comp:level,...)"
+)
 @click.option("--proxyComponentLogLevel", "proxy_component_log_level", default="", hidden=True)
 @click.option("--concurrency", default=0, type=int, hidden=True)
+# Istio's other proxy flags, accepted so the injection template's command line works unchanged.
 @click.option("--templateFile", "template_file", default="", hidden=True)
 @click.option("--outlierLogPath", "outlier_log_path", default="", hidden=True)
 @click.option("--stsPort", "sts_port", default=0, type=int, hidden=True)
@@ -79,40 +82,74 @@ def proxy(
     ctx: click.Context,
     proxy_type: str,
     mesh_config: str,
+    domain: str,
+    proxy_log_level: str,
+    proxy_component_log_level: str,
+    concurrency: int,
     log_output_level: str | None,
     log_as_json: bool | None,
     **_later: object,
 ) -> None:
-    """Run the agent next to the proxy (currently: workload certificates over SDS)."""
+    """Run the agent next to Envoy: SDS, the xDS proxy, and Envoy itself on a generated bootstrap."""
+    as_json = bool(log_as_json) or ctx.obj["log_as_json"]
     try:
-        configure(
-            log_output_level or ctx.obj["log_output_level"],
-            bool(log_as_json) or ctx.obj["log_as_json"],
-            stream=sys.stdout,
-        )
+        configure(log_output_level or ctx.obj["log_output_level"], as_json, stream=sys.stdout)
     except ValueError as err:
         _fail(str(err))
     if proxy_type not in PROXY_TYPES:
         _fail(f"invalid proxy Type: {proxy_type}")
     env = Env()
     workdir = Path.cwd()
+    log.info("pilot-agent %s starting (%s) in %s", __version__, proxy_type, workdir)
     try:
         proxy_config = ProxyConfig.load(env, workdir / mesh_config)
         security = SecuritySettings.from_env(env, workdir, proxy_config)
+        xds = XdsSettings.from_env(env, security, proxy_config, proxy_type)
+        disable_envoy = env.flag("DISABLE_ENVOY")
+        bootstrap = None
+        if not disable_envoy:
+            bootstrap = BootstrapSettings.from_env(
+                env,
+                workdir=workdir,
+                proxy_config=proxy_config,
+                security=security,
+                proxy_type=proxy_type,
+                domain=domain,
+                log_level=proxy_log_level,
+                component_log_level=proxy_component_log_level,
+                concurrency=concurrency,
+                log_as_json=as_json,
+            )
     except ConfigError as err:
         _fail(str(err))
-    log.info("pilot-agent %s starting (%s) in %s", __version__, proxy_type, workdir)
+    settings = AgentSettings(
+        security=security,
+        proxy_config=proxy_config,
+        xds=xds,
+        bootstrap=bootstrap,
+        serve_sds=not disable_envoy,
+    )
     try:
-        run_event_loop(_run_agent(AgentSettings(security=security, proxy_config=proxy_config)))
-    except (ConfigError, OSError) as err:  # bad settings, or a socket path that cannot be bound
+        run_event_loop(_run_agent(settings))
+    except (ConfigError, OSError) as err:  # bad settings, a socket path that cannot be bound, no Envoy
         _fail(str(err))
 
 
 async def _run_agent(settings: AgentSettings) -> None:
+    """Run until SIGINT/SIGTERM or until Envoy exits on its own; both end with exit status 0, as in Istio."""
     agent = Agent(settings)
     try:
         await agent.start()
-        await wait_for_signal()
+        signalled = asyncio.ensure_future(wait_for_signal())
+        envoy_exit = asyncio.ensure_future(agent.wait_envoy())
+        try:
+            await asyncio.wait([signalled, envoy_exit], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (signalled, envoy_exit):
+                task.cancel()
+            await asyncio.gather(signalled, envoy_exit, return_exceptions=True)
+    except EnvoyStartError as err:
+        raise OSError(f"cannot start Envoy: {err}") from None
     finally:
         await agent.stop()
 
