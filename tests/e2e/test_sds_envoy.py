@@ -1,12 +1,14 @@
 """End-to-end: the local CA, ``pilot-agent proxy`` serving SDS, and a real Envoy terminating mTLS.
 
-The agent and the control plane run as real processes; Envoy's SDS cluster points at the agent's
+The agent and the control plane run as real processes; the agent starts Envoy on a static mTLS
+bootstrap given as ProxyConfig ``customConfigFile``. Envoy's SDS cluster points at the agent's
 socket (relative path, as Istio's bootstrap) and its listener uses ``default`` and ``ROOTCA``.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import ssl
 import subprocess
@@ -120,29 +122,31 @@ def mesh(short_tmp: Path):  # type: ignore[no-untyped-def]
 def start_pair(
     control_plane: ControlPlane, workdir: Path, delta_sds: bool = False, **env: str
 ) -> tuple[Agent, Envoy, int]:
-    agent = Agent(
-        workdir,
-        env_for(
-            CA_ADDR=f"127.0.0.1:{control_plane.secure_port}",
-            POD_NAMESPACE=NAMESPACE,
-            SERVICE_ACCOUNT=SERVICE_ACCOUNT,
-            **env,
-        ),
-    )
-    agent.start()
+    """The agent, which starts Envoy on our mTLS bootstrap (ProxyConfig customConfigFile, as Istio)."""
     admin_port, listener_port = free_port(), free_port()
     node = f"sidecar~127.0.0.1~{SERVICE_ACCOUNT}.{NAMESPACE}~{NAMESPACE}.svc.cluster.local"
     bootstrap = mtls_bootstrap(
         node, f"{SERVICE_ACCOUNT}.{NAMESPACE}", admin_port, listener_port, delta_sds=delta_sds
     )
     envoy = Envoy(workdir, bootstrap, admin_port)
-    envoy.start()
+    proxy_config = {"customConfigFile": envoy.bootstrap_path.name, "proxyAdminPort": admin_port}
+    agent = Agent(
+        workdir,
+        env_for(
+            CA_ADDR=f"127.0.0.1:{control_plane.secure_port}",
+            POD_NAMESPACE=NAMESPACE,
+            SERVICE_ACCOUNT=SERVICE_ACCOUNT,
+            PROXY_CONFIG=json.dumps(proxy_config),
+            **env,
+        ),
+    )
+    agent.start()
     return agent, envoy, listener_port
 
 
-def wait_for_secrets(envoy: Envoy) -> dict[str, dict[str, Any]]:
+def wait_for_secrets(agent: Agent, envoy: Envoy) -> dict[str, dict[str, Any]]:
     def ready() -> bool:
-        envoy.alive()
+        agent.alive()
         try:
             secrets = served_secrets(envoy)
         except OSError:
@@ -158,7 +162,7 @@ def test_envoy_gets_workload_certificate_and_terminates_mtls(mesh, delta_sds: bo
     control_plane, workdir = mesh
     agent, envoy, port = start_pair(control_plane, workdir, delta_sds, ECC_SIGNATURE_ALGORITHM="ECDSA")
     try:
-        secrets = wait_for_secrets(envoy)
+        secrets = wait_for_secrets(agent, envoy)
         kind = "delta" if delta_sds else "sotw"
         assert f"SDS: new connection id=1 ({kind})" in agent.log_path.read_text()
         leaf = leaf_from_secret(secrets["default"])
@@ -189,7 +193,6 @@ def test_envoy_gets_workload_certificate_and_terminates_mtls(mesh, delta_sds: bo
         with pytest.raises((ssl.SSLError, ConnectionResetError, BrokenPipeError)):
             handshake(anonymous, port)
     finally:
-        envoy.stop()
         assert agent.stop() == 0
 
 
@@ -197,7 +200,7 @@ def test_rotation_reaches_envoy_without_failed_handshakes(mesh) -> None:  # type
     control_plane, workdir = mesh
     agent, envoy, port = start_pair(control_plane, workdir, ECC_SIGNATURE_ALGORITHM="ECDSA", SECRET_TTL="4s")
     try:
-        wait_for_secrets(envoy)
+        wait_for_secrets(agent, envoy)
         context = client_context(control_plane, workdir)
         serials: list[int] = []
         failures: list[str] = []
@@ -225,5 +228,4 @@ def test_rotation_reaches_envoy_without_failed_handshakes(mesh) -> None:  # type
         assert failures == []
         assert len(set(serials)) >= 3
     finally:
-        envoy.stop()
         assert agent.stop() == 0
