@@ -39,8 +39,8 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 
 from istio_agent.config import Env, SecuritySettings
 from istio_agent.controlplane.ca import LocalCA
-from istio_agent.ctl.demo import mtls_bootstrap
 from istio_agent.ctl.local import controlplane_command, free_port, port_open, wait_until
+from istio_agent.ctl.static_mtls import mtls_bootstrap
 from istio_agent.envoy.binary import find_envoy
 from istio_agent.security.caclient import CAClientOptions, CitadelClient
 from istio_agent.security.credentials import token_source_for

@@ -23,8 +23,8 @@ import pytest
 from cryptography import x509
 
 from istio_agent.controlplane.ca import LocalCA
-from istio_agent.ctl.demo import mtls_bootstrap
 from istio_agent.ctl.local import free_port, wait_until
+from istio_agent.ctl.static_mtls import mtls_bootstrap
 from istio_agent.security.keys import KeyOptions, generate_csr
 from tests.e2e.harness import ControlPlane, Envoy, env_for
 

@@ -1,4 +1,4 @@
-"""``agentctl``: developer commands around the agent (local control plane, tokens)."""
+"""``agentctl``: developer commands around the agent (local control plane, tokens, the demo)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def token(state_dir: Path, namespace: str, service_account: str, ttl: timedelta,
 @main.command()
 @click.option("--keep", is_flag=True, help="leave everything running and print how to stop it")
 def demo(keep: bool) -> None:
-    """Local control plane + pilot-agent + a real Envoy terminating mTLS with the agent's certificate."""
+    """Two workloads on loopback (app + pilot-agent + Envoy each) meshed by the local control plane."""
     from istio_agent.ctl.demo import demo as run_demo
 
     try:
