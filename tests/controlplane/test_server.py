@@ -7,17 +7,22 @@ import socket
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from istio_agent import metrics
 from istio_agent.controlplane.ca import LocalCA
 from istio_agent.controlplane.mesh import MeshConfig
 from istio_agent.controlplane.server import ControlPlane, ControlPlaneError
 from istio_agent.controlplane.tokens import mint_token
+from istio_agent.controlplane.xdsgen import CLUSTER_TYPE
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 
 from . import key_pem, make_key, spiffe_csr, uri_sans
@@ -312,3 +317,63 @@ async def test_stop_closes_both_ports(plane: ControlPlane, state: Path) -> None:
         with pytest.raises(ConnectionRefusedError):
             await asyncio.open_connection("127.0.0.1", port)
     await plane.stop(0)  # idempotent
+
+
+async def _first_cds(
+    channel: grpc.aio.Channel, namespace: str, metadata: tuple[tuple[str, str], ...] = ()
+) -> Any:
+    """Open ADS as a sidecar in ``namespace`` and return the first response (or raise the stream's error)."""
+    stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+    node = base_pb2.Node(id=f"sidecar~127.0.0.1~sleep.{namespace}~{namespace}.svc.cluster.local")
+    node.metadata.update({"NAME": "sleep", "NAMESPACE": namespace})
+    call = stub.StreamAggregatedResources(metadata=metadata)
+    await call.write(discovery_pb2.DiscoveryRequest(node=node, type_url=CLUSTER_TYPE))
+    try:
+        return await asyncio.wait_for(call.read(), 10)
+    finally:
+        call.cancel()
+
+
+async def test_ads_on_the_tls_port_needs_an_identity_from_the_proxys_namespace(
+    plane: ControlPlane, state: Path
+) -> None:
+    async with tls(plane) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+            await _first_cds(channel, "default")
+        assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "no bearer token and no client certificate" in (anonymous.value.details() or "")
+
+        bearer = (("authorization", f"Bearer {token(state)}"),)
+        response = await _first_cds(channel, "default", bearer)
+        assert response.type_url == CLUSTER_TYPE
+
+        with pytest.raises(grpc.aio.AioRpcError) as elsewhere:
+            await _first_cds(channel, "prod", bearer)
+        assert elsewhere.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "may not act for a proxy in namespace prod" in (elsewhere.value.details() or "")
+
+
+async def test_ads_on_the_plaintext_port_does_not_authenticate(plane: ControlPlane) -> None:
+    async with plaintext(plane) as channel:
+        response = await _first_cds(channel, "default")
+    assert response.type_url == CLUSTER_TYPE
+
+
+async def test_mesh_reload_pushes_to_connected_proxies(plane: ControlPlane, mesh_file: Path) -> None:
+    async with plaintext(plane) as channel:
+        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+        node = base_pb2.Node(id="sidecar~127.0.0.1~sleep.default~default.svc.cluster.local")
+        call = stub.StreamAggregatedResources()
+        await call.write(discovery_pb2.DiscoveryRequest(node=node, type_url=CLUSTER_TYPE))
+        first = await asyncio.wait_for(call.read(), 10)
+        assert list(first.resources) == []
+        await call.write(
+            discovery_pb2.DiscoveryRequest(
+                type_url=CLUSTER_TYPE, version_info=first.version_info, response_nonce=first.nonce
+            )
+        )
+        mesh_file.write_text("trustDomain: example.org\nservices:\n- {name: b, port: 8000}\n")
+        pushed = await asyncio.wait_for(call.read(), 10)
+        call.cancel()
+    names = [cluster_pb2.Cluster.FromString(resource.value).name for resource in pushed.resources]
+    assert names == ["outbound|8000||b.default.svc.cluster.local"]
