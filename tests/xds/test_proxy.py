@@ -523,6 +523,26 @@ async def test_oversized_request_fails_only_its_stream(short_tmp: Path, istiod: 
         await healthy.close()
 
 
+async def test_malformed_request_fails_only_its_stream(short_tmp: Path, istiod: FakeIstiod) -> None:
+    async with running(settings_for(short_tmp, istiod.address)) as (proxy, channel):
+        healthy = EnvoyStream(channel)
+        await healthy.send(CDS)
+        up_healthy = await istiod.next_stream()
+        await up_healthy.recv()
+        raw = channel.stream_stream(
+            "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
+        )  # no serializers: bytes on the wire as given
+        call = raw()
+        await call.write(b"\xff\xff\xff\xff not a DiscoveryRequest")
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(call.read(), WAIT)
+        assert failed.value.code() != grpc.StatusCode.OK
+        await up_healthy.send(response(CDS, [], delta=False, nonce="still-fine"))
+        assert (await healthy.recv()).nonce == "still-fine"
+        await wait_until(lambda: proxy.active_streams() == 1)
+        await healthy.close()
+
+
 async def test_stop_ends_streams_and_upstreams(short_tmp: Path, istiod: FakeIstiod) -> None:
     proxy = XdsProxy(settings_for(short_tmp, istiod.address))
     await proxy.start()
