@@ -202,6 +202,8 @@ class Result:
     applied: float
     push_latencies: list[float]
     cpu: float
+    initial_rss: int
+    """Peak RSS once the initial configuration was applied."""
     peak_rss: int
 
 
@@ -248,6 +250,7 @@ async def run_once(base: Path, size: int, flavour: str, mode: str, rounds: int) 
         conn = timeline.envoy_connection()
         assert conn is not None
         applied = applied_at - timeline.first_push[conn]
+        _, initial_rss = process_usage(agent.pid)
         latencies = []
         for extra in range(1, rounds + 1):
             changed = parse_mesh(yaml.safe_dump(mesh_document(size, proxy, extra)), mesh_file)
@@ -260,7 +263,7 @@ async def run_once(base: Path, size: int, flavour: str, mode: str, rounds: int) 
             )
             latencies.append(done - written)
         cpu, peak = process_usage(agent.pid)
-        return Result(mode, applied, latencies, cpu, peak)
+        return Result(mode, applied, latencies, cpu, initial_rss, peak)
     finally:
         if agent is not None and agent.returncode is None:
             agent.terminate()
@@ -290,7 +293,7 @@ async def main_async(sizes: list[int], rounds: int, flavours: list[str]) -> None
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
-    ratios = []
+    ratios: list[tuple[int, str, float, float, float, float]] = []
     try:
         for size in sizes:
             probe = Workload("bench", base / "probe", calls=[f"svc-{i}" for i in range(OUTBOUND)])
@@ -313,6 +316,7 @@ async def main_async(sizes: list[int], rounds: int, flavours: list[str]) -> None
                         size,
                         flavour,
                         via.applied / direct.applied,
+                        (via.initial_rss - direct.initial_rss) / push_bytes,
                         (via.peak_rss - direct.peak_rss) / push_bytes,
                         statistics.median(via.push_latencies) - statistics.median(direct.push_latencies),
                     )

@@ -16,6 +16,7 @@ from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, 
 from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.envoy.process import EnvoyStartError
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
+from istio_agent.memory import pin_mmap_threshold
 
 log = scope("default")
 PROXY_TYPES = ("sidecar", "router", "waypoint", "ztunnel", "agentgateway")
@@ -129,6 +130,7 @@ def proxy(
         bootstrap=bootstrap,
         serve_sds=not disable_envoy,
     )
+    pin_mmap_threshold()  # large xDS pushes must not ratchet resident memory up (see memory.py)
     try:
         run_event_loop(_run_agent(settings))
     except (ConfigError, OSError) as err:  # bad settings, a socket path that cannot be bound, no Envoy

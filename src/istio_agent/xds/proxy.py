@@ -8,6 +8,9 @@ Behaviour follows Istio's pilot-agent (reference xds.md §2), with three deliber
   serialised by a lock shared with the agent's own requests: ACKs, NDS/PCDS, health);
 * an upstream failure ends the downstream stream with the upstream's status code and a text naming
   the upstream, so Envoy's own backoff drives reconnection and its log says where the problem is.
+
+istiod's responses are relayed as the bytes received (see :mod:`istio_agent.xds.wire`); only the
+agent's own types are decoded.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
 import grpc
-from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
 from istio_agent import metrics
@@ -30,6 +34,7 @@ from istio_agent.log import scope
 from istio_agent.security import uds
 from istio_agent.xds import types
 from istio_agent.xds.upstream import DialError, UpstreamDialer
+from istio_agent.xds.wire import RawResponse
 
 log = scope("xdsproxy")
 
@@ -88,10 +93,9 @@ def classify(code: grpc.StatusCode, details: str) -> str:
 # -- the two protocol flavours ---------------------------------------------------------------------
 class _Flavour(Protocol):
     name: str
-
-    def open(
-        self, stub: ads_pb2_grpc.AggregatedDiscoveryServiceStub, metadata: list[tuple[str, str]]
-    ) -> Any: ...
+    method: str
+    request_type: Any
+    response_type: Any
 
     def agent_request(self, type_url: str) -> Request: ...
 
@@ -106,9 +110,9 @@ def _error_detail(error: str | None) -> status_pb2.Status | None:
 
 class _Sotw:
     name = "SotW"
-
-    def open(self, stub: ads_pb2_grpc.AggregatedDiscoveryServiceStub, metadata: list[tuple[str, str]]) -> Any:
-        return stub.StreamAggregatedResources(metadata=metadata, wait_for_ready=False)
+    method = "StreamAggregatedResources"
+    request_type = discovery_pb2.DiscoveryRequest
+    response_type = discovery_pb2.DiscoveryResponse
 
     def agent_request(self, type_url: str) -> Request:
         return discovery_pb2.DiscoveryRequest(type_url=type_url)
@@ -127,9 +131,9 @@ class _Sotw:
 
 class _Delta:
     name = "Delta"
-
-    def open(self, stub: ads_pb2_grpc.AggregatedDiscoveryServiceStub, metadata: list[tuple[str, str]]) -> Any:
-        return stub.DeltaAggregatedResources(metadata=metadata, wait_for_ready=False)
+    method = "DeltaAggregatedResources"
+    request_type = discovery_pb2.DeltaDiscoveryRequest
+    response_type = discovery_pb2.DeltaDiscoveryResponse
 
     def agent_request(self, type_url: str) -> Request:
         return discovery_pb2.DeltaDiscoveryRequest(type_url=type_url)
@@ -145,6 +149,17 @@ class _Delta:
 
 SOTW: _Flavour = _Sotw()
 DELTA: _Flavour = _Delta()
+ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
+
+
+def _open_upstream(flavour: _Flavour, channel: grpc.aio.Channel, metadata: list[tuple[str, str]]) -> Any:
+    """The upstream stream; responses arrive as :class:`RawResponse` (bytes plus their type URL)."""
+    method = channel.stream_stream(
+        f"/{ADS_SERVICE}/{flavour.method}",
+        request_serializer=flavour.request_type.SerializeToString,
+        response_deserializer=RawResponse.decode,
+    )
+    return method(metadata=metadata, wait_for_ready=False)
 
 
 # -- per-stream state and outcomes -----------------------------------------------------------------
@@ -229,7 +244,7 @@ class XdsProxy:
         path = self.socket_path
         uds.prepare_socket_path(path)
         server = grpc.aio.server(options=self._server_options())
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_Servicer(self), server)
+        server.add_generic_rpc_handlers((self._rpc_handlers(),))
         try:
             server.add_insecure_port(f"unix:{path}")
             await server.start()
@@ -259,6 +274,23 @@ class XdsProxy:
         if server is not None:
             await server.stop(0.5)
             log.info("xDS proxy stopped")
+
+    def _rpc_handlers(self) -> grpc.GenericRpcHandler:
+        """ADS with Envoy's requests decoded and istiod's responses written as received (no re-encoding)."""
+
+        def handler(flavour: _Flavour) -> grpc.RpcMethodHandler:
+            async def serve(requests: AsyncIterator[Request], context: grpc.aio.ServicerContext) -> None:
+                await self.serve(flavour, requests, context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                serve,
+                request_deserializer=flavour.request_type.FromString,
+                response_serializer=RawResponse.encode,
+            )
+
+        return grpc.method_handlers_generic_handler(
+            ADS_SERVICE, {flavour.method: handler(flavour) for flavour in (SOTW, DELTA)}
+        )
 
     def _server_options(self) -> list[tuple[str, int]]:
         settings = self._settings
@@ -331,8 +363,7 @@ class XdsProxy:
             self._note_failure(str(err))
             return _Outcome(grpc.StatusCode.UNAVAILABLE, f"xDS upstream {self._dialer.describe()}: {err}")
         try:
-            stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
-            stream.call = stream.flavour.open(stub, self._dialer.metadata())
+            stream.call = _open_upstream(stream.flavour, channel, self._dialer.metadata())
             stream.tasks = (
                 asyncio.create_task(self._pump_requests(stream, requests), name=f"xds-{stream.id}-requests"),
                 asyncio.create_task(self._pump_responses(stream, context), name=f"xds-{stream.id}-responses"),
@@ -508,6 +539,8 @@ class XdsProxy:
                 raise await self._upstream_error(stream, err) from None
             if response is grpc.aio.EOF:
                 return
+            if response.malformed:
+                raise _UpstreamError(grpc.StatusCode.INTERNAL, f"malformed response: {response.malformed}")
             if not stream.answered:
                 stream.answered = True
                 self._note_success()
@@ -526,7 +559,13 @@ class XdsProxy:
                     raise _DownstreamError(f"write failed: {err}") from None
                 PUSHES.labels(type_url=response.type_url).inc()
 
-    async def _handle_agent_type(self, stream: _Stream, handler: TypeHandler, response: Response) -> None:
+    async def _handle_agent_type(self, stream: _Stream, handler: TypeHandler, raw: RawResponse) -> None:
+        try:
+            response = stream.flavour.response_type.FromString(raw.data)
+        except DecodeError as err:
+            raise _UpstreamError(
+                grpc.StatusCode.INTERNAL, f"malformed {raw.type_url} response: {err}"
+            ) from None
         resource = stream.flavour.first_resource(response)
         if resource is None:
             log.debug("empty %s response from istiod: nothing to do, no ACK", response.type_url)
@@ -542,24 +581,3 @@ class XdsProxy:
         if error is not None:
             log.warning("rejecting %s from istiod: %s", response.type_url, error)
         await self._send_upstream(stream, stream.flavour.reply(response, error))
-
-
-class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    """Adapter from the generated service base class to XdsProxy."""
-
-    def __init__(self, proxy: XdsProxy) -> None:
-        self._proxy = proxy
-
-    async def StreamAggregatedResources(
-        self,
-        request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        await self._proxy.serve(SOTW, request_iterator, context)
-
-    async def DeltaAggregatedResources(
-        self,
-        request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        await self._proxy.serve(DELTA, request_iterator, context)
