@@ -325,11 +325,12 @@ async def main_async(sizes: list[int], rounds: int, flavours: list[str]) -> None
         shutil.rmtree(base, ignore_errors=True)
     print()
     print(
-        "| clusters | ADS | time to applied, via/direct | agent RSS growth / largest push | added push latency p50 |"
+        "| clusters | ADS | time to applied, via/direct | agent RSS growth / largest push: initial sync "
+        "| same, after the pushes | added push latency p50 |"
     )
-    print("|---|---|---|---|---|")
-    for size, flavour, ratio, rss, added in ratios:
-        print(f"| {size:,} | {flavour} | {ratio:.2f} | {rss:.2f} | {_ms(added)} |")
+    print("|---|---|---|---|---|---|")
+    for size, flavour, ratio, initial, final, added in ratios:
+        print(f"| {size:,} | {flavour} | {ratio:.2f} | {initial:.2f} | {final:.2f} | {_ms(added)} |")
 
 
 def main() -> None:
