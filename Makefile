@@ -28,6 +28,7 @@ protos: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.sds
+	$(BIN)/python -m bench.xds
 
 demo: $(STAMP)
 	$(BIN)/agentctl demo

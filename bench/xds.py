@@ -1,8 +1,9 @@
 """xDS benchmark: Envoy fed through the agent's xDS proxy vs Envoy connected to the control plane directly.
 
-    python -m bench.xds [--sizes 1000,5000] [--rounds 10] [--flavours delta,sotw]
+    python -m bench.xds [--sizes 1000,5000] [--rounds 5] [--repeats 3] [--flavours delta,sotw]
 
-For each mesh size (clusters, each with two endpoints) and ADS flavour, two runs side by side:
+For each mesh size (clusters, each with two endpoints) and ADS flavour, two paths side by side,
+each run ``--repeats`` times, interleaved (medians reported, push latencies pooled):
 
 * **via agent**: ``pilot-agent proxy`` starts Envoy on its generated bootstrap; Envoy's ADS goes over
   the agent's Unix socket and the agent relays it to the control plane;
@@ -280,11 +281,24 @@ def _percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
-async def main_async(sizes: list[int], rounds: int, flavours: list[str]) -> None:
+def _combine(mode: str, runs: list[Result]) -> Result:
+    """Medians over repeated runs; push latencies pooled."""
+    return Result(
+        mode,
+        statistics.median(run.applied for run in runs),
+        [latency for run in runs for latency in run.push_latencies],
+        statistics.median(run.cpu for run in runs),
+        int(statistics.median(run.initial_rss for run in runs)),
+        int(statistics.median(run.peak_rss for run in runs)),
+    )
+
+
+async def main_async(sizes: list[int], rounds: int, flavours: list[str], repeats: int) -> None:
     base = Path(tempfile.mkdtemp(prefix="ia-bx-", dir="/tmp"))
     print(f"xDS benchmark: Envoy via the agent vs Envoy direct to the control plane ({os.cpu_count()} CPUs)")
     print(
-        f"{BACKENDS} backend workloads, two endpoints per cluster, {OUTBOUND} listeners+routes, {rounds} pushes"
+        f"{BACKENDS} backend workloads, two endpoints per cluster, {OUTBOUND} listeners+routes; "
+        f"{repeats} interleaved runs per path, {rounds} pushes per run; medians"
     )
     print()
     header = (
@@ -299,10 +313,13 @@ async def main_async(sizes: list[int], rounds: int, flavours: list[str]) -> None
             probe = Workload("bench", base / "probe", calls=[f"svc-{i}" for i in range(OUTBOUND)])
             push_bytes = largest_push_bytes(mesh_document(size, probe), probe)
             for flavour in flavours:
-                results = {}
-                for mode in ("direct", "via agent"):
-                    run_dir = base / f"{size}-{flavour}-{mode.replace(' ', '-')}"
-                    results[mode] = result = await run_once(run_dir, size, flavour, mode, rounds)
+                runs: dict[str, list[Result]] = {"direct": [], "via agent": []}
+                for repeat in range(repeats):  # interleaved, so machine noise hits both paths alike
+                    for mode in runs:
+                        run_dir = base / f"{size}-{flavour}-{mode.replace(' ', '-')}-{repeat}"
+                        runs[mode].append(await run_once(run_dir, size, flavour, mode, rounds))
+                results = {mode: _combine(mode, done) for mode, done in runs.items()}
+                for mode, result in results.items():
                     print(
                         f"| {size:,} | {flavour} | {mode} | {_ms(result.applied)} | "
                         f"{_ms(statistics.median(result.push_latencies))} | "
@@ -336,12 +353,13 @@ async def main_async(sizes: list[int], rounds: int, flavours: list[str]) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--sizes", default="1000,5000", help="comma-separated cluster counts")
-    parser.add_argument("--rounds", type=int, default=10, help="mesh changes to time per run")
+    parser.add_argument("--rounds", type=int, default=5, help="mesh changes to time per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per path (medians are reported)")
     parser.add_argument("--flavours", default="delta,sotw", help="ADS flavours: delta, sotw")
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
     flavours = [flavour.strip() for flavour in args.flavours.split(",")]
-    asyncio.run(main_async(sizes, args.rounds, flavours))
+    asyncio.run(main_async(sizes, args.rounds, flavours, args.repeats))
 
 
 if __name__ == "__main__":
