@@ -1,4 +1,4 @@
-"""Helpers for end-to-end tests: the local control plane and Envoy as real processes.
+"""Helpers for end-to-end tests: the local control plane as a real process, Envoy bootstraps and admin.
 
 Everything listens on 127.0.0.1 with ports picked free at test time, and each workload runs in its
 own directory (the agent's well-known paths are relative to it, as in Istio).
@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from istio_agent.ctl.local import controlplane_command, free_port, port_open, wait_until
-from istio_agent.envoy.binary import find_envoy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,32 +98,13 @@ class ControlPlane:
 
 
 class Envoy:
-    """A real Envoy started on a bootstrap dict, in a workload directory."""
+    """An Envoy bootstrap written into a workload directory (the agent starts Envoy on it) and its admin API."""
 
     def __init__(self, workdir: Path, bootstrap: dict[str, Any], admin_port: int) -> None:
         self.workdir = workdir
         self.admin_port = admin_port
         self.bootstrap_path = workdir / "envoy-bootstrap.json"
         self.bootstrap_path.write_text(json.dumps(bootstrap, indent=2))
-        self.log_path = workdir / "envoy.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            [
-                str(find_envoy()),
-                "-c",
-                str(self.bootstrap_path),
-                "--use-dynamic-base-id",
-                "--log-level",
-                "info",
-                "--disable-hot-restart",
-            ],
-            cwd=self.workdir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
 
     def admin(self, path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as response:
@@ -132,21 +112,6 @@ class Envoy:
 
     def admin_json(self, path: str) -> Any:
         return json.loads(self.admin(path))
-
-    def alive(self) -> bool:
-        assert self.process is not None
-        if self.process.poll() is not None:
-            raise RuntimeError(f"envoy exited {self.process.returncode}: {self.log_path.read_text()[-4000:]}")
-        return True
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 def env_for(**extra: str) -> dict[str, str]:
