@@ -190,10 +190,16 @@ async def test_drain_period_ends_when_envoy_exits(
 
 
 @pytest.mark.parametrize(
-    ("proxy_type", "expected"),
-    [("sidecar", "/drain_listeners?inboundonly&graceful"), ("router", "/drain_listeners?graceful")],
+    ("proxy_type", "skip_exit", "expected"),
+    [
+        ("sidecar", False, "/drain_listeners?inboundonly&graceful"),
+        ("router", False, "/drain_listeners?graceful"),
+        ("sidecar", True, "/drain_listeners?inboundonly&graceful&skip_exit"),
+    ],
 )
-async def test_drain_listeners_request(short_tmp: Path, proxy_type: str, expected: str) -> None:
+async def test_drain_listeners_request(
+    short_tmp: Path, proxy_type: str, skip_exit: bool, expected: str
+) -> None:
     received: list[tuple[str, str]] = []
 
     async def drain(request: web.Request) -> web.Response:
@@ -209,7 +215,7 @@ async def test_drain_listeners_request(short_tmp: Path, proxy_type: str, expecte
     await site.start()
     try:
         settings = make_settings(short_tmp, proxy_config={"proxyAdminPort": port}, proxy_type=proxy_type)
-        await EnvoyProcess(settings, settings.bootstrap_path).drain_listeners()
+        await EnvoyProcess(settings, settings.bootstrap_path).drain_listeners(skip_exit=skip_exit)
     finally:
         await runner.cleanup()
     assert received == [("POST", expected)]

@@ -134,9 +134,14 @@ class EnvoyProcess:
             log.info("Envoy aborted normally")
         return await self.wait()
 
-    async def drain_listeners(self) -> None:
-        """POST ``/drain_listeners?inboundonly&graceful`` (sidecars) or ``?graceful``; errors are only logged."""
+    async def drain_listeners(self, *, skip_exit: bool = False) -> None:
+        """POST ``/drain_listeners?inboundonly&graceful`` (sidecars) or ``?graceful``; errors are only logged.
+
+        ``skip_exit`` (the status server's ``/drain``) keeps Envoy running once the listeners drained.
+        """
         query = "inboundonly&graceful" if self._settings.proxy_type == "sidecar" else "graceful"
+        if skip_exit:
+            query += "&skip_exit"
         url = URL(f"{self._settings.admin_url}/drain_listeners?{query}", encoded=True)
         try:
             timeout = aiohttp.ClientTimeout(total=DRAIN_REQUEST_TIMEOUT)
