@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
+import aiohttp
 import click
 
 from istio_agent import __version__
@@ -173,6 +176,219 @@ def version(short: bool, output: str) -> None:
         )
     else:
         click.echo(f'version.BuildInfo{{Version:"{__version__}", PythonVersion:"{sys.version.split()[0]}"}}')
+
+
+# --- `wait` and `request` (reference/lifecycle.md §1.3, §1.4) --------------------------------------------------
+
+DEFAULT_READY_URL = "http://localhost:15021/healthz/ready"
+ALLOWED_DEBUG_PORTS = (15000, 15004, 15020, 15021)
+REQUEST_TIMEOUT_SECONDS = 60.0
+_GO_INT = re.compile(r"[+-]?[0-9]+")
+
+
+class CommandError(Exception):
+    """A `wait`/`request` failure: its message is printed as ``Error: <message>`` and the exit status is 255."""
+
+
+class _StrictCommand(click.Command):
+    """Flag errors exit 255 like any other command error in Istio (cobra), not click's usage status 2."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as err:
+            _fail(err.format_message())
+
+
+def _parse_count(name: str, raw: str, minimum: int | None) -> int:
+    """An integer flag or env value as Go's flag parser accepts it, optionally bounded below."""
+    text = raw.strip()
+    if not _GO_INT.fullmatch(text):
+        raise CommandError(f"invalid value {raw!r} for {name}: not an integer")
+    value = int(text)
+    if minimum is not None and value < minimum:
+        raise CommandError(f"invalid value {raw!r} for {name}: must be at least {minimum}")
+    return value
+
+
+def _go_op(method: str) -> str:
+    """Go's net/http names the failed operation like ``Get`` / ``Post`` in its errors."""
+    return method[:1].upper() + method[1:].lower()
+
+
+def _describe(err: BaseException, timeout: float) -> str:
+    """A one-line reason for a failed HTTP exchange (never a traceback)."""
+    if isinstance(err, TimeoutError):
+        return f"request timed out after {timeout:g}s (Client.Timeout exceeded)"
+    text = str(err)
+    return text if text else type(err).__name__
+
+
+async def check_ready(session: aiohttp.ClientSession, url: str, timeout: float) -> str | None:
+    """GET ``url`` and read the whole body; None when the status is 200, else why not."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            await response.read()
+            status = response.status
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as err:
+        return f'Get "{url}": {_describe(err, timeout)}'
+    return None if status == 200 else f"HTTP status code {status}"
+
+
+async def wait_until_ready(url: str, *, timeout: float, period: float, request_timeout: float) -> None:
+    """Poll ``url`` every ``period`` seconds (first poll after one period) until it answers 200.
+
+    Raises CommandError with Istio's message (and the last failure) once ``timeout`` seconds have passed.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last_error = "<nil>"  # what Go prints when no attempt was made before the deadline
+    async with aiohttp.ClientSession() as session:
+        while True:
+            if loop.time() + period > deadline:
+                await asyncio.sleep(max(0.0, deadline - loop.time()))
+                raise CommandError(
+                    f"timeout waiting for Envoy proxy to become ready. Last error: {last_error}"
+                )
+            await asyncio.sleep(period)
+            error = await check_ready(session, url, request_timeout)
+            if error is None:
+                return
+            last_error = error
+            log.debug("Not ready yet: %s", error)
+
+
+@main.command(cls=_StrictCommand)
+@click.option("--timeoutSeconds", "timeout_seconds", default=None, help="maximum seconds to wait (60)")
+@click.option(
+    "--requestTimeoutMillis",
+    "request_timeout_millis",
+    default="500",
+    help="timeout of each readiness request",
+)
+@click.option("--periodMillis", "period_millis", default="500", help="pause before each readiness request")
+@click.option("--url", default=DEFAULT_READY_URL, help="readiness URL")
+@click.option("--log_output_level", "log_output_level", default=None, hidden=True)
+@click.option("--log_as_json", "log_as_json", is_flag=True, default=None, hidden=True)
+@click.option("--log_target", multiple=True, hidden=True)
+@click.option("--log_stacktrace_level", default=None, hidden=True)
+@click.option("--log_caller", default=None, hidden=True)
+@click.option("--vklog", default=None, hidden=True)
+@click.pass_context
+def wait(
+    ctx: click.Context,
+    timeout_seconds: str | None,
+    request_timeout_millis: str,
+    period_millis: str,
+    url: str,
+    log_output_level: str | None,
+    log_as_json: bool | None,
+    **_ignored: object,
+) -> None:
+    """Waits until the Envoy proxy is ready.
+
+    Without --timeoutSeconds the env WAIT_TIMEOUT_SECONDS (beyond Istio) sets the overall timeout.
+    """
+    try:
+        configure(
+            log_output_level or ctx.obj["log_output_level"],
+            bool(log_as_json) or ctx.obj["log_as_json"],
+            stream=sys.stdout,
+        )
+    except ValueError as err:
+        _fail(str(err))
+    try:
+        if timeout_seconds is None:
+            env_value = Env().text("WAIT_TIMEOUT_SECONDS")
+            timeout = _parse_count("WAIT_TIMEOUT_SECONDS", env_value, 0) if env_value.strip() else 60
+        else:
+            timeout = _parse_count("--timeoutSeconds", timeout_seconds, 0)
+        request_timeout = _parse_count("--requestTimeoutMillis", request_timeout_millis, 1)
+        period = _parse_count("--periodMillis", period_millis, 1)
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise CommandError(f"invalid --url {url!r}: expected http(s)://host[:port]/path")
+        _ = parts.port  # raises ValueError for a malformed port
+    except ValueError as err:  # CommandError is not a ValueError; this is urlsplit's port check
+        _fail(f"invalid --url {url!r}: {err}")
+    except CommandError as err:
+        _fail(str(err))
+    log.info("Waiting for Envoy proxy to be ready (timeout: %d seconds)...", timeout)
+    try:
+        run_event_loop(
+            wait_until_ready(
+                url, timeout=timeout, period=period / 1000, request_timeout=request_timeout / 1000
+            )
+        )
+    except CommandError as err:
+        _fail(str(err))
+    log.info("Envoy is ready!")
+
+
+async def admin_request(
+    method: str,
+    path: str,
+    body: str = "",
+    *,
+    port: int,
+    host: str = "localhost",
+    timeout: float = REQUEST_TIMEOUT_SECONDS,
+) -> bytes:
+    """Send ``<METHOD> http://<host>:<port>/<path>`` and return the response body.
+
+    Raises CommandError for transport failures and for statuses above 399 other than 404 (as Istio's).
+    """
+    url = f"http://{host}:{port}/{path.removeprefix('/')}"
+    data: Any = body.encode() if body else None
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.request(method, url, data=data) as response,
+        ):
+            content = await response.read()
+            status = response.status
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as err:
+        raise CommandError(f'{_go_op(method)} "{url}": {_describe(err, timeout)}') from None
+    if status > 399 and status != 404:
+        text = content.decode("utf-8", errors="replace")
+        raise CommandError(f"received unsuccessful status code {status}: {text}")
+    return content
+
+
+@main.command(cls=_StrictCommand)
+@click.argument("args", nargs=-1)
+@click.option("--debug-port", "debug_port", default="15000", help="admin port: 15000, 15004, 15020 or 15021")
+@click.option("--log_output_level", default=None, hidden=True)
+@click.option("--log_as_json", is_flag=True, default=None, hidden=True)
+@click.option("--log_target", multiple=True, hidden=True)
+@click.option("--log_stacktrace_level", default=None, hidden=True)
+@click.option("--log_caller", default=None, hidden=True)
+@click.option("--vklog", default=None, hidden=True)
+def request(args: tuple[str, ...], debug_port: str, **_ignored: object) -> None:
+    """Makes an HTTP request to the Envoy admin API: request <method> <path> [<body>].
+
+    Only the response body reaches stdout (istioctl parses it); logging stays unconfigured.
+    """
+    try:
+        port = _parse_count("--debug-port", debug_port, None)
+    except CommandError as err:
+        _fail(str(err))
+    if port not in ALLOWED_DEBUG_PORTS:
+        _fail(f"debug port {port} is not in allowed list [{' '.join(map(str, ALLOWED_DEBUG_PORTS))}]")
+    if len(args) < 2:
+        _fail(f"requires at least 2 arg(s), only received {len(args)}")
+    body = args[2] if len(args) > 2 else ""
+    try:
+        run_event_loop(_request_and_print(args[0], args[1], body, port))
+    except CommandError as err:
+        _fail(str(err))
+
+
+async def _request_and_print(method: str, path: str, body: str, port: int) -> None:
+    """Print the body and a newline, and nothing else: istioctl parses this output as JSON."""
+    content = await admin_request(method, path, body, port=port)
+    sys.stdout.buffer.write(content + b"\n")
+    sys.stdout.buffer.flush()
 
 
 def _fail(message: str) -> NoReturn:
