@@ -1,0 +1,494 @@
+"""The status server over real sockets: routes, access control, quit/drain ordering, compression, lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+from google.protobuf import json_format
+
+from istio_agent.protos import nds_pb2
+from istio_agent.status.readiness import Readiness
+from istio_agent.status.server import (
+    StatusServer,
+    enable_negotiated_compression,
+    is_loopback,
+    negotiate_encoding,
+)
+
+BIG = "x_metric 1\n" * 500  # > 1 KiB
+
+
+class Scripted:
+    def __init__(self, error: str | None = None) -> None:
+        self.error = error
+
+    async def check(self) -> str | None:
+        return self.error
+
+
+@dataclass
+class Calls:
+    """What the server's collaborators saw."""
+
+    prober: Scripted = field(default_factory=Scripted)
+    metrics: list[str] = field(default_factory=list)
+    probes: list[str] = field(default_factory=list)
+    quit: int = 0
+    table: nds_pb2.NameTable | None = None
+    metrics_body: str = "agent_metric 1\n"
+
+
+def build(calls: Calls, host: str = "127.0.0.1", **kwargs: object) -> StatusServer:
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        calls.metrics.append(request.path)
+        return web.Response(text=calls.metrics_body, content_type="text/plain")
+
+    async def probes(request: web.Request) -> web.StreamResponse:
+        calls.probes.append(request.path)
+        return web.Response(text="probed")
+
+    def on_quit() -> None:
+        calls.quit += 1
+
+    options: dict[str, object] = {
+        "metrics": metrics,
+        "app_probes": probes,
+        "name_table": lambda: calls.table,
+        "on_quit": on_quit,
+    }
+    options.update(kwargs)
+    return StatusServer(host, 0, Readiness([calls.prober]), **options)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def calls() -> Calls:
+    return Calls()
+
+
+@pytest.fixture
+async def server(calls: Calls) -> AsyncIterator[StatusServer]:
+    status = build(calls)
+    await status.start()
+    try:
+        yield status
+    finally:
+        await status.stop()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def fetch(
+    session: aiohttp.ClientSession, method: str, url: str, **kwargs: object
+) -> tuple[int, str, aiohttp.ClientResponse]:
+    async with session.request(method, url, **kwargs) as response:  # type: ignore[arg-type]
+        return response.status, await response.text(), response
+
+
+def url(server: StatusServer, path: str, host: str = "127.0.0.1") -> str:
+    return f"http://{host}:{server.port}{path}"
+
+
+def non_loopback_ip() -> str | None:
+    """A local address that is not loopback (routing lookup only: a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect(("192.0.2.1", 9))
+            ip = str(sock.getsockname()[0])
+    except OSError:
+        return None
+    return None if is_loopback(ip) or ip == "0.0.0.0" else ip
+
+
+# -- readiness -----------------------------------------------------------------------------------------
+async def test_ready_is_200_with_empty_body_for_any_method(
+    server: StatusServer, client: aiohttp.ClientSession
+) -> None:
+    assert server.port > 0
+    for method in ("GET", "POST", "PUT", "DELETE"):
+        status, body, _ = await fetch(client, method, url(server, "/healthz/ready"))
+        assert (status, body) == (200, "")
+
+
+async def test_not_ready_is_503_with_the_reason(
+    server: StatusServer, calls: Calls, client: aiohttp.ClientSession
+) -> None:
+    calls.prober.error = "config not received from XDS server (is Istiod running?): x"
+    status, body, _ = await fetch(client, "GET", url(server, "/healthz/ready"))
+    assert (status, body) == (503, "config not received from XDS server (is Istiod running?): x\n")
+
+
+async def test_terminate_flips_readiness(
+    server: StatusServer, calls: Calls, client: aiohttp.ClientSession
+) -> None:
+    assert (await fetch(client, "GET", url(server, "/healthz/ready")))[0] == 200
+    server._readiness.terminate("received signal terminated")
+    status, body, _ = await fetch(client, "GET", url(server, "/healthz/ready"))
+    assert (status, body) == (503, "server is terminated: received signal terminated\n")
+
+
+# -- metrics, app probes, unknown paths --------------------------------------------------------------
+async def test_metrics_paths_use_the_metrics_handler(
+    server: StatusServer, calls: Calls, client: aiohttp.ClientSession
+) -> None:
+    for path in ("/stats/prometheus", "/metrics"):
+        status, body, _ = await fetch(client, "GET", url(server, path))
+        assert (status, body) == (200, "agent_metric 1\n")
+    assert calls.metrics == ["/stats/prometheus", "/metrics"]
+
+
+async def test_app_probe_prefixes_use_the_probe_handler(
+    server: StatusServer, calls: Calls, client: aiohttp.ClientSession
+) -> None:
+    for path in ("/app-health/app/readyz", "/app-lifecycle/app/prestopz"):
+        assert (await fetch(client, "GET", url(server, path)))[:2] == (200, "probed")
+    assert calls.probes == ["/app-health/app/readyz", "/app-lifecycle/app/prestopz"]
+
+
+@pytest.mark.parametrize(
+    "path", ["/", "/nope", "/healthz/ready/x", "/app-health", "/debug/pprof/", "/metricsx"]
+)
+async def test_unknown_paths_are_404(server: StatusServer, client: aiohttp.ClientSession, path: str) -> None:
+    status, body, _ = await fetch(client, "GET", url(server, path))
+    assert (status, body) == (404, "404 page not found\n")
+
+
+async def test_missing_handlers_are_404(calls: Calls, client: aiohttp.ClientSession) -> None:
+    status_server = StatusServer("127.0.0.1", 0, Readiness([]))
+    await status_server.start()
+    try:
+        for path in ("/metrics", "/stats/prometheus", "/app-health/a/livez", "/app-lifecycle/a/poststartz"):
+            assert (await fetch(client, "GET", url(status_server, path)))[:2] == (404, "404 page not found\n")
+        status, body, response = await fetch(client, "GET", url(status_server, "/debug/ndsz"))
+        assert (status, body, response.content_type) == (404, "{}", "application/json")
+        # no on_quit given: still answered
+        assert (await fetch(client, "POST", url(status_server, "/quitquitquit")))[:2] == (200, "OK")
+    finally:
+        await status_server.stop()
+
+
+# -- ndsz -------------------------------------------------------------------------------------------------
+async def test_ndsz_serves_the_name_table_as_json(
+    server: StatusServer, calls: Calls, client: aiohttp.ClientSession
+) -> None:
+    status, body, response = await fetch(client, "GET", url(server, "/debug/ndsz"))
+    assert (status, body, response.content_type) == (404, "{}", "application/json")
+    table = nds_pb2.NameTable()
+    info = table.table["echo.default.svc.cluster.local"]
+    info.ips.append("10.0.0.7")
+    info.registry = "Kubernetes"
+    calls.table = table
+    status, body, response = await fetch(client, "GET", url(server, "/debug/ndsz"))
+    assert (status, response.content_type) == (200, "application/json")
+    assert body == json_format.MessageToJson(table)
+    parsed = nds_pb2.NameTable()
+    json_format.Parse(body, parsed)
+    assert parsed == table
+
+
+# -- quit / drain -------------------------------------------------------------------------------------
+async def test_quit_and_drain_need_post(
+    server: StatusServer, calls: Calls, client: aiohttp.ClientSession
+) -> None:
+    for path in ("/quitquitquit", "/drain"):
+        for method in ("GET", "PUT"):
+            status, body, _ = await fetch(client, method, url(server, path))
+            assert (status, body) == (405, "Method Not Allowed\n")
+    assert calls.quit == 0
+
+
+def _peek_response(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(4096, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return b""
+
+
+def _raw_post(port: int, path: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n".encode())
+    return sock
+
+
+async def test_quit_answers_ok_before_calling_back(calls: Calls) -> None:
+    seen: list[bytes] = []
+    called = asyncio.Event()
+    holder: dict[str, socket.socket] = {}
+
+    def on_quit() -> None:
+        seen.append(_peek_response(holder["sock"]))
+        called.set()
+
+    status_server = build(calls, on_quit=on_quit)
+    await status_server.start()
+    try:
+        holder["sock"] = _raw_post(status_server.port, "/quitquitquit")
+        with holder["sock"]:
+            await asyncio.wait_for(called.wait(), 5)
+        assert seen[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert seen[0].endswith(b"\r\n\r\nOK")
+    finally:
+        await status_server.stop()
+
+
+async def test_drain_answers_ok_then_runs_the_drain(calls: Calls, client: aiohttp.ClientSession) -> None:
+    seen: list[bytes] = []
+    holder: dict[str, socket.socket] = {}
+    release = asyncio.Event()
+    finished = asyncio.Event()
+
+    async def on_drain() -> None:
+        seen.append(_peek_response(holder["sock"]))
+        await release.wait()  # a drain that only ends after the client has its answer
+        finished.set()
+
+    status_server = build(calls, on_drain=on_drain)
+    await status_server.start()
+    try:
+        holder["sock"] = _raw_post(status_server.port, "/drain")
+        with holder["sock"]:
+            loop = asyncio.get_running_loop()
+            holder["sock"].setblocking(False)
+            data = b""
+            while not data.endswith(b"OK"):
+                data += await asyncio.wait_for(loop.sock_recv(holder["sock"], 4096), 5)
+            assert data.startswith(b"HTTP/1.1 200 OK\r\n")
+            release.set()
+            await asyncio.wait_for(finished.wait(), 5)
+        assert seen[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert calls.quit == 0
+    finally:
+        await status_server.stop()
+
+
+async def test_stop_cancels_a_pending_drain(calls: Calls, client: aiohttp.ClientSession) -> None:
+    started = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def on_drain() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    status_server = build(calls, on_drain=on_drain)
+    await status_server.start()
+    assert (await fetch(client, "POST", url(status_server, "/drain")))[:2] == (200, "OK")
+    await asyncio.wait_for(started.wait(), 5)
+    await status_server.stop()
+    assert cancelled.is_set()
+
+
+async def test_failing_callbacks_do_not_break_the_server(calls: Calls, client: aiohttp.ClientSession) -> None:
+    def on_quit() -> None:
+        raise RuntimeError("bad callback")
+
+    async def on_drain() -> None:
+        raise RuntimeError("bad drain")
+
+    status_server = build(calls, on_quit=on_quit, on_drain=on_drain)
+    await status_server.start()
+    try:
+        assert (await fetch(client, "POST", url(status_server, "/quitquitquit")))[:2] == (200, "OK")
+        assert (await fetch(client, "POST", url(status_server, "/drain")))[:2] == (200, "OK")
+        assert (await fetch(client, "GET", url(status_server, "/healthz/ready")))[0] == 200
+    finally:
+        await status_server.stop()
+
+
+# -- loopback-only access -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        ("127.0.0.1", True),
+        ("127.3.4.5", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("::1%lo", True),
+        ("10.0.0.1", False),
+        ("192.0.2.2", False),
+        ("::ffff:10.0.0.1", False),
+        ("fe80::1", False),
+        ("", False),
+        (None, False),
+        ("localhost", False),
+    ],
+)
+def test_is_loopback(address: str | None, expected: bool) -> None:
+    assert is_loopback(address) is expected
+
+
+async def test_remote_callers_are_forbidden(calls: Calls, client: aiohttp.ClientSession) -> None:
+    ip = non_loopback_ip()
+    if ip is None:
+        pytest.skip("no non-loopback local address (is_loopback is tested directly)")
+    status_server = build(calls, host="0.0.0.0", metrics_localhost_only=True)
+    await status_server.start()
+    try:
+        for method, path in (
+            ("POST", "/quitquitquit"),
+            ("GET", "/quitquitquit"),
+            ("POST", "/drain"),
+            ("GET", "/debug/ndsz"),
+            ("GET", "/metrics"),
+            ("GET", "/stats/prometheus"),
+        ):
+            status, body, _ = await fetch(client, method, url(status_server, path, host=ip))
+            assert (status, body) == (403, "Only requests from localhost are allowed\n"), path
+        assert calls.quit == 0 and calls.metrics == []
+        # the open endpoints still answer remote callers
+        assert (await fetch(client, "GET", url(status_server, "/healthz/ready", host=ip)))[0] == 200
+        assert (await fetch(client, "GET", url(status_server, "/app-health/a/livez", host=ip)))[0] == 200
+        # and loopback callers get metrics
+        assert (await fetch(client, "GET", url(status_server, "/metrics")))[0] == 200
+        assert (await fetch(client, "POST", url(status_server, "/quitquitquit")))[:2] == (200, "OK")
+        assert calls.quit == 1
+    finally:
+        await status_server.stop()
+
+
+async def test_metrics_open_to_remote_callers_by_default(calls: Calls, client: aiohttp.ClientSession) -> None:
+    ip = non_loopback_ip()
+    if ip is None:
+        pytest.skip("no non-loopback local address")
+    status_server = build(calls, host="0.0.0.0")
+    await status_server.start()
+    try:
+        assert (await fetch(client, "GET", url(status_server, "/metrics", host=ip)))[0] == 200
+    finally:
+        await status_server.stop()
+
+
+# -- compression ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("header", "zstd", "expected"),
+    [
+        ("", True, None),
+        ("gzip", True, "gzip"),
+        ("zstd", True, "zstd"),
+        ("zstd", False, None),
+        ("gzip, zstd", True, "zstd"),
+        ("gzip, zstd", False, "gzip"),
+        ("gzip;q=1.0, zstd;q=0.5", True, "gzip"),
+        ("GZIP;Q=0.2, zstd;q=0.1", True, "gzip"),
+        ("br, lz4", True, None),
+        ("deflate, br", True, None),
+        ("gzip;q=0", True, None),
+        ("gzip;q=bad", True, None),
+        ("br;q=1, gzip;q=0.1", True, "gzip"),
+    ],
+)
+def test_negotiate_encoding(header: str, zstd: bool, expected: str | None) -> None:
+    assert negotiate_encoding(header, zstd=zstd) == expected
+
+
+async def raw_get(
+    server: StatusServer, path: str, accept_encoding: str | None
+) -> tuple[int, bytes, str | None]:
+    headers = {"Accept-Encoding": accept_encoding} if accept_encoding is not None else {}
+    async with (
+        aiohttp.ClientSession(auto_decompress=False, skip_auto_headers=["Accept-Encoding"]) as session,
+        session.get(url(server, path), headers=headers) as response,
+    ):
+        return response.status, await response.read(), response.headers.get("Content-Encoding")
+
+
+async def test_large_bodies_are_gzipped_on_request(server: StatusServer, calls: Calls) -> None:
+    calls.metrics_body = BIG
+    status, body, encoding = await raw_get(server, "/stats/prometheus", "gzip")
+    assert (status, encoding) == (200, "gzip")
+    assert gzip.decompress(body).decode() == BIG
+    status, body, encoding = await raw_get(server, "/stats/prometheus", "gzip;q=1.0, zstd;q=0.5")
+    assert encoding == "gzip" and gzip.decompress(body).decode() == BIG
+
+
+@pytest.mark.parametrize("accept", [None, "", "br, lz4", "gzip;q=0", "identity"])
+async def test_no_acceptable_coding_is_left_plain(
+    server: StatusServer, calls: Calls, accept: str | None
+) -> None:
+    calls.metrics_body = BIG
+    status, body, encoding = await raw_get(server, "/stats/prometheus", accept)
+    assert (status, body.decode(), encoding) == (200, BIG, None)
+
+
+async def test_small_bodies_are_not_compressed(server: StatusServer, calls: Calls) -> None:
+    calls.metrics_body = "m 1\n" * 10
+    status, body, encoding = await raw_get(server, "/metrics", "gzip")
+    assert (status, body.decode(), encoding) == (200, calls.metrics_body, None)
+
+
+async def test_zstd_only_when_available(server: StatusServer, calls: Calls) -> None:
+    calls.metrics_body = BIG
+    _, body, encoding = await raw_get(server, "/metrics", "zstd")
+    if negotiate_encoding("zstd") is None:
+        assert (body.decode(), encoding) == (BIG, None)
+    else:
+        assert encoding == "zstd" and body != BIG.encode()
+
+
+async def test_streamed_metrics_keep_working(calls: Calls) -> None:
+    async def streamed(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        if request.query.get("compress"):
+            enable_negotiated_compression(request, response)
+        await response.prepare(request)
+        for _ in range(5):
+            await response.write(BIG.encode())
+        await response.write_eof()
+        return response
+
+    status_server = build(calls, metrics=streamed)
+    await status_server.start()
+    try:
+        status, body, encoding = await raw_get(status_server, "/stats/prometheus", "gzip")
+        assert (status, body.decode(), encoding) == (200, BIG * 5, None)
+        status, body, encoding = await raw_get(status_server, "/stats/prometheus?compress=1", "gzip")
+        assert (status, encoding) == (200, "gzip")
+        assert gzip.decompress(body).decode() == BIG * 5
+        status, body, encoding = await raw_get(status_server, "/stats/prometheus?compress=1", "br")
+        assert (status, body.decode(), encoding) == (200, BIG * 5, None)
+    finally:
+        await status_server.stop()
+
+
+# -- lifecycle -------------------------------------------------------------------------------------------
+async def test_close_listener_refuses_new_connections(calls: Calls, client: aiohttp.ClientSession) -> None:
+    status_server = build(calls)
+    await status_server.start()
+    port = status_server.port
+    assert (await fetch(client, "GET", url(status_server, "/healthz/ready")))[0] == 200
+    await status_server.close_listener()
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    finally:
+        await status_server.stop()
+    await status_server.stop()  # idempotent
+
+
+async def test_bind_failure_names_the_address(calls: Calls) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status_server = StatusServer("127.0.0.1", port, Readiness([]))
+        with pytest.raises(OSError, match=f"status server cannot listen on 127.0.0.1:{port}"):
+            await status_server.start()
+        await status_server.stop()  # nothing to stop, no error
+
+
+async def test_start_twice_is_an_error(server: StatusServer) -> None:
+    with pytest.raises(RuntimeError):
+        await server.start()
