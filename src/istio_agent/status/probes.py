@@ -1,0 +1,356 @@
+"""Application probe forwarding: ``/app-health/...`` and ``/app-lifecycle/...`` on the status port.
+
+With mTLS (or traffic capture) kubelet cannot probe the application directly, so the injector
+points the probes at the agent, which replays the original probe (``ISTIO_KUBE_APP_PROBERS``)
+against the pod IP. Probes come from 127.0.0.6 (``::6``), the address Envoy's inbound passthrough
+also uses, so the traffic is recognisable and not captured again by the sidecar's iptables rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import socket
+import ssl
+import struct
+from typing import Any
+
+import aiohttp
+import grpc
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from istio_agent.config.app_probers import AppProber, GRPCProber, HTTPGetProber, TCPSocketProber
+from istio_agent.log import scope
+
+log = scope("healthcheck")
+
+SOURCE_IPV4 = "127.0.0.6"
+SOURCE_IPV6 = "::6"
+MAX_BODY = 10 * 1024
+MAX_REDIRECTS = 10
+# Beyond Istio: timeoutSeconds 0 means "no timeout" there, which lets a hung application pin a
+# probe (and its socket) forever; we cap every probe at 60 s instead.
+MAX_TIMEOUT = 60.0
+_REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
+# connect() errors that mean "this source address cannot reach that destination" (e.g. a pod IP
+# that is not routed via loopback), as opposed to the application not listening.
+_SOURCE_ERRNOS = frozenset({errno.EINVAL, errno.EADDRNOTAVAIL, errno.ENETUNREACH})
+# Request headers not copied to the application: the body is never forwarded and the agent
+# decides connection reuse itself.
+_NOT_COPIED = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade"}
+)
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+_SERVING = 1
+
+
+class ProbeError(Exception):
+    """The probe could not be completed (answered 500)."""
+
+
+class _Source:
+    """Binds probe sockets to 127.0.0.6 / ::6 while that works, without it once it does not."""
+
+    def __init__(self) -> None:
+        self._disabled: set[int] = set()
+
+    def active(self, family: int) -> bool:
+        return family in (socket.AF_INET, socket.AF_INET6) and family not in self._disabled
+
+    def disable(self, family: int, reason: OSError) -> None:
+        if family in self._disabled:
+            return
+        self._disabled.add(family)
+        address = SOURCE_IPV4 if family == socket.AF_INET else SOURCE_IPV6
+        log.debug(
+            "app probes: source address %s unusable (%s), using the default source", address, reason.strerror
+        )
+
+    def open_socket(self, family: int, kind: int = socket.SOCK_STREAM, proto: int = 0) -> socket.socket:
+        """A probe socket with SO_LINGER 1 s, bound to the probe source address when usable."""
+        sock = socket.socket(family, kind, proto)
+        try:
+            # As Istio: bounded lingering, so a closed probe connection does not linger for long.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 1))
+            if self.active(family):
+                address = SOURCE_IPV4 if family == socket.AF_INET else SOURCE_IPV6
+                try:
+                    sock.bind((address, 0))
+                except OSError as err:
+                    self.disable(family, err)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def factory(self, addr_info: tuple[Any, ...]) -> socket.socket:
+        """aiohttp's ``socket_factory`` hook."""
+        family, kind, proto = addr_info[0], addr_info[1], addr_info[2]
+        return self.open_socket(family, kind, proto)
+
+
+def _families(host: str) -> list[int]:
+    """Address families a destination may resolve to (both for a name)."""
+    try:
+        return [socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET]
+    except ValueError:
+        return [socket.AF_INET, socket.AF_INET6]
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _timeout(prober: AppProber) -> float:
+    seconds = prober.timeout_seconds
+    return MAX_TIMEOUT if seconds <= 0 else min(float(seconds), MAX_TIMEOUT)
+
+
+def _encode_health_request(service: str) -> bytes:
+    """``HealthCheckRequest{string service = 1}`` in protobuf wire format."""
+    data = service.encode()
+    if not data:
+        return b""
+    return b"\x0a" + _varint(len(data)) + data
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ProbeError("malformed health check response")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def decode_health_status(data: bytes) -> int:
+    """``HealthCheckResponse.status`` (field 1, enum) from protobuf wire format; 0 when absent."""
+    status = 0
+    pos = 0
+    while pos < len(data):
+        key, pos = _read_varint(data, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(data, pos)
+            if number == 1:
+                status = value
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            length, pos = _read_varint(data, pos)
+            pos += length
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ProbeError("malformed health check response")
+        if pos > len(data):
+            raise ProbeError("malformed health check response")
+    return status
+
+
+class AppProbes:
+    """The status server's handler for ``/app-health/...`` and ``/app-lifecycle/...`` paths.
+
+    ``pod_ip`` is where probes go (INSTANCE_IP, or ``localhost`` with
+    REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION); the prober's own ``host`` is ignored, as in Istio.
+    """
+
+    def __init__(
+        self,
+        probers: dict[str, AppProber],
+        *,
+        pod_ip: str,
+        status_port: int,
+        keepalive: bool = False,
+        http2: bool = True,
+    ) -> None:
+        self._probers = dict(probers)
+        self._pod_ip = pod_ip
+        self._status_port = status_port
+        self._keepalive = keepalive
+        # HTTP/2 needs an h2 client, which aiohttp lacks; HTTPS probes negotiate http/1.1 via ALPN.
+        self._http2 = http2
+        self._source = _Source()
+        self._session: aiohttp.ClientSession | None = None
+        self._tls = ssl.create_default_context()
+        self._tls.check_hostname = False
+        self._tls.verify_mode = ssl.CERT_NONE  # as kubelet: probes do not verify certificates
+        self._tls.set_alpn_protocols(["http/1.1"])
+
+    async def close(self) -> None:
+        """Close pooled connections (only pooled with keep-alive)."""
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        prober = self._probers.get(request.path)
+        if prober is None:
+            return web.Response(status=400, text=f"app prober config does not exists for {request.path}")
+        action = prober.action
+        try:
+            async with asyncio.timeout(_timeout(prober)):
+                if isinstance(action, HTTPGetProber):
+                    return await self._http_get(request, action)
+                if isinstance(action, TCPSocketProber):
+                    await self._tcp(action)
+                    return web.Response(status=200)
+                await self._grpc(request, action)
+                return web.Response(status=200)
+        except TimeoutError:
+            log.info("app probe %s timed out after %ss", request.path, _timeout(prober))
+        except (ProbeError, OSError, aiohttp.ClientError, grpc.RpcError, ValueError) as err:
+            log.info("app probe %s failed: %s", request.path, err or type(err).__name__)
+        return web.Response(status=500)
+
+    # --- httpGet ---------------------------------------------------------------------------------
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                force_close=not self._keepalive,
+                socket_factory=self._source.factory,
+                use_dns_cache=False,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+        return self._session
+
+    def _host_header(self, request: web.Request, app_port: int) -> str | None:
+        """Incoming Host, with the status port replaced by the application port."""
+        host = request.headers.get("Host")
+        if not host:
+            return None
+        name, sep, port = host.rpartition(":")
+        if sep and not name.endswith("]") and ":" in name:
+            return host  # bare IPv6 literal without a port
+        if sep and port == str(self._status_port):
+            return f"{name}:{app_port}"
+        return host
+
+    async def _http_get(self, request: web.Request, prober: HTTPGetProber) -> web.Response:
+        scheme = "https" if prober.https else "http"
+        path = prober.path if prober.path.startswith("/") else "/" + prober.path
+        origin = URL(f"{scheme}://{_url_host(self._pod_ip)}:{prober.port}{path}", encoded=True)
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in request.headers.items():
+            if name.lower() not in _NOT_COPIED:
+                headers.add(name, value)
+        if not self._keepalive:
+            headers["Connection"] = "close"
+        host = self._host_header(request, prober.port)
+        url = origin
+        for hop in range(MAX_REDIRECTS + 1):
+            sent = headers.copy()
+            if host:
+                sent["Host"] = host
+            status, location, body = await self._fetch(url, sent)
+            if status in _REDIRECT_CODES and location is not None:
+                try:
+                    target = url.join(URL(location))
+                except ValueError as err:
+                    raise ProbeError(f"bad redirect location: {err}") from None
+                if target.host != origin.host:
+                    return web.Response(status=200)  # another host: the 3xx itself is the answer
+                if hop == MAX_REDIRECTS:
+                    raise ProbeError(f"stopped after {MAX_REDIRECTS} redirects")
+                if URL(location).is_absolute():
+                    host = None  # Host follows an absolute redirect; kept for a relative one
+                url = target
+                continue
+            if 300 <= status < 400:
+                return web.Response(status=200)
+            return web.Response(status=status, body=body)
+        raise ProbeError("unreachable")  # pragma: no cover
+
+    async def _fetch(self, url: URL, headers: CIMultiDict[str]) -> tuple[int, str | None, bytes]:
+        """One GET; retried once without the source address if that address cannot reach the app."""
+        families = _families(url.host or "")
+        try:
+            return await self._fetch_once(url, headers)
+        except aiohttp.ClientConnectorError as err:
+            if err.os_error.errno not in _SOURCE_ERRNOS or not any(self._source.active(f) for f in families):
+                raise
+            for family in families:
+                self._source.disable(family, err.os_error)
+        return await self._fetch_once(url, headers)
+
+    async def _fetch_once(self, url: URL, headers: CIMultiDict[str]) -> tuple[int, str | None, bytes]:
+        tls: ssl.SSLContext | bool = self._tls if url.scheme == "https" else False
+        session = self._get_session()
+        async with session.get(url, headers=headers, allow_redirects=False, ssl=tls) as response:
+            body = b""
+            if not (300 <= response.status < 400):
+                chunks: list[bytes] = []
+                size = 0
+                while size < MAX_BODY:
+                    chunk = await response.content.read(MAX_BODY - size)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    size += len(chunk)
+                body = b"".join(chunks)
+            return response.status, response.headers.get("Location"), body
+
+    # --- tcpSocket -------------------------------------------------------------------------------
+
+    async def _tcp(self, prober: TCPSocketProber) -> None:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self._pod_ip, prober.port, type=socket.SOCK_STREAM)
+        last: OSError | None = None
+        for family, kind, proto, _, address in infos:
+            for _attempt in range(2):
+                used_source = self._source.active(family)
+                sock = self._source.open_socket(family, kind, proto)
+                try:
+                    sock.setblocking(False)
+                    await loop.sock_connect(sock, address)
+                    return
+                except OSError as err:
+                    last = err
+                    if used_source and err.errno in _SOURCE_ERRNOS:
+                        self._source.disable(family, err)
+                        continue
+                    break
+                finally:
+                    sock.close()
+        raise last or ProbeError(f"no address for {self._pod_ip}")
+
+    # --- grpc ------------------------------------------------------------------------------------
+
+    async def _grpc(self, request: web.Request, prober: GRPCProber) -> None:
+        # grpcio cannot bind a source address, so gRPC probes come from the default source.
+        options: list[tuple[str, Any]] = [("grpc.enable_http_proxy", 0), ("grpc.enable_retries", 0)]
+        user_agent = request.headers.get("User-Agent")
+        if user_agent:
+            options.append(("grpc.primary_user_agent", user_agent))
+        target = f"{_url_host(self._pod_ip)}:{prober.port}"
+        async with grpc.aio.insecure_channel(target, options=options) as channel:
+            await channel.channel_ready()
+            check = channel.unary_unary(_HEALTH_CHECK)
+            response = await check(_encode_health_request(prober.service))
+        status = decode_health_status(response)
+        if status != _SERVING:
+            raise ProbeError(f"gRPC health status {status}")
