@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,14 +17,20 @@ from istio_agent.bootstrap.envoy import write_bootstrap
 from istio_agent.config import ConfigError, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.config.security import CERT_CHAIN_FILE, CRL_PATH, KEY_FILE, ROOT_CERT_FILE
+from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyProcess
 from istio_agent.log import scope
+from istio_agent.metrics import REGISTRY
 from istio_agent.protos import nds_pb2
 from istio_agent.security.caclient import CAClientOptions, CitadelClient
 from istio_agent.security.credentials import token_source_for
 from istio_agent.security.manager import SecretManager
 from istio_agent.security.sds import SdsServer
 from istio_agent.security.uds import remove_if_stale
+from istio_agent.status.metrics import MetricsMerger
+from istio_agent.status.probes import AppProbes
+from istio_agent.status.readiness import DnsReadiness, EnvoyReadiness, Prober, Readiness
+from istio_agent.status.server import StatusServer
 from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
 from istio_agent.xds.proxy import TypeHandler, XdsProxy
 
@@ -38,6 +45,7 @@ class AgentSettings:
     proxy_config: ProxyConfig = field(default_factory=ProxyConfig)
     xds: XdsSettings | None = None
     bootstrap: BootstrapSettings | None = None
+    status: StatusSettings | None = None
     serve_sds: bool = True  # Istio's DISABLE_ENVOY (proxyless) runs no SDS server
 
 
@@ -90,6 +98,13 @@ class Agent:
         self.xds_proxy: XdsProxy | None = None
         self.name_table: NameTableHandler | None = None
         self.envoy: EnvoyProcess | None = None
+        self.readiness: Readiness | None = None
+        self.status_server: StatusServer | None = None
+        self.stop_requested = asyncio.Event()
+        """Set by ``/quitquitquit``: whoever runs the agent should stop it."""
+        self._started_at = time.monotonic()
+        self._skip_drain = False
+        self._closers: list[MetricsMerger | AppProbes] = []
         self._prewarm: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -111,8 +126,66 @@ class Agent:
             self._prewarm = asyncio.get_running_loop().create_task(manager.prewarm())
         if self._settings.xds is not None:
             await self._start_xds_proxy(self._settings.xds, manager)
+        if self._settings.status is not None and self._settings.status.enabled:
+            await self._start_status_server(self._settings.status)
         if self._settings.bootstrap is not None:
             await self._start_envoy(self._settings.bootstrap)
+
+    async def _start_status_server(self, settings: StatusSettings) -> None:
+        """Readiness, merged metrics, app probes, quit/drain on statusPort; a bind failure is only logged."""
+        bootstrap = self._settings.bootstrap
+        probers: list[Prober] = []
+        if bootstrap is not None:
+            probers.append(
+                EnvoyReadiness(bootstrap.localhost, bootstrap.proxy_admin_port, started_at=self._started_at)
+            )
+        name_table = self.name_table
+        if name_table is not None:
+            probers.append(DnsReadiness(lambda: name_table.ready))
+        self.readiness = Readiness(probers)
+        envoy_port = bootstrap.envoy_prometheus_port if bootstrap and settings.merge_envoy_stats else None
+        merger = MetricsMerger(REGISTRY, envoy_port=envoy_port, app=settings.prometheus)
+        self._closers.append(merger)
+        probes = None
+        if settings.app_probers:
+            probes = AppProbes(
+                settings.app_probers,
+                pod_ip=settings.pod_ip,
+                status_port=settings.port,
+                keepalive=settings.probe_keepalive,
+                http2=settings.http2_probing,
+            )
+            self._closers.append(probes)
+        server = StatusServer(
+            settings.host,
+            settings.port,
+            self.readiness,
+            metrics=merger.handle,
+            app_probes=probes.handle if probes else None,
+            name_table=(lambda: name_table.table) if name_table else None,
+            on_quit=self._quit,
+            on_drain=self._drain,
+            metrics_localhost_only=settings.metrics_localhost_only,
+        )
+        try:
+            await server.start()
+        except OSError as err:
+            log.error("%s; continuing without the status server", err)
+            return
+        self.status_server = server
+        log.info("status server on %s:%d", settings.host, server.port)
+
+    def _quit(self) -> None:
+        """``/quitquitquit``: stop now, killing Envoy without a drain."""
+        log.info("/quitquitquit called: stopping without draining Envoy")
+        self._skip_drain = True
+        self.stop_requested.set()
+
+    async def _drain(self) -> None:
+        """``/drain`` (native-sidecar preStop): drain Envoy's listeners now; the coming SIGTERM skips the wait."""
+        self._skip_drain = True
+        if self.envoy is not None:
+            await self.envoy.drain_listeners(skip_exit=True)
 
     async def _start_xds_proxy(self, settings: XdsSettings, manager: SecretManager) -> None:
         handlers: list[TypeHandler] = []
@@ -143,9 +216,17 @@ class Agent:
         assert self.envoy is not None
         return await self.envoy.wait()
 
-    async def stop(self) -> None:
+    async def stop(self, cause: str = "received termination signal") -> None:
+        if self.readiness is not None:
+            self.readiness.terminate(cause)  # readiness fails at once
+        if self.status_server is not None:
+            await self.status_server.close_listener()  # as Istio: 15020 refuses during the drain
         if self.envoy is not None and self.envoy.returncode is None:
-            await self.envoy.drain_and_stop()
+            await self.envoy.drain_and_stop(graceful_drain=not self._skip_drain)
+        if self.status_server is not None:
+            await self.status_server.stop()
+        for closer in self._closers:
+            await closer.close()
         if self.xds_proxy is not None:
             await self.xds_proxy.stop()
         if self._prewarm is not None:

@@ -17,6 +17,7 @@ from istio_agent import __version__
 from istio_agent.agent import Agent, AgentSettings
 from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings
+from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyStartError
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 from istio_agent.memory import pin_mmap_threshold
@@ -109,6 +110,7 @@ def proxy(
         proxy_config = ProxyConfig.load(env, workdir / mesh_config)
         security = SecuritySettings.from_env(env, workdir, proxy_config)
         xds = XdsSettings.from_env(env, security, proxy_config, proxy_type)
+        status = StatusSettings.from_env(env, proxy_config, proxy_type)
         disable_envoy = env.flag("DISABLE_ENVOY")
         bootstrap = None
         if not disable_envoy:
@@ -131,6 +133,7 @@ def proxy(
         proxy_config=proxy_config,
         xds=xds,
         bootstrap=bootstrap,
+        status=status,
         serve_sds=not disable_envoy,
     )
     pin_mmap_threshold()  # large xDS pushes must not ratchet resident memory up (see memory.py)
@@ -141,18 +144,21 @@ def proxy(
 
 
 async def _run_agent(settings: AgentSettings) -> None:
-    """Run until SIGINT/SIGTERM or until Envoy exits on its own; both end with exit status 0, as in Istio."""
+    """Run until SIGINT/SIGTERM, ``/quitquitquit`` or Envoy exiting on its own; all exit 0, as in Istio."""
     agent = Agent(settings)
     try:
         await agent.start()
-        signalled = asyncio.ensure_future(wait_for_signal())
-        envoy_exit = asyncio.ensure_future(agent.wait_envoy())
+        waiters = [
+            asyncio.ensure_future(wait_for_signal()),
+            asyncio.ensure_future(agent.wait_envoy()),
+            asyncio.ensure_future(agent.stop_requested.wait()),  # /quitquitquit
+        ]
         try:
-            await asyncio.wait([signalled, envoy_exit], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (signalled, envoy_exit):
+            for task in waiters:
                 task.cancel()
-            await asyncio.gather(signalled, envoy_exit, return_exceptions=True)
+            await asyncio.gather(*waiters, return_exceptions=True)
     except EnvoyStartError as err:
         raise OSError(f"cannot start Envoy: {err}") from None
     finally:

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,7 @@ def _expiry(text: str) -> str:
     return f"{when:%Y-%m-%d %H:%M} UTC (in {hours:.1f} h)"
 
 
-def _table(rows: list[tuple[str, ...]], echo: Echo) -> None:
+def _table(rows: Sequence[tuple[str, ...]], echo: Echo) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         echo("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
