@@ -200,7 +200,7 @@ async def test_app_only_without_envoy(servers: Servers) -> None:
     port = await servers.merged(envoy=None, app=targets(app))
     _, body = await scrape(port)
     assert body.endswith(APP_BODY)
-    assert b"envoy_" not in body
+    assert ENVOY_BODY not in body
 
 
 async def test_duplicate_families_across_envoy_and_app_passed_through(servers: Servers) -> None:
