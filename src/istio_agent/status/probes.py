@@ -51,7 +51,7 @@ class ProbeError(Exception):
     """The probe could not be completed (answered 500)."""
 
 
-class _Source:
+class ProbeSource:
     """Binds probe sockets to 127.0.0.6 / ::6 while that works, without it once it does not."""
 
     def __init__(self) -> None:
@@ -109,7 +109,7 @@ def _timeout(prober: AppProber) -> float:
     return MAX_TIMEOUT if seconds <= 0 else min(float(seconds), MAX_TIMEOUT)
 
 
-def _encode_health_request(service: str) -> bytes:
+def encode_health_request(service: str) -> bytes:
     """``HealthCheckRequest{string service = 1}`` in protobuf wire format."""
     data = service.encode()
     if not data:
@@ -189,7 +189,7 @@ class AppProbes:
         self._keepalive = keepalive
         # HTTP/2 needs an h2 client, which aiohttp lacks; HTTPS probes negotiate http/1.1 via ALPN.
         self._http2 = http2
-        self._source = _Source()
+        self._source = ProbeSource()
         self._session: aiohttp.ClientSession | None = None
         self._tls = ssl.create_default_context()
         self._tls.check_hostname = False
@@ -350,7 +350,7 @@ class AppProbes:
         async with grpc.aio.insecure_channel(target, options=options) as channel:
             await channel.channel_ready()
             check = channel.unary_unary(_HEALTH_CHECK)
-            response = await check(_encode_health_request(prober.service))
+            response = await check(encode_health_request(prober.service))
         status = decode_health_status(response)
         if status != _SERVING:
             raise ProbeError(f"gRPC health status {status}")
