@@ -1,0 +1,287 @@
+"""Startup benchmark: ``pilot-agent proxy`` + Envoy to ready, against Envoy alone, and the agent's idle RSS.
+
+    python -m bench.startup [--runs 10] [--settle 2] [--env NAME=VALUE ...]
+
+The local control plane (``agentctl controlplane``) runs as its own process, started once. Each
+run, interleaved:
+
+* **Envoy alone** (the floor): Envoy on a static bootstrap (admin + one HTTP listener answering
+  directly), timed from spawning it to its admin ``/ready`` answering 200;
+* **agent + Envoy**: ``pilot-agent proxy sidecar`` in a fresh workload directory (root cert and
+  token mounted, sidecar env as the injector sets it), timed from spawning the agent to its status
+  port's ``/healthz/ready`` answering 200: interpreter start and imports, certificate from the
+  control plane, bootstrap, Envoy start, xDS through the agent's proxy, Envoy ready;
+* **idle RSS**: ``--settle`` seconds after ready, VmRSS of the pilot-agent process (Envoy, its
+  child, excluded), and its VmHWM (peak so far, start-up included).
+
+The goals (issue 4): agent + Envoy ready within Envoy alone + 0.3 s; agent idle RSS <= 45 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from istio_agent.ctl.local import free_port
+from istio_agent.ctl.localmesh import LocalMesh, Workload
+from istio_agent.envoy.binary import find_envoy
+
+READY_TIMEOUT = 60.0
+POLL = 0.005
+GOAL_EXTRA_SECONDS = 0.3
+GOAL_RSS_MB = 45.0
+
+
+def static_bootstrap(admin_port: int, listener_port: int) -> dict[str, Any]:
+    """Admin plus one HTTP listener with a direct response: the least Envoy needs to be ready."""
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        "stat_prefix": "bench",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 200}}],
+                }
+            ]
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            }
+        ],
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "bench",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listener_port}},
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                            ]
+                        }
+                    ],
+                }
+            ]
+        },
+    }
+
+
+def answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def wait_ready(process: subprocess.Popen[bytes], url: str, started: float, what: str) -> float:
+    """Seconds from ``started`` until ``url`` answers 200 (polled: it is another process's state)."""
+    deadline = started + READY_TIMEOUT
+    while time.perf_counter() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {process.returncode}")
+        if answers_200(url):
+            return time.perf_counter() - started
+        time.sleep(POLL)
+    raise TimeoutError(f"{what} not ready after {READY_TIMEOUT:.0f}s")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def proc_status_kb(pid: int, field: str) -> int:
+    """A ``VmRSS``/``VmHWM`` style line of /proc/<pid>/status, in kB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def envoy_alone(base: Path, run: int) -> float:
+    workdir = base / f"envoy-{run}"
+    workdir.mkdir()
+    admin_port = free_port()
+    (workdir / "envoy.json").write_text(json.dumps(static_bootstrap(admin_port, free_port())))
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [str(find_envoy()), "-c", "envoy.json", "--use-dynamic-base-id", "--log-level", "error"],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        return wait_ready(process, f"http://127.0.0.1:{admin_port}/ready", started, "Envoy")
+    finally:
+        stop(process)
+
+
+@dataclass
+class AgentRun:
+    ready: float  # seconds from spawn to /healthz/ready 200
+    first_log: float  # seconds from spawn to the agent's first log line (interpreter + imports)
+    envoy_spawned: float  # seconds from spawn to the agent logging Envoy's command line
+    rss_kb: int
+    hwm_kb: int
+
+
+def log_offsets(log: Path, spawned_at: float) -> tuple[float, float]:
+    """Seconds from spawn (wall clock) to the first log line and to the "Envoy command" line."""
+    first = envoy = float("nan")
+    for line in log.read_text(errors="replace").splitlines():
+        stamp, _, rest = line.partition("\t")
+        try:
+            at = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC).timestamp()
+        except ValueError:
+            continue
+        if first != first:  # nan: not set yet
+            first = at - spawned_at
+        if "Envoy command:" in rest:
+            envoy = at - spawned_at
+            break
+    return first, envoy
+
+
+def agent_with_envoy(
+    mesh: LocalMesh, workload: Workload, run: int, settle: float, extra_env: dict[str, str]
+) -> AgentRun:
+    """One fresh pilot-agent + Envoy: time to ready, start-up phases, idle memory."""
+    workload.workdir = mesh.base / f"agent-{run}"
+    for role in ("admin", "status", "envoy_status", "prometheus"):  # not in the mesh file: fresh each run
+        workload.ports[role] = free_port()
+    workload.workdir.mkdir()
+    workload.prepare(mesh.state_dir)
+    env = {**workload.env(mesh.discovery_address), **extra_env}
+    url = f"http://127.0.0.1:{workload.ports['status']}/healthz/ready"
+    with (workload.workdir / "agent.log").open("ab") as log:
+        spawned_at, started = time.time(), time.perf_counter()
+        process = subprocess.Popen(
+            workload.agent_command(), cwd=workload.workdir, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        elapsed = wait_ready(process, url, started, f"pilot-agent (log: {workload.workdir / 'agent.log'})")
+        time.sleep(settle)  # idle means "nothing happening": there is nothing to await
+        rss, hwm = proc_status_kb(process.pid, "VmRSS"), proc_status_kb(process.pid, "VmHWM")
+    finally:
+        stop(process)
+    first, envoy = log_offsets(workload.workdir / "agent.log", spawned_at)
+    return AgentRun(elapsed, first, envoy, rss, hwm)
+
+
+@contextmanager
+def local_mesh(base: Path, workload: Workload) -> Iterator[LocalMesh]:
+    mesh = LocalMesh(base, [], [workload])
+    try:
+        mesh.start_controlplane()
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def report(runs: int, envoy: list[float], agent: list[AgentRun], imports: list[float]) -> None:
+    ready = [run.ready for run in agent]
+    print(f"Start to ready, {runs} runs each, interleaved (ms)\n")
+    print(f"| {'measurement':<66} | {'p50':>6} | {'p99':>6} | {'min':>6} |")
+    print(f"|{'-' * 68}|{'-' * 8}|{'-' * 8}|{'-' * 8}|")
+    rows = [
+        ("Envoy alone, static bootstrap: spawn -> admin /ready 200", envoy),
+        ("pilot-agent proxy + Envoy: spawn -> /healthz/ready 200", ready),
+        ("  of which: spawn -> agent's first log line (interpreter, imports)", [r.first_log for r in agent]),
+        ("  of which: spawn -> agent starts Envoy", [r.envoy_spawned for r in agent]),
+        ("  for scale: `python -c 'import ...pilot_agent'` incl. exit", imports),
+    ]
+    for label, samples in rows:
+        ms = [s * 1000 for s in samples]
+        print(f"| {label:<66} | {pct(ms, 0.5):6.0f} | {pct(ms, 0.99):6.0f} | {min(ms):6.0f} |")
+    diff50 = (pct(ready, 0.5) - pct(envoy, 0.5)) * 1000
+    diff99 = (pct(ready, 0.99) - pct(envoy, 0.99)) * 1000
+    label = "difference (agent + Envoy) - (Envoy alone)"
+    print(f"| {label:<66} | {diff50:6.0f} | {diff99:6.0f} | {'':>6} |")
+    verdict = "met" if diff50 <= GOAL_EXTRA_SECONDS * 1000 else "NOT met"
+    print(f"\nGoal: difference <= {GOAL_EXTRA_SECONDS * 1000:.0f} ms at p50: {verdict}.\n")
+
+    print("pilot-agent process memory, Envoy excluded (MB)\n")
+    print(f"| {'measurement':<66} | {'p50':>6} | {'max':>6} | {'min':>6} |")
+    print(f"|{'-' * 68}|{'-' * 8}|{'-' * 8}|{'-' * 8}|")
+    rss = [r.rss_kb / 1024 for r in agent]
+    hwm = [r.hwm_kb / 1024 for r in agent]
+    for label, mb in (("idle VmRSS (ready + settle)", rss), ("VmHWM (peak since start), same moment", hwm)):
+        print(f"| {label:<66} | {pct(mb, 0.5):6.1f} | {max(mb):6.1f} | {min(mb):6.1f} |")
+    verdict = "met" if pct(rss, 0.5) <= GOAL_RSS_MB else "NOT met"
+    print(f"\nGoal: idle RSS <= {GOAL_RSS_MB:.0f} MB: {verdict}.")
+
+
+def import_seconds() -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import istio_agent.cli.pilot_agent"], check=True)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--settle", type=float, default=2.0, help="seconds after ready before reading RSS")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra agent env (e.g. MALLOC_ARENA_MAX=2)",
+    )
+    args = parser.parse_args()
+    extra_env = dict(item.split("=", 1) for item in args.env)
+    base = Path(tempfile.mkdtemp(prefix="bench-startup-", dir="/tmp"))
+    envoy: list[float] = []
+    agent: list[AgentRun] = []
+    imports: list[float] = []
+    try:
+        workload = Workload("bench", base / "agent-0")
+        with local_mesh(base, workload) as mesh:
+            envoy_alone(base, -1)  # warm-up: page cache for Envoy, Python and the agent's modules
+            agent_with_envoy(mesh, workload, -1, 0, extra_env)
+            for run in range(args.runs):
+                envoy.append(envoy_alone(base, run))
+                agent.append(agent_with_envoy(mesh, workload, run, args.settle, extra_env))
+                imports.append(import_seconds())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    report(args.runs, envoy, agent, imports)
+
+
+if __name__ == "__main__":
+    main()
