@@ -29,6 +29,8 @@ protos: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.sds
 	$(BIN)/python -m bench.xds
+	$(BIN)/python -m bench.startup
+	$(BIN)/python -m bench.metrics
 
 demo: $(STAMP)
 	$(BIN)/agentctl demo
