@@ -55,6 +55,12 @@ FILE_WATCHER_FAILURES = counter(
 )
 
 _STEP_MS = 50
+_HANDOVER_WAIT_MS = 10
+_RETIRE_GRACE = 3 * _STEP_MS / 1000
+"""How long a retired notifier's running watch call may go on to return events it already read."""
+"""How long a re-opened watch waits for the old one's in-flight events (the notifier thread hands
+them over asynchronously; 1 ms lost changes on a busy machine). Paid only when the watched set of
+directories changes."""
 """How long the notifier waits for more events before handing a batch over."""
 _MAX_BATCH_MS = 500
 """Upper bound on how long the notifier groups a continuous stream of events."""
@@ -162,9 +168,9 @@ class _Notifier:
         self._closed = False
 
     def take_buffered(self) -> set[Path] | None:
-        """Synchronously take the changes buffered so far (costs at most ~1 ms); None if unknown."""
+        """Synchronously take the changes buffered so far (costs at most ~10 ms); None if unknown."""
         try:
-            result = self.rust.watch(0, 0, 1, None)
+            result = self.rust.watch(0, 0, _HANDOVER_WAIT_MS, None)
         except Exception:
             return None
         if isinstance(result, set):
@@ -347,9 +353,14 @@ class FileWatcher:
                 self._backlog_unknown = True
             else:
                 self._backlog |= taken
-            old.stop.set()
-            if old is not self._in_flight:
-                old.close()  # else the watch loop closes it once its watch call returns
+            if old is self._in_flight:
+                # Its watch call may already hold events it read: stopping it now would drop
+                # them. Let the call return its batch (it does within one step of the last
+                # event); stop it only if it is still idle after that. The loop closes it.
+                asyncio.get_running_loop().call_later(_RETIRE_GRACE, old.stop.set)
+            else:
+                old.stop.set()
+                old.close()
         if self._wake is not None:
             self._wake.set()
 
