@@ -155,7 +155,7 @@ def test_admin_runtime_and_limits(short_tmp: Path) -> None:
     assert layers[0]["static_layer"]["re2.max_program_size.error_level"] == "32768"
     assert layers[0]["static_layer"]["envoy.reloadable_features.http_reject_path_with_fragment"] is False
     assert layers[1] == {"name": "admin", "admin_layer": {}}
-    assert bootstrap["stats_config"] == {"use_all_default_tags": False}
+    assert bootstrap["stats_config"]["use_all_default_tags"] is False
     monitor = bootstrap["overload_manager"]["resource_monitors"][0]
     assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
     assert monitor["typed_config"]["max_active_downstream_connections"] == 2147483647

@@ -3,13 +3,14 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import re
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from istio_agent import ISTIO_VERSION
-from istio_agent.config import ConfigError
+from istio_agent.config import ConfigError, Env, ProxyConfig
 from istio_agent.config import bootstrap as bootstrap_config
 from istio_agent.config.bootstrap import interface_addresses, node_ips, split_log_level
 from istio_agent.envoy.binary import find_envoy
@@ -272,3 +273,145 @@ def test_unreadable_bootstrap_override_is_a_warning(tmp_path: Path, caplog: pyte
     s = make_settings(tmp_path, env={"ISTIO_BOOTSTRAP_OVERRIDE": str(tmp_path / "missing.yaml")})
     assert s.config_yaml == ""
     assert "bootstrap override" in caplog.text
+
+
+# -- ProxyConfig fields used by the bootstrap --------------------------------------------------------
+def test_new_proxy_config_fields_overlay(tmp_path: Path) -> None:
+    mesh = tmp_path / "mesh"
+    mesh.write_text(
+        "defaultConfig:\n"
+        "  extraStatTags: [a, b]\n"
+        "  proxyStatsMatcher: {inclusionPrefixes: [p1], inclusionSuffixes: [s1]}\n"
+        "  proxyMetadata: {SOME: file}\n"
+        "  runtimeValues: {x: '1'}\n"
+        "  tracing: {zipkin: {address: 'z:9411'}, sampling: 10}\n"
+        "  concurrency: 4\n"
+    )
+    env = Env(
+        {
+            "PROXY_CONFIG": json.dumps(
+                {
+                    "extraStatTags": ["c"],
+                    "proxyStatsMatcher": {"inclusionPrefixes": ["p2"]},
+                    "proxyMetadata": {"ENV": "env"},
+                    "runtimeValues": {"y": True},
+                    "statsdUdpAddress": "statsd:8125",
+                    "meshId": "mesh1",
+                    "holdApplicationUntilProxyStarts": True,
+                    "interceptionMode": "TPROXY",
+                    "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 5},
+                    "gatewayTopology": {"numTrustedProxies": 2},
+                }
+            )
+        }
+    )
+    annotations = {"proxy.istio.io/config": "proxyMetadata: {ANNOTATION: anno}\nconcurrency: 0\n"}
+    config = ProxyConfig.load(env, mesh, annotations)
+    assert config.extra_stat_tags == ("c",)  # lists replaced, not appended
+    assert config.proxy_stats_matcher is not None
+    assert config.proxy_stats_matcher.inclusion_prefixes == ("p2",)
+    assert config.proxy_stats_matcher.inclusion_suffixes == ()  # the message is replaced whole
+    assert config.proxy_metadata == {"SOME": "file", "ENV": "env", "ANNOTATION": "anno"}  # maps merge
+    assert config.runtime_values == {"y": "true"}  # replaced; YAML/JSON booleans read as text
+    assert config.tracing is not None
+    assert (config.tracing.tracer, config.tracing.address, config.tracing.sampling) == (
+        "zipkin",
+        "z:9411",
+        10.0,
+    )
+    assert config.statsd_udp_address == "statsd:8125"
+    assert config.mesh_id == "mesh1"
+    assert config.hold_application_until_proxy_starts is True
+    assert config.interception_mode == "TPROXY"
+    assert config.readiness_probe == {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 5}
+    assert config.concurrency == 0  # the annotation wins, and an explicit 0 is kept
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ({"concurrency": "two"}, "concurrency"),
+        ({"concurrency": True}, "concurrency"),
+        ({"extraStatTags": "a,b"}, "extraStatTags"),
+        ({"extraStatTags": ["ok", "bad(tag"]}, "extraStatTags"),
+        ({"proxyStatsMatcher": ["p"]}, "proxyStatsMatcher"),
+        ({"proxyStatsMatcher": {"inclusionPrefixes": [1]}}, "proxyStatsMatcher.inclusionPrefixes"),
+        ({"proxyStatsMatcher": {"inclusionRegexps": ["(open"]}}, "proxyStatsMatcher.inclusionRegexps"),
+        ({"tracing": "zipkin"}, "tracing"),
+        ({"tracing": {"zipkin": {"address": "no-port"}}}, "tracing.zipkin.address"),
+        ({"tracing": {"datadog": {}}}, "tracing.datadog.address"),
+        ({"tracing": {"zipkin": {"address": "z:1"}, "datadog": {"address": "d:1"}}}, "only one tracer"),
+        ({"tracing": {"sampling": 200}}, "tracing.sampling"),
+        ({"tracing": {"lightstep": {"address": "l:1", "accessToken": 5}}}, "tracing.lightstep.accessToken"),
+        ({"statsdUdpAddress": "statsd"}, "statsdUdpAddress"),
+        ({"statsdUdpAddress": 8125}, "statsdUdpAddress"),
+        ({"runtimeValues": ["a"]}, "runtimeValues"),
+        ({"runtimeValues": {"a": {"b": 1}}}, "runtimeValues.a"),
+        ({"readinessProbe": "yes"}, "readinessProbe"),
+        ({"meshId": 3}, "meshId"),
+        ({"holdApplicationUntilProxyStarts": "yes"}, "holdApplicationUntilProxyStarts"),
+        ({"interceptionMode": "MAGIC"}, "interceptionMode"),
+        ({"connectionSettings": {"globalDownstreamConnectionLimit": -1}}, "globalDownstreamConnectionLimit"),
+        ({"proxyMetadata": {"A": ["x"]}}, "proxyMetadata.A"),
+    ],
+)
+def test_bad_proxy_config_field_names_it(doc: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        ProxyConfig().overlay(doc, "PROXY_CONFIG")
+
+
+def test_bad_annotation_overlay_names_the_annotation() -> None:
+    with pytest.raises(ConfigError, match=r"proxy\.istio\.io/config: concurrency"):
+        ProxyConfig.load(Env({}), None, {"proxy.istio.io/config": "concurrency: lots"})
+
+
+def test_null_resets_a_field() -> None:
+    config = ProxyConfig().overlay({"extraStatTags": ["a"], "tracing": {"zipkin": {"address": "z:1"}}}, "a")
+    config = config.overlay({"extraStatTags": None, "tracing": None}, "b")
+    assert config.extra_stat_tags == () and config.tracing is None
+
+
+def test_proxy_config_metadata_json_includes_new_fields(tmp_path: Path) -> None:
+    s = make_settings(
+        tmp_path,
+        proxy_config={
+            "concurrency": 0,
+            "extraStatTags": ["a"],
+            "proxyStatsMatcher": {"inclusionSuffixes": ["s"]},
+            "runtimeValues": {"k": "v"},
+            "holdApplicationUntilProxyStarts": False,
+            "connectionSettings": {"globalDownstreamConnectionLimit": 10},
+        },
+    )
+    doc = s.metadata["PROXY_CONFIG"]
+    assert doc["concurrency"] == 0 and doc["holdApplicationUntilProxyStarts"] is False
+    assert doc["extraStatTags"] == ["a"]
+    assert doc["proxyStatsMatcher"] == {"inclusionSuffixes": ["s"]}
+    assert doc["runtimeValues"] == {"k": "v"}
+    assert doc["connectionSettings"] == {"globalDownstreamConnectionLimit": 10}
+    assert list(doc) == sorted(doc)
+    assert "tracing" not in doc and "readinessProbe" not in doc
+
+
+def test_concurrency_precedence(tmp_path: Path) -> None:
+    cpu = {"ISTIO_CPU_LIMIT": "3"}
+    assert make_settings(tmp_path, env=cpu).concurrency == 3
+    assert make_settings(tmp_path, env=cpu, proxy_config={"concurrency": 2}).concurrency == 2
+    assert make_settings(tmp_path, env=cpu, proxy_config={"concurrency": 0}).concurrency == 0
+    assert make_settings(tmp_path, env=cpu, proxy_config={"concurrency": 2}, concurrency=5).concurrency == 5
+
+
+def test_statsd_address_resolution(tmp_path: Path) -> None:
+    s = make_settings(
+        tmp_path, env={"HOST_IP": "127.0.0.1"}, proxy_config={"statsdUdpAddress": "$(HOST_IP):8125"}
+    )
+    assert s.statsd_address == "127.0.0.1:8125"
+    s = make_settings(tmp_path, proxy_config={"statsdUdpAddress": "[::1]:8125"})
+    assert s.statsd_address == "[::1]:8125"
+
+
+def test_outlier_log_path_setting(tmp_path: Path) -> None:
+    s = make_settings(tmp_path, outlier_log_path="/dev/stdout")
+    assert s.outlier_log_path == "/dev/stdout"
+    assert s.metadata["OUTLIER_LOG_PATH"] == "/dev/stdout"
+    assert "OUTLIER_LOG_PATH" not in make_settings(tmp_path).metadata

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from istio_agent.config import proxy_config
 from istio_agent.config.proxy_config import ProxyConfig
 
 LOCALITY_LABEL = "istio-locality"
@@ -63,27 +64,13 @@ def pilot_san(discovery_address: str) -> str:
 
 
 def proxy_config_json(config: ProxyConfig) -> dict[str, Any]:
-    """The ProxyConfig fields we know, as protobuf JSON (camelCase, durations as ``45s``), empty omitted."""
-    doc: dict[str, Any] = {}
-    for json_name, attr in ProxyConfig._FIELDS.items():
-        value = getattr(config, attr)
-        if isinstance(value, timedelta):
-            doc[json_name] = duration_json(value)
-        elif value:  # protobuf JSON leaves out empty strings, zero numbers and empty maps
-            doc[json_name] = dict(value) if isinstance(value, dict) else value
-    return {key: doc[key] for key in sorted(doc)}
+    """Node metadata ``PROXY_CONFIG``: the ProxyConfig as protobuf JSON (see ``ProxyConfig.to_json``)."""
+    return config.to_json()
 
 
 def duration_json(value: timedelta) -> str:
-    """A protobuf JSON Duration: seconds with 0, 3, 6 or 9 fractional digits (``5s``, ``1.500s``)."""
-    micros = round(value.total_seconds() * 1_000_000)
-    seconds, fraction = divmod(abs(micros), 1_000_000)
-    sign = "-" if micros < 0 else ""
-    if not fraction:
-        return f"{sign}{seconds}s"
-    if fraction % 1000 == 0:
-        return f"{sign}{seconds}.{fraction // 1000:03d}s"
-    return f"{sign}{seconds}.{fraction:06d}s"
+    """A protobuf JSON Duration (``5s``, ``1.500s``)."""
+    return proxy_config.duration_json(value)
 
 
 # -- downward API files -----------------------------------------------------------------------------
@@ -166,6 +153,7 @@ class MetadataSources:
     proxy_config: Mapping[str, Any] = field(default_factory=dict)
     exit_on_zero_active_connections: bool = False
     skip_deprecated_logs: bool = False
+    outlier_log_path: str = ""
 
 
 def raw_metadata(sources: MetadataSources) -> dict[str, Any]:
@@ -222,4 +210,6 @@ def build_metadata(sources: MetadataSources) -> dict[str, Any]:
         typed["ANNOTATIONS"] = dict(sources.pod_annotations)
     if sources.pilot_san is not None:
         typed["PILOT_SAN"] = list(sources.pilot_san)
+    if sources.outlier_log_path:
+        typed["OUTLIER_LOG_PATH"] = sources.outlier_log_path
     return {**raw, **typed}

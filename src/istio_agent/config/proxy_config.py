@@ -1,12 +1,18 @@
-"""ProxyConfig: the subset of Istio's ``meshconfig.ProxyConfig`` the agent uses so far.
+"""ProxyConfig: the subset of Istio's ``meshconfig.ProxyConfig`` the agent uses.
 
 Sources, in increasing precedence (as Istio): defaults, the mesh config file's ``defaultConfig``,
-``PROXY_CONFIG`` (YAML or JSON). Overlays replace fields, except ``proxyMetadata``, whose maps merge.
+``PROXY_CONFIG`` (YAML or JSON), the pod annotation ``proxy.istio.io/config``. Overlays replace
+fields (lists and nested messages replaced whole), except ``proxyMetadata``, whose maps merge.
+Every field is type-checked on overlay, so a typo fails start-up with the field's name instead of
+surfacing later as an Envoy that refuses its bootstrap.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import socket
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -15,8 +21,55 @@ from typing import Any
 import yaml
 
 from istio_agent.config.env import ConfigError, Env, parse_go_duration
+from istio_agent.log import scope
+
+log = scope("config")
 
 DEFAULT_DISCOVERY_ADDRESS = "istiod.istio-system.svc:15012"
+PROXY_CONFIG_ANNOTATION = "proxy.istio.io/config"
+INTERCEPTION_MODES = ("REDIRECT", "TPROXY", "NONE")
+SUPPORTED_TRACERS = ("zipkin", "lightstep", "datadog")
+IGNORED_TRACERS = ("stackdriver", "openCensusAgent")
+_STAT_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+@dataclass(frozen=True)
+class StatsMatcher:
+    """``proxyStatsMatcher``: extra Envoy stats to keep (Istio adds its required ones)."""
+
+    inclusion_prefixes: tuple[str, ...] = ()
+    inclusion_suffixes: tuple[str, ...] = ()
+    inclusion_regexps: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        doc = {
+            "inclusionPrefixes": list(self.inclusion_prefixes),
+            "inclusionRegexps": list(self.inclusion_regexps),
+            "inclusionSuffixes": list(self.inclusion_suffixes),
+        }
+        return {key: value for key, value in doc.items() if value}
+
+
+@dataclass(frozen=True)
+class Tracing:
+    """``tracing``: the tracer Envoy reports spans to, plus settings istiod reads (sampling, tags).
+
+    Only one tracer is set (a oneof in Istio's API). ``raw`` keeps the document for node metadata.
+    """
+
+    tracer: str = ""
+    address: str = ""
+    access_token: str = field(default="", repr=False)
+    sampling: float | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """The document as given, without the Lightstep access token (a secret istiod never needs)."""
+        doc = {key: value for key, value in self.raw.items()}
+        lightstep = doc.get("lightstep")
+        if isinstance(lightstep, dict) and "accessToken" in lightstep:
+            doc["lightstep"] = {k: v for k, v in lightstep.items() if k != "accessToken"}
+        return doc
 
 
 @dataclass(frozen=True)
@@ -32,6 +85,17 @@ class ProxyConfig:
     proxy_metadata: dict[str, str] = field(default_factory=dict)
     drain_duration: timedelta = timedelta(seconds=45)
     termination_drain_duration: timedelta = timedelta(seconds=5)
+    concurrency: int | None = None
+    extra_stat_tags: tuple[str, ...] = ()
+    proxy_stats_matcher: StatsMatcher | None = None
+    tracing: Tracing | None = None
+    statsd_udp_address: str = ""
+    runtime_values: dict[str, str] = field(default_factory=dict)
+    readiness_probe: dict[str, Any] | None = None
+    mesh_id: str = ""
+    hold_application_until_proxy_starts: bool | None = None
+    interception_mode: str = ""
+    global_downstream_connection_limit: int | None = None
 
     _FIELDS = {
         "discoveryAddress": "discovery_address",
@@ -45,37 +109,43 @@ class ProxyConfig:
         "proxyMetadata": "proxy_metadata",
         "drainDuration": "drain_duration",
         "terminationDrainDuration": "termination_drain_duration",
+        "concurrency": "concurrency",
+        "extraStatTags": "extra_stat_tags",
+        "proxyStatsMatcher": "proxy_stats_matcher",
+        "tracing": "tracing",
+        "statsdUdpAddress": "statsd_udp_address",
+        "runtimeValues": "runtime_values",
+        "readinessProbe": "readiness_probe",
+        "meshId": "mesh_id",
+        "holdApplicationUntilProxyStarts": "hold_application_until_proxy_starts",
+        "interceptionMode": "interception_mode",
+        "connectionSettings": "global_downstream_connection_limit",
     }
 
     def overlay(self, doc: dict[str, Any], source: str) -> ProxyConfig:
-        """Apply a ProxyConfig document (camelCase keys); unknown keys are ignored as in Istio's lenient parse."""
+        """Apply a ProxyConfig document (camelCase keys).
+
+        Unknown keys, and keys other components own (``gatewayTopology``), are ignored as in Istio's
+        lenient parse.
+        """
         changes: dict[str, Any] = {}
         for key, value in doc.items():
             name = self._FIELDS.get(key)
             if name is None:
                 continue
-            current = getattr(self, name)
+            where = f"{source}: {key}"
             if name == "proxy_metadata":
-                if not isinstance(value, dict):
-                    raise ConfigError(f"{source}: proxyMetadata must be a map of strings")
-                changes[name] = {**current, **{str(k): str(v) for k, v in value.items()}}
-            elif isinstance(current, timedelta):
-                changes[name] = _duration(value, key, source)
-            elif isinstance(current, int):
-                if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).isdigit():
-                    raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
-                changes[name] = int(value)
+                changes[name] = {**self.proxy_metadata, **_string_map(value, where)}
+            elif value is None:  # an explicit null resets the field, as protobuf JSON does
+                changes[name] = _FIELD_DEFAULTS[name]
             else:
-                if not isinstance(value, str):
-                    raise ConfigError(f"{source}: {key} must be a string, got {value!r}")
-                changes[name] = value
+                changes[name] = _PARSERS[name](value, where)
         updated = dataclasses.replace(self, **changes)
         updated.validate(source)
         return updated
 
     def validate(self, source: str = "ProxyConfig") -> None:
-        host, sep, port = self.discovery_address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not _is_host_port(self.discovery_address):
             raise ConfigError(f"{source}: discoveryAddress {self.discovery_address!r} must be host:port")
         for name in ("proxy_admin_port", "status_port"):
             if not 0 <= getattr(self, name) < 65536:
@@ -86,9 +156,44 @@ class ProxyConfig:
             raise ConfigError(f"{source}: terminationDrainDuration must not be negative")
         if self.control_plane_auth_policy not in ("NONE", "MUTUAL_TLS"):
             raise ConfigError(f"{source}: controlPlaneAuthPolicy must be NONE or MUTUAL_TLS")
+        if self.statsd_udp_address and not _is_host_port(self.statsd_udp_address):
+            raise ConfigError(f"{source}: statsdUdpAddress {self.statsd_udp_address!r} must be host:port")
+        if self.tracing is not None and self.tracing.address and not _is_host_port(self.tracing.address):
+            raise ConfigError(
+                f"{source}: tracing.{self.tracing.tracer}.address {self.tracing.address!r} must be host:port"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        """Protobuf JSON (camelCase, ``45s`` durations, empty values omitted, keys sorted).
+
+        This is node metadata ``PROXY_CONFIG``; the Lightstep token is left out.
+        """
+        doc: dict[str, Any] = {}
+        for json_name, attr in self._FIELDS.items():
+            value = getattr(self, attr)
+            if isinstance(value, timedelta):
+                doc[json_name] = duration_json(value)
+            elif isinstance(value, StatsMatcher | Tracing):
+                doc[json_name] = value.to_json()
+            elif attr == "global_downstream_connection_limit":
+                if value is not None:
+                    doc[json_name] = {"globalDownstreamConnectionLimit": value}
+            elif isinstance(value, bool) or (attr == "concurrency" and value is not None):
+                doc[json_name] = value  # wrapper types: present (even 0/false) once set
+            elif isinstance(value, tuple):
+                if value:
+                    doc[json_name] = list(value)
+            elif value:  # protobuf JSON leaves out empty strings, zero numbers and empty maps
+                doc[json_name] = dict(value) if isinstance(value, dict) else value
+        return {key: doc[key] for key in sorted(doc)}
 
     @classmethod
-    def load(cls, env: Env, mesh_config_file: Path | None = None) -> ProxyConfig:
+    def load(
+        cls,
+        env: Env,
+        mesh_config_file: Path | None = None,
+        pod_annotations: Mapping[str, str] | None = None,
+    ) -> ProxyConfig:
         config = cls()
         if mesh_config_file is not None and mesh_config_file.exists():
             mesh = _parse_document(mesh_config_file.read_text(), str(mesh_config_file))
@@ -99,17 +204,229 @@ class ProxyConfig:
         raw = env.text("PROXY_CONFIG")
         if raw.strip():
             config = config.overlay(_parse_document(raw, "PROXY_CONFIG"), "PROXY_CONFIG")
+        annotation = (pod_annotations or {}).get(PROXY_CONFIG_ANNOTATION, "")
+        if annotation.strip():
+            source = f"annotation {PROXY_CONFIG_ANNOTATION}"
+            config = config.overlay(_parse_document(annotation, source), source)
         return config
 
 
-def _duration(value: Any, key: str, source: str) -> timedelta:
+def duration_json(value: timedelta) -> str:
+    """A protobuf JSON Duration: seconds with 0, 3, 6 or 9 fractional digits (``5s``, ``1.500s``)."""
+    micros = round(value.total_seconds() * 1_000_000)
+    seconds, fraction = divmod(abs(micros), 1_000_000)
+    sign = "-" if micros < 0 else ""
+    if not fraction:
+        return f"{sign}{seconds}s"
+    if fraction % 1000 == 0:
+        return f"{sign}{seconds}.{fraction // 1000:03d}s"
+    return f"{sign}{seconds}.{fraction:06d}s"
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError when malformed."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"{address!r}: an IPv6 address needs brackets, e.g. [::1]:9411")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} must be host:port")
+    return host, int(port)
+
+
+def substitute_host_ip(address: str, host_ip: str) -> str:
+    """Replace ``$(HOST_IP)`` (Istio's convention for node-local agents), bracketing an IPv6 address."""
+    if "$(HOST_IP)" not in address:
+        return address
+    return address.replace("$(HOST_IP)", f"[{host_ip}]" if ":" in host_ip else host_ip)
+
+
+def resolve_udp_address(address: str, host_ip: str = "") -> str:
+    """``statsdUdpAddress`` as ``IP:port`` (Envoy's statsd sink takes no names); "" with a warning on failure.
+
+    Runs once at start-up, as Istio resolves it while building the ProxyConfig.
+    """
+    if not address:
+        return ""
+    try:
+        host, port = split_host_port(substitute_host_ip(address, host_ip))
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (ValueError, OSError) as err:
+        log.warning("ignoring statsdUdpAddress %r: cannot resolve it: %s", address, err)
+        return ""
+    ip = str(infos[0][4][0])
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+# -- field parsers ----------------------------------------------------------------------------------
+def _is_host_port(address: str) -> bool:
+    try:
+        split_host_port(address)
+    except ValueError:
+        return False
+    return True
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def _port_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).isdigit():
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _optional_int(value: Any, where: str) -> int | None:
+    """A protobuf Int32Value: a plain number (or a numeric string) in JSON."""
+    return _port_int(value, where)
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    return value
+
+
+def _duration(value: Any, where: str) -> timedelta:
     """A ProxyConfig duration: Go syntax (``5s``) as in YAML/JSON protobuf form; bare numbers are seconds."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{source}: {key} must be a duration such as 5s, got {value!r}")
+        raise ConfigError(f"{where} must be a duration such as 5s, got {value!r}")
     try:
         return timedelta(seconds=value) if isinstance(value, int | float) else parse_go_duration(value)
     except ValueError as err:
-        raise ConfigError(f"{source}: {key}: {err}") from None
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _string_map(value: Any, where: str) -> dict[str, str]:
+    """A ``map<string, string>``; YAML scalars (numbers, booleans) are taken as their text."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a map of strings")
+    result: dict[str, str] = {}
+    for key, item in value.items():
+        if isinstance(item, dict | list) or item is None:
+            raise ConfigError(f"{where}.{key} must be a string, got {item!r}")
+        result[str(key)] = ("true" if item else "false") if isinstance(item, bool) else str(item)
+    return result
+
+
+def _string_list(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _stat_tags(value: Any, where: str) -> tuple[str, ...]:
+    tags = _string_list(value, where)
+    for tag in tags:
+        if tag and not _STAT_TAG.match(tag):
+            raise ConfigError(f"{where}: {tag!r} is not a valid stat tag name (letters, digits, _ . -)")
+    return tags
+
+
+def _map(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a map, got {value!r}")
+    return value
+
+
+def _stats_matcher(value: Any, where: str) -> StatsMatcher:
+    doc = _map(value, where)
+    lists = {
+        key: _string_list(doc[key], f"{where}.{key}") if doc.get(key) is not None else ()
+        for key in ("inclusionPrefixes", "inclusionSuffixes", "inclusionRegexps")
+    }
+    for pattern in lists["inclusionRegexps"]:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ConfigError(f"{where}.inclusionRegexps: {pattern!r} is not a valid regex: {err}") from None
+    return StatsMatcher(lists["inclusionPrefixes"], lists["inclusionSuffixes"], lists["inclusionRegexps"])
+
+
+def _tracing(value: Any, where: str) -> Tracing:
+    doc = _map(value, where)
+    tracers = [key for key in (*SUPPORTED_TRACERS, *IGNORED_TRACERS) if doc.get(key) is not None]
+    if len(tracers) > 1:
+        raise ConfigError(f"{where}: only one tracer may be set, got {', '.join(tracers)}")
+    sampling = doc.get("sampling")
+    if sampling is not None:
+        if isinstance(sampling, bool) or not isinstance(sampling, int | float) or not 0 <= sampling <= 100:
+            raise ConfigError(f"{where}.sampling must be a percentage between 0 and 100, got {sampling!r}")
+        sampling = float(sampling)
+    for key in ("customTags", "tlsSettings"):
+        if doc.get(key) is not None:
+            _map(doc[key], f"{where}.{key}")
+    if not tracers:
+        return Tracing(sampling=sampling, raw=doc)
+    tracer = tracers[0]
+    if tracer in IGNORED_TRACERS:
+        log.warning("%s.%s is not supported by this agent; Envoy gets no tracer", where, tracer)
+        return Tracing(sampling=sampling, raw=doc)
+    settings = _map(doc[tracer], f"{where}.{tracer}")
+    address = _string(settings.get("address", ""), f"{where}.{tracer}.address")
+    if not address:
+        raise ConfigError(f"{where}.{tracer}.address must be set")
+    token = ""
+    if tracer == "lightstep":
+        token = _string(settings.get("accessToken", ""), f"{where}.lightstep.accessToken")
+    return Tracing(tracer=tracer, address=address, access_token=token, sampling=sampling, raw=doc)
+
+
+def _interception_mode(value: Any, where: str) -> str:
+    mode = _string(value, where)
+    if mode not in INTERCEPTION_MODES:
+        raise ConfigError(f"{where} must be one of {', '.join(INTERCEPTION_MODES)}, got {mode!r}")
+    return mode
+
+
+def _connection_limit(value: Any, where: str) -> int | None:
+    doc = _map(value, where)
+    limit = doc.get("globalDownstreamConnectionLimit")
+    if limit is None:
+        return None
+    return _port_int(limit, f"{where}.globalDownstreamConnectionLimit")
+
+
+def _readiness_probe(value: Any, where: str) -> dict[str, Any]:
+    """Kept as the camelCase document; ``istio_agent.health.config`` interprets it."""
+    return dict(_map(value, where))
+
+
+def _string_field(value: Any, where: str) -> str:
+    return _string(value, where)
+
+
+_PARSERS: dict[str, Callable[[Any, str], Any]] = {
+    "discovery_address": _string_field,
+    "config_path": _string_field,
+    "binary_path": _string_field,
+    "custom_config_file": _string_field,
+    "service_cluster": _string_field,
+    "proxy_admin_port": _port_int,
+    "status_port": _port_int,
+    "control_plane_auth_policy": _string_field,
+    "drain_duration": _duration,
+    "termination_drain_duration": _duration,
+    "concurrency": _optional_int,
+    "extra_stat_tags": _stat_tags,
+    "proxy_stats_matcher": _stats_matcher,
+    "tracing": _tracing,
+    "statsd_udp_address": _string_field,
+    "runtime_values": _string_map,
+    "readiness_probe": _readiness_probe,
+    "mesh_id": _string_field,
+    "hold_application_until_proxy_starts": _bool,
+    "interception_mode": _interception_mode,
+    "global_downstream_connection_limit": _connection_limit,
+}
+_FIELD_DEFAULTS: dict[str, Any] = {
+    f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    for f in dataclasses.fields(ProxyConfig)
+}
 
 
 def _parse_document(text: str, source: str) -> dict[str, Any]:
