@@ -17,9 +17,16 @@ from aiohttp import web
 
 from istio_agent.bootstrap.envoy import build_bootstrap, write_bootstrap
 from istio_agent.config.bootstrap import BootstrapSettings
+from istio_agent.config.env import ConfigError
 from istio_agent.ctl.local import free_port, port_open, wait_until
 from istio_agent.envoy.binary import find_envoy
-from istio_agent.envoy.process import EnvoyProcess, EnvoyStartError, describe_exit, envoy_command
+from istio_agent.envoy.process import (
+    EnvoyProcess,
+    EnvoyStartError,
+    active_connections,
+    describe_exit,
+    envoy_command,
+)
 from tests.bootstrap import make_settings
 
 
@@ -320,3 +327,219 @@ async def test_real_envoy_rejecting_its_config_exits_with_error(
         await process.kill()
     assert "Envoy exited with error: exit status 1" in envoy_logs.text
     assert broken.exists()
+
+
+# -- active connections (EXIT_ON_ZERO_ACTIVE_CONNECTIONS) ----------------------------------------------
+BUSY_STATS = """\
+http.admin.downstream_cx_active: 2
+http.agent.downstream_cx_active: 0
+http.inbound_0.0.0.0_8080.downstream_cx_active: 0
+listener.0.0.0.0_15001.downstream_cx_active: 0
+listener.0.0.0.0_15006.downstream_cx_active: 3
+listener.0.0.0.0_15006.worker_0.downstream_cx_active: 3
+listener.0.0.0.0_15021.downstream_cx_active: 4
+listener.0.0.0.0_15090.downstream_cx_active: 5
+listener.0.0.0.0_8443.downstream_cx_active: 7
+listener.10.1.2.3_9043.downstream_cx_active: 4
+listener.10.1.2.4_2181.downstream_cx_active: 0
+listener.10.1.2.5_9043.downstream_cx_active: 5
+listener.envoy_internal_connect_originate.downstream_cx_active: 6
+listener.admin.downstream_cx_active: 2
+listener.admin.main_thread.downstream_cx_active: 2"""
+
+IDLE_STATS = """\
+http.admin.downstream_cx_active: 2
+listener.0.0.0.0_15001.downstream_cx_active: 0
+listener.0.0.0.0_15006.downstream_cx_active: 0
+listener.0.0.0.0_15021.downstream_cx_active: 1
+listener.10.1.2.3_9043.downstream_cx_active: 0
+listener.admin.downstream_cx_active: 2
+listener.admin.main_thread.downstream_cx_active: 2"""
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("", -1),
+        ("\n  \n", -1),
+        (BUSY_STATS, 19),
+        (IDLE_STATS, 0),
+        (  # only Istio's own, admin, internal and per-worker listeners
+            "listener.0.0.0.0_15021.downstream_cx_active: 3\n"
+            "listener.0.0.0.0_15090.downstream_cx_active: 1\n"
+            "listener.envoy_internal_x.downstream_cx_active: 9\n"
+            "listener.0.0.0.0_15006.worker_1.downstream_cx_active: 4\n"
+            "listener.admin.downstream_cx_active: 1\n"
+            "listener.admin.main_thread.downstream_cx_active: 1",
+            0,
+        ),
+        (  # malformed lines are skipped, not fatal
+            "listener.0.0.0.0_8080.downstream_cx_active: many\n"
+            "listener.0.0.0.0_8081.downstream_cx_active 5\n"
+            "listener.0.0.0.0_8082.downstream_cx_active: 1: 2\n"
+            "cluster.x.upstream_cx_active: 8\n"
+            "listener.0.0.0.0_8083.downstream_cx_active: 2",
+            2,
+        ),
+        ("listener.[__]_15021.downstream_cx_active: 2", 2),  # as Istio: IPv6 wildcard not excluded
+    ],
+)
+def test_active_connections(short_tmp: Path, body: str, expected: int) -> None:
+    settings = make_settings(short_tmp)
+    assert (settings.envoy_status_port, settings.envoy_prometheus_port) == (15021, 15090)
+    assert active_connections(body, settings) == expected
+
+
+def test_active_connections_follow_configured_ports(short_tmp: Path) -> None:
+    settings = make_settings(short_tmp, env={"ENVOY_STATUS_PORT": "16021", "ENVOY_PROMETHEUS_PORT": "16090"})
+    body = (
+        "listener.0.0.0.0_16021.downstream_cx_active: 1\n"
+        "listener.0.0.0.0_16090.downstream_cx_active: 1\n"
+        "listener.0.0.0.0_15021.downstream_cx_active: 1\n"
+        "listener.0.0.0.0_15443.downstream_cx_active: 1"
+    )
+    assert active_connections(body, settings) == 2
+    assert active_connections(body, settings, secure_metrics_ports=[15443]) == 1
+
+
+class FakeAdmin:
+    """An Envoy admin API stand-in: accepts the drain and answers stats polls from a script."""
+
+    def __init__(self, replies: list[tuple[int, str]], forever: tuple[int, str] | None = None) -> None:
+        self.replies = replies
+        self.forever = forever or replies[-1]
+        self.requests: list[str] = []
+        self.port = free_port()
+        self._runner: web.AppRunner | None = None
+
+    async def _drain(self, request: web.Request) -> web.Response:
+        self.requests.append(request.raw_path)
+        return web.Response(text="OK\n")
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        self.requests.append(request.raw_path)
+        status, body = self.replies.pop(0) if self.replies else self.forever
+        return web.Response(status=status, text=body)
+
+    async def __aenter__(self) -> FakeAdmin:
+        app = web.Application()
+        app.router.add_post("/drain_listeners", self._drain)
+        app.router.add_get("/stats", self._stats)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    @property
+    def polls(self) -> int:
+        return sum(1 for path in self.requests if path.startswith("/stats"))
+
+
+def exit_on_zero_settings(workdir: Path, admin_port: int, script: str = "exec sleep 60") -> BootstrapSettings:
+    settings = make_settings(
+        workdir,
+        env={"EXIT_ON_ZERO_ACTIVE_CONNECTIONS": "true", "MINIMUM_DRAIN_DURATION": "0.2s"},
+        proxy_config={"proxyAdminPort": admin_port, "terminationDrainDuration": "1s", "drainDuration": "30s"},
+    )
+    assert settings.exit_on_zero_active_connections
+    assert settings.minimum_drain_duration == timedelta(seconds=0.2)
+    return with_binary(settings, fake_envoy(workdir, script))
+
+
+async def drain_with(settings: BootstrapSettings) -> tuple[int, float]:
+    process = EnvoyProcess(settings, write_bootstrap(settings), poll_interval=0.05)
+    await process.start()
+    started = time.monotonic()
+    try:
+        code = await process.drain_and_stop()
+    finally:
+        await process.kill()
+    return code, time.monotonic() - started
+
+
+def test_drain_settings_from_env(short_tmp: Path) -> None:
+    default = make_settings(short_tmp)
+    assert default.minimum_drain_duration == timedelta(seconds=5)
+    assert not default.exit_on_zero_active_connections and not default.restart_on_exit
+    assert make_settings(short_tmp, env={"ENVOY_RESTART_ON_EXIT": "true"}).restart_on_exit
+    with pytest.raises(ConfigError, match="MINIMUM_DRAIN_DURATION"):
+        make_settings(short_tmp, env={"MINIMUM_DRAIN_DURATION": "-1s"})
+    with pytest.raises(ConfigError, match="MINIMUM_DRAIN_DURATION"):
+        make_settings(short_tmp, env={"MINIMUM_DRAIN_DURATION": "soon"})
+
+
+async def test_zero_active_connections_ends_the_drain(
+    short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
+) -> None:
+    busy = "listener.0.0.0.0_15006.downstream_cx_active: 2"
+    async with FakeAdmin([(200, busy), (200, busy), (200, IDLE_STATS)]) as admin:
+        code, elapsed = await drain_with(exit_on_zero_settings(short_tmp, admin.port))
+    assert code == -signal.SIGKILL
+    assert admin.requests[0] == "/drain_listeners?inboundonly&graceful"
+    assert admin.requests[1:] == ["/stats?usedonly&filter=downstream_cx_active$"] * 3
+    assert 0.2 <= elapsed < 5  # MINIMUM_DRAIN_DURATION first; far from the 30 s bound
+    assert "There are still 2 active connections" in envoy_logs.text
+    assert "There are no more active connections" in envoy_logs.text
+    assert "Envoy aborted normally" in envoy_logs.text
+
+
+async def test_empty_stats_end_the_drain(short_tmp: Path, envoy_logs: pytest.LogCaptureFixture) -> None:
+    async with FakeAdmin([(200, "")]) as admin:
+        code, _ = await drain_with(exit_on_zero_settings(short_tmp, admin.port))
+    assert code == -signal.SIGKILL
+    assert admin.polls == 1
+    assert "no connection stats" in envoy_logs.text
+
+
+async def test_stats_errors_end_the_drain_after_five_in_a_row(
+    short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
+) -> None:
+    busy = (200, "listener.0.0.0.0_15006.downstream_cx_active: 1")
+    failing = (500, "oops")
+    # a success in between resets the count: 4 failures, 1 success, then 5 failures
+    async with FakeAdmin([failing] * 4 + [busy], forever=failing) as admin:
+        code, _ = await drain_with(exit_on_zero_settings(short_tmp, admin.port))
+    assert code == -signal.SIGKILL
+    assert admin.polls == 10
+    assert "failed (5/5)" in envoy_logs.text
+    assert "Giving up on Envoy's active connections" in envoy_logs.text
+
+
+async def test_unreachable_admin_ends_the_drain(
+    short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
+) -> None:
+    code, elapsed = await drain_with(exit_on_zero_settings(short_tmp, free_port()))
+    assert code == -signal.SIGKILL
+    assert elapsed < 10
+    assert "Envoy drain request" in envoy_logs.text
+    assert "Giving up on Envoy's active connections" in envoy_logs.text
+
+
+async def test_drain_is_bounded_by_drain_duration(
+    short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
+) -> None:
+    settings = dataclasses.replace(exit_on_zero_settings(short_tmp, 0), drain_duration=timedelta(seconds=1))
+    async with FakeAdmin([(200, "listener.0.0.0.0_15006.downstream_cx_active: 1")]) as admin:
+        settings = dataclasses.replace(settings, proxy_admin_port=admin.port)
+        code, elapsed = await drain_with(settings)
+    assert code == -signal.SIGKILL
+    assert 0.9 <= elapsed < 5
+    assert admin.polls >= 2
+    assert "still has active connections 1s after the drain began" in envoy_logs.text
+    assert "There are no more active connections" not in envoy_logs.text
+
+
+async def test_envoy_exiting_ends_the_connection_wait(
+    short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
+) -> None:
+    async with FakeAdmin([(200, "listener.0.0.0.0_15006.downstream_cx_active: 1")]) as admin:
+        settings = exit_on_zero_settings(short_tmp, admin.port, script="sleep 0.6; exit 0")
+        code, elapsed = await drain_with(settings)
+    assert code == 0
+    assert elapsed < 10
+    assert "Envoy exited with status exit status 0" in envoy_logs.text
+    assert "aborted" not in envoy_logs.text

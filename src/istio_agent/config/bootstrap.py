@@ -14,7 +14,7 @@ import ipaddress
 import json
 import socket
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +25,7 @@ import yaml
 from istio_agent import ISTIO_VERSION
 from istio_agent.bootstrap import node
 from istio_agent.config.env import ConfigError, Env
-from istio_agent.config.proxy_config import ProxyConfig
+from istio_agent.config.proxy_config import ProxyConfig, resolve_udp_address
 from istio_agent.config.security import SecuritySettings
 from istio_agent.envoy.binary import EnvoyNotFound, find_envoy
 from istio_agent.log import scope
@@ -37,6 +37,7 @@ ENVOY_LOG_LEVELS = ("trace", "debug", "info", "warning", "warn", "error", "criti
 POD_LABELS_FILE = "etc/istio/pod/labels"
 POD_ANNOTATIONS_FILE = "etc/istio/pod/annotations"
 BOOTSTRAP_FILE = "envoy-rev.json"
+LIGHTSTEP_TOKEN_FILE = "lightstep_access_token.txt"
 PROFILE_PATH = "var/lib/istio/data/envoy.prof"
 EXCLUDE_INTERFACES_ANNOTATION = "traffic.sidecar.istio.io/excludeInterfaces"
 DEFAULT_MAX_DOWNSTREAM_CONNECTIONS = 2147483647
@@ -72,6 +73,8 @@ class BootstrapSettings:
     drain_duration: timedelta = timedelta(seconds=45)
     termination_drain_duration: timedelta = timedelta(seconds=5)
     exit_on_zero_active_connections: bool = False
+    minimum_drain_duration: timedelta = timedelta(seconds=5)
+    restart_on_exit: bool = False  # beyond Istio (VMs): ENVOY_RESTART_ON_EXIT restarts a crashed Envoy
     file_flush_interval: timedelta = timedelta(seconds=1)
     file_flush_min_size_kb: int = 0
     log_level: str = "warning"
@@ -86,6 +89,10 @@ class BootstrapSettings:
     config_yaml: str = ""
     strip_fragment_from_path: bool = True
     max_downstream_connections: int = DEFAULT_MAX_DOWNSTREAM_CONNECTIONS
+    proxy_config: ProxyConfig = field(default_factory=ProxyConfig)
+    host_ip: str = ""
+    outlier_log_path: str = ""
+    statsd_address: str = ""  # statsdUdpAddress resolved to IP:port at start-up
 
     # -- derived -----------------------------------------------------------------------------------
     @property
@@ -104,6 +111,10 @@ class BootstrapSettings:
     @property
     def bootstrap_path(self) -> Path:
         return self.config_path / BOOTSTRAP_FILE
+
+    @property
+    def lightstep_token_path(self) -> Path:
+        return self.config_path / LIGHTSTEP_TOKEN_FILE
 
     @property
     def profile_path(self) -> Path:
@@ -130,6 +141,7 @@ class BootstrapSettings:
         concurrency: int = 0,
         log_as_json: bool = False,
         listener_host: str = "",
+        outlier_log_path: str = "",
     ) -> BootstrapSettings:
         """Resolve the settings; raise ConfigError naming the flag, variable or file on a bad value.
 
@@ -151,10 +163,17 @@ class BootstrapSettings:
         status_port = _port(env, "ENVOY_STATUS_PORT", 15021)
         prometheus_port = _port(env, "ENVOY_PROMETHEUS_PORT", 15090)
         exit_on_zero = env.flag("EXIT_ON_ZERO_ACTIVE_CONNECTIONS")
+        minimum_drain = env.duration("MINIMUM_DRAIN_DURATION", timedelta(seconds=5))
+        if minimum_drain < timedelta(0):
+            raise ConfigError(
+                f"invalid value for MINIMUM_DRAIN_DURATION={env.text('MINIMUM_DRAIN_DURATION')!r}: must not be negative"
+            )
         skip_deprecated_logs = env.flag("ENVOY_SKIP_DEPRECATED_LOGS", True)
         if concurrency < 0:
             raise ConfigError(f"invalid value for --concurrency={concurrency}: must not be negative")
-        if concurrency == 0:
+        if concurrency == 0 and proxy_config.concurrency is not None:
+            concurrency = proxy_config.concurrency
+        elif concurrency == 0:
             concurrency = env.integer("ISTIO_CPU_LIMIT", 0)
             if concurrency < 0:
                 raise ConfigError(f"invalid value for ISTIO_CPU_LIMIT={concurrency}: must not be negative")
@@ -185,6 +204,7 @@ class BootstrapSettings:
                 proxy_config=node.proxy_config_json(proxy_config),
                 exit_on_zero_active_connections=exit_on_zero,
                 skip_deprecated_logs=skip_deprecated_logs,
+                outlier_log_path=outlier_log_path,
             )
         )
         labels = metadata.get("LABELS") or {}
@@ -218,6 +238,8 @@ class BootstrapSettings:
             drain_duration=proxy_config.drain_duration,
             termination_drain_duration=proxy_config.termination_drain_duration,
             exit_on_zero_active_connections=exit_on_zero,
+            minimum_drain_duration=minimum_drain,
+            restart_on_exit=env.flag("ENVOY_RESTART_ON_EXIT"),
             log_level=level,
             component_log_level=components,
             concurrency=concurrency,
@@ -229,7 +251,11 @@ class BootstrapSettings:
             enable_core_dump=env.flag("ISTIO_ENVOY_ENABLE_CORE_DUMP"),
             config_yaml=_bootstrap_override(env.text("ISTIO_BOOTSTRAP_OVERRIDE"), workdir, host_ip),
             strip_fragment_from_path=env.flag("HTTP_STRIP_FRAGMENT_FROM_PATH_UNSAFE_IF_DISABLED", True),
-            max_downstream_connections=_max_connections(proxy_config.proxy_metadata),
+            max_downstream_connections=_max_connections(proxy_config),
+            proxy_config=proxy_config,
+            host_ip=host_ip,
+            outlier_log_path=outlier_log_path,
+            statsd_address=resolve_udp_address(proxy_config.statsd_udp_address, host_ip),
         )
 
 
@@ -390,6 +416,11 @@ def _meta_json(env: Env) -> dict[str, dict[str, Any]]:
     return parsed
 
 
+def read_pod_annotations(workdir: Path) -> dict[str, str]:
+    """The pod's annotations from the downward-API file (empty when absent); ConfigError when malformed."""
+    return _read_pod_info(workdir / POD_ANNOTATIONS_FILE) or {}
+
+
 def _read_pod_info(path: Path) -> dict[str, str] | None:
     """A downward-API file (``key="value"`` lines); None when absent."""
     try:
@@ -404,14 +435,21 @@ def _read_pod_info(path: Path) -> dict[str, str] | None:
         raise ConfigError(f"invalid pod info file {path}: {err}") from None
 
 
-def _max_connections(proxy_metadata: Mapping[str, str]) -> int:
-    key = "ISTIO_META_GLOBAL_DOWNSTREAM_MAX_CONNECTIONS"
-    raw = proxy_metadata.get(key, "")
-    if not raw:
-        return DEFAULT_MAX_DOWNSTREAM_CONNECTIONS
-    if not raw.isdigit() or int(raw) <= 0:
-        raise ConfigError(f"invalid value for proxyMetadata {key}={raw!r}: must be a positive integer")
-    return int(raw)
+def _max_connections(proxy_config: ProxyConfig) -> int:
+    """Envoy's global downstream connection limit, first set of: connectionSettings, proxyMetadata, runtimeValues."""
+    if proxy_config.global_downstream_connection_limit:
+        return proxy_config.global_downstream_connection_limit
+    for source, values, key in (
+        ("proxyMetadata", proxy_config.proxy_metadata, "ISTIO_META_GLOBAL_DOWNSTREAM_MAX_CONNECTIONS"),
+        ("runtimeValues", proxy_config.runtime_values, "overload.global_downstream_max_connections"),
+    ):
+        raw = values.get(key, "")
+        if not raw:
+            continue
+        if not raw.isdigit() or int(raw) <= 0:
+            raise ConfigError(f"invalid value for {source} {key}={raw!r}: must be a positive integer")
+        return int(raw)
+    return DEFAULT_MAX_DOWNSTREAM_CONNECTIONS
 
 
 def _envoy_binary(binary_path: str) -> Path:

@@ -1,9 +1,10 @@
 """Supervising the Envoy process: start it, report how it exited, drain and stop it (lifecycle.md §5).
 
-Envoy is started once and never restarted: when it exits, the agent exits too (status 0) and the
-container's restart policy takes over. On shutdown the agent never sends SIGTERM; it asks Envoy to
-drain listeners over the admin API, waits the termination drain period (or until Envoy exits), then
-sends SIGKILL.
+One ``EnvoyProcess`` is one run of Envoy; restarting (beyond Istio, ``ENVOY_RESTART_ON_EXIT``) is
+``istio_agent.envoy.supervisor``'s job. On shutdown the agent never sends SIGTERM; it asks Envoy to
+drain listeners over the admin API, waits the termination drain period (or, with
+EXIT_ON_ZERO_ACTIVE_CONNECTIONS, until no connection is left, bounded by drainDuration) or until
+Envoy exits, then sends SIGKILL.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Iterable
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +23,10 @@ from istio_agent.log import scope
 
 log = scope("envoy")
 DRAIN_REQUEST_TIMEOUT = 5.0
+STATS_REQUEST_TIMEOUT = 2.0  # each active-connections poll, as Istio's
+ACTIVE_CONNECTIONS_POLL_INTERVAL = 1.0
+MAX_STATS_FAILURES = 5  # consecutive failed polls before Envoy is killed anyway
+ACTIVE_CONNECTIONS_PATH = "/stats?usedonly&filter=downstream_cx_active$"
 
 
 class EnvoyStartError(OSError):
@@ -68,19 +74,55 @@ def describe_exit(returncode: int) -> str:
     return f"signal: {name.lower()}"
 
 
+def active_connections(
+    body: str, settings: BootstrapSettings, secure_metrics_ports: Iterable[int] = ()
+) -> int:
+    """Sum Envoy's ``listener.*.downstream_cx_active`` stats, the way Istio decides a drain is over.
+
+    Only user-traffic listeners count: per-worker lines, Envoy internal listeners, the admin
+    listener and Istio's own 15021/15090 (and secure metrics) listeners are skipped, and so are
+    malformed lines. An empty body is -1 (Envoy said nothing: treated as "nothing left").
+    """
+    if not body.strip():
+        return -1
+    known = {"listener.admin.downstream_cx_active", "listener.admin.main_thread.downstream_cx_active"}
+    for port in (settings.envoy_status_port, settings.envoy_prometheus_port, *secure_metrics_ports):
+        known.add(f"listener.0.0.0.0_{port}.downstream_cx_active")
+    total = 0
+    for line in body.splitlines():
+        name, sep, value = line.partition(":")
+        name = name.strip()
+        if not sep or ":" in value or not name.startswith("listener."):
+            continue
+        if "worker_" in name or name.startswith("listener.envoy_internal_") or name in known:
+            continue
+        try:
+            total += int(value.strip())
+        except ValueError:
+            continue
+    return total
+
+
 class EnvoyProcess:
     """One Envoy process started on a bootstrap file.
 
     ``owns_bootstrap``: the file was generated for this run and is deleted once Envoy has exited
-    (a user-supplied ``customConfigFile`` is not).
+    (a user-supplied ``customConfigFile`` is not). ``poll_interval``: the pause between
+    active-connection polls during an EXIT_ON_ZERO_ACTIVE_CONNECTIONS drain (tests shorten it).
     """
 
     def __init__(
-        self, settings: BootstrapSettings, bootstrap_path: Path, *, owns_bootstrap: bool = True
+        self,
+        settings: BootstrapSettings,
+        bootstrap_path: Path,
+        *,
+        owns_bootstrap: bool = True,
+        poll_interval: float = ACTIVE_CONNECTIONS_POLL_INTERVAL,
     ) -> None:
         self._settings = settings
         self._bootstrap_path = bootstrap_path
         self._owns_bootstrap = owns_bootstrap
+        self._poll_interval = poll_interval
         self._process: asyncio.subprocess.Process | None = None
         self._exited: asyncio.Task[int] | None = None
         self._aborting = False
@@ -92,6 +134,11 @@ class EnvoyProcess:
     @property
     def returncode(self) -> int | None:
         return self._process.returncode if self._process else None
+
+    @property
+    def exited(self) -> bool:
+        """True once Envoy has exited and its exit has been reported."""
+        return self._exited is not None and self._exited.done()
 
     def command(self) -> list[str]:
         return envoy_command(self._settings, self._bootstrap_path)
@@ -124,8 +171,12 @@ class EnvoyProcess:
             raise RuntimeError("Envoy was not started")
         if graceful_drain and not self._exited.done():
             log.info("Agent draining Proxy for termination")
+            began = asyncio.get_running_loop().time()
             await self.drain_listeners()
-            await self._drain_period()
+            if self._settings.exit_on_zero_active_connections:
+                await self._drain_until_idle(began)
+            else:
+                await self._drain_period()
             log.info("Graceful termination period complete, terminating remaining proxies.")
         elif not graceful_drain:
             log.info("Agent skipping draining Proxy")
@@ -163,16 +214,81 @@ class EnvoyProcess:
         await self.wait()
 
     async def _drain_period(self) -> None:
-        """Wait terminationDrainDuration, or less if Envoy exits first.
-
-        (EXIT_ON_ZERO_ACTIVE_CONNECTIONS, polling active connections instead, slots in here.)
-        """
+        """Wait terminationDrainDuration, or less if Envoy exits first."""
         assert self._exited is not None
         period = self._settings.termination_drain_duration.total_seconds()
         log.info("Graceful termination period is %ss, starting...", f"{period:g}")
         done, _ = await asyncio.wait({self._exited}, timeout=period)
         if done:
             log.info("Envoy exited with status %s", describe_exit(self._exited.result()))
+
+    async def _drain_until_idle(self, began: float) -> None:
+        """EXIT_ON_ZERO_ACTIVE_CONNECTIONS: wait until no connection is left, or Envoy exits.
+
+        Beyond Istio (which waits for kubelet's SIGKILL), the wait is bounded by drainDuration (the
+        ``--drain-time-s`` Envoy was told) counted from the start of the drain: a connection that
+        never closes cannot keep the agent alive forever.
+        """
+        assert self._exited is not None
+        bound = self._settings.drain_duration.total_seconds()
+        remaining = max(0.0, began + bound - asyncio.get_running_loop().time())
+        idle = asyncio.get_running_loop().create_task(self._wait_for_zero_connections(), name="envoy-drain")
+        try:
+            done, _ = await asyncio.wait(
+                {self._exited, idle}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            idle.cancel()
+            await asyncio.gather(idle, return_exceptions=True)
+        if self._exited in done:
+            log.info("Envoy exited with status %s", describe_exit(self._exited.result()))
+        elif not done:
+            log.warning(
+                "Envoy still has active connections %ss after the drain began (drainDuration); "
+                "terminating it",
+                f"{bound:g}",
+            )
+
+    async def _wait_for_zero_connections(self) -> None:
+        """Sleep MINIMUM_DRAIN_DURATION, then poll Envoy's stats until no active connection is left.
+
+        Returns when the count is 0, when Envoy reports no stats at all (-1), or after
+        MAX_STATS_FAILURES consecutive failed polls; the caller bounds the whole wait.
+        """
+        minimum = self._settings.minimum_drain_duration.total_seconds()
+        log.info("Waiting %ss (MINIMUM_DRAIN_DURATION) before checking active connections", f"{minimum:g}")
+        await asyncio.sleep(minimum)
+        url = URL(f"{self._settings.admin_url}{ACTIVE_CONNECTIONS_PATH}", encoded=True)
+        failures = 0
+        timeout = aiohttp.ClientTimeout(total=STATS_REQUEST_TIMEOUT)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                try:
+                    async with session.get(url) as response:
+                        response.raise_for_status()
+                        body = await response.text()
+                except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as err:
+                    failures += 1
+                    log.warning(
+                        "Checking Envoy's active connections failed (%d/%d): %s",
+                        failures,
+                        MAX_STATS_FAILURES,
+                        err or type(err).__name__,
+                    )
+                    if failures >= MAX_STATS_FAILURES:
+                        log.warning("Giving up on Envoy's active connections; terminating proxy...")
+                        return
+                else:
+                    failures = 0
+                    count = active_connections(body, self._settings)
+                    if count == 0:
+                        log.info("There are no more active connections. terminating proxy...")
+                        return
+                    if count < 0:
+                        log.info("Envoy reported no connection stats; terminating proxy...")
+                        return
+                    log.info("There are still %d active connections", count)
+                await asyncio.sleep(self._poll_interval)
 
     async def _watch(self, process: asyncio.subprocess.Process) -> int:
         returncode = await process.wait()
