@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import grpc
@@ -13,9 +14,12 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
 from istio_agent.agent import Agent, AgentSettings, plan_sds
-from istio_agent.config import ConfigError, Env, SecuritySettings
+from istio_agent.config import ConfigError, Env, SecuritySettings, XdsSettings
+from istio_agent.health import parse_readiness_probe
 from istio_agent.security.sds import SdsServer
+from istio_agent.xds.types import HEALTH_INFO
 from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
+from tests.xds import CDS, LDS, EnvoyStream, FakeIstiod
 
 
 def settings_for(workdir: Path, **env: str) -> SecuritySettings:
@@ -104,3 +108,38 @@ async def fetch(socket: Path, names: list[str]) -> dict[str, secret_pb2.Secret]:
         resource.Unpack(secret)
         secrets[secret.name] = secret
     return secrets
+
+
+async def test_vm_health_checks_reach_istiod_over_the_xds_proxy(short_tmp: Path) -> None:
+    """readinessProbe (tcpSocket to a closed port) -> unhealthy HealthInformation upstream after the first LDS."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    istiod = await FakeIstiod().start()
+    try:
+        settings = settings_for(short_tmp, CA_ADDR="127.0.0.1:15010")  # plaintext: no root file needed
+        xds = XdsSettings(
+            socket_path=short_tmp / "etc/istio/proxy/XDS", discovery_address=istiod.address, plaintext=True
+        )
+        health = parse_readiness_probe({"tcpSocket": {"port": port, "host": "127.0.0.1"}, "periodSeconds": 1})
+        # No CA is reachable: only the xDS side and the health checks matter here.
+        agent = Agent(AgentSettings(security=settings, xds=xds, health=health, serve_sds=False))
+        await agent.start()
+        try:
+            async with grpc.aio.insecure_channel(f"unix:{xds.socket_path}") as channel:
+                envoy = EnvoyStream(channel)
+                await envoy.send(CDS)
+                upstream = await istiod.next_stream()
+                assert (await upstream.recv()).type_url == CDS
+                await envoy.send(LDS)
+                assert (await upstream.recv()).type_url == LDS
+                report = await upstream.recv()
+                assert report.type_url == HEALTH_INFO
+                assert report.error_detail.code == 13
+                assert "127.0.0.1" in report.error_detail.message
+                await envoy.close()
+        finally:
+            await agent.stop()
+    finally:
+        await istiod.stop()

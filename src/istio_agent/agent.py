@@ -19,6 +19,8 @@ from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.config.security import CERT_CHAIN_FILE, CRL_PATH, KEY_FILE, ROOT_CERT_FILE
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyProcess
+from istio_agent.envoy.supervisor import EnvoySupervisor
+from istio_agent.health import HealthChecker, ReadinessProbeConfig, build_probers
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY
 from istio_agent.protos import nds_pb2
@@ -46,6 +48,7 @@ class AgentSettings:
     xds: XdsSettings | None = None
     bootstrap: BootstrapSettings | None = None
     status: StatusSettings | None = None
+    health: ReadinessProbeConfig | None = None  # ProxyConfig readinessProbe: VM health over xDS
     serve_sds: bool = True  # Istio's DISABLE_ENVOY (proxyless) runs no SDS server
 
 
@@ -97,7 +100,7 @@ class Agent:
         self.sds_server: SdsServer | None = None
         self.xds_proxy: XdsProxy | None = None
         self.name_table: NameTableHandler | None = None
-        self.envoy: EnvoyProcess | None = None
+        self.envoy: EnvoySupervisor | None = None
         self.readiness: Readiness | None = None
         self.status_server: StatusServer | None = None
         self.stop_requested = asyncio.Event()
@@ -106,6 +109,7 @@ class Agent:
         self._skip_drain = False
         self._closers: list[MetricsMerger | AppProbes] = []
         self._prewarm: asyncio.Task[None] | None = None
+        self._health: tuple[HealthChecker, asyncio.Task[None]] | None = None
 
     async def start(self) -> None:
         plan = await plan_sds(self._settings.security)
@@ -130,6 +134,24 @@ class Agent:
             await self._start_status_server(self._settings.status)
         if self._settings.bootstrap is not None:
             await self._start_envoy(self._settings.bootstrap)
+        if self._settings.health is not None and self.xds_proxy is not None:
+            self._start_health_checks(self._settings.health, self.xds_proxy)
+
+    def _start_health_checks(self, config: ReadinessProbeConfig, proxy: XdsProxy) -> None:
+        """VM health checks (WorkloadGroup readinessProbe); transitions are reported to istiod over xDS."""
+        bootstrap = self._settings.bootstrap
+        envoy = None
+        host = self._settings.status.pod_ip if self._settings.status else "localhost"
+        if bootstrap is not None:
+            envoy = EnvoyReadiness(
+                bootstrap.localhost, bootstrap.proxy_admin_port, started_at=self._started_at
+            )
+            host = bootstrap.ips[0] if bootstrap.ips else "localhost"
+        checker = HealthChecker(
+            config, build_probers(config, default_host=host, envoy=envoy), proxy.report_health
+        )
+        self._health = (checker, asyncio.get_running_loop().create_task(checker.run(), name="health-checks"))
+        log.info("workload health checks started (every %gs)", config.period)
 
     async def _start_status_server(self, settings: StatusSettings) -> None:
         """Readiness, merged metrics, app probes, quit/drain on statusPort; a bind failure is only logged."""
@@ -199,29 +221,39 @@ class Agent:
         log.info("xDS proxy on %s, upstream %s", settings.socket_path, settings.discovery_address)
 
     async def _start_envoy(self, settings: BootstrapSettings) -> None:
+        """Start Envoy (raises EnvoyStartError when it cannot be executed); ENVOY_RESTART_ON_EXIT restarts it."""
         custom = self._settings.proxy_config.custom_config_file
         if custom:
-            path = settings.workdir / custom
-            log.info("starting Envoy with the custom config file %s", path)
-            self.envoy = EnvoyProcess(settings, path, owns_bootstrap=False)
-        else:
-            path = await asyncio.to_thread(write_bootstrap, settings)
-            self.envoy = EnvoyProcess(settings, path)
+            log.info("starting Envoy with the custom config file %s", settings.workdir / custom)
+
+        async def launch() -> EnvoyProcess:
+            if custom:
+                return EnvoyProcess(settings, settings.workdir / custom, owns_bootstrap=False)
+            return EnvoyProcess(settings, await asyncio.to_thread(write_bootstrap, settings))
+
+        self.envoy = EnvoySupervisor(launch, restart=settings.restart_on_exit)
         await self.envoy.start()
 
     async def wait_envoy(self) -> int:
-        """Wait for Envoy to exit on its own and return its exit code; waits forever without Envoy."""
+        """Wait for Envoy to exit for good (after any restarts) and return its exit status.
+
+        Waits forever when the agent runs no Envoy.
+        """
         if self.envoy is None:
             await asyncio.Event().wait()
         assert self.envoy is not None
         return await self.envoy.wait()
 
     async def stop(self, cause: str = "received termination signal") -> None:
+        if self._health is not None:
+            checker, task = self._health
+            checker.stop()
+            await asyncio.gather(task, return_exceptions=True)
         if self.readiness is not None:
             self.readiness.terminate(cause)  # readiness fails at once
         if self.status_server is not None:
             await self.status_server.close_listener()  # as Istio: 15020 refuses during the drain
-        if self.envoy is not None and self.envoy.returncode is None:
+        if self.envoy is not None:  # also ends a restart backoff (ENVOY_RESTART_ON_EXIT)
             await self.envoy.drain_and_stop(graceful_drain=not self._skip_drain)
         if self.status_server is not None:
             await self.status_server.stop()

@@ -16,9 +16,10 @@ import click
 from istio_agent import __version__
 from istio_agent.agent import Agent, AgentSettings
 from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, XdsSettings
-from istio_agent.config.bootstrap import BootstrapSettings
+from istio_agent.config.bootstrap import BootstrapSettings, read_pod_annotations
 from istio_agent.config.status import StatusSettings
-from istio_agent.envoy.process import EnvoyStartError
+from istio_agent.envoy.process import EnvoyStartError, describe_exit
+from istio_agent.health import parse_readiness_probe
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 from istio_agent.memory import pin_mmap_threshold
 
@@ -28,14 +29,13 @@ EXIT_ERROR = 255  # Istio exits with os.Exit(-1) on any command error
 TOLERANT = {"ignore_unknown_options": True, "allow_extra_args": True}
 
 
-def run_event_loop(main: object) -> None:
-    """Run a coroutine on uvloop when installed (the house rule), else asyncio's loop."""
+def run_event_loop(main: object) -> Any:
+    """Run a coroutine on uvloop when installed (the house rule), else asyncio's loop; return its result."""
     try:
         import uvloop
-
-        uvloop.run(main)  # type: ignore[arg-type]
     except ImportError:
-        asyncio.run(main)  # type: ignore[arg-type]
+        return asyncio.run(main)  # type: ignore[arg-type]
+    return uvloop.run(main)  # type: ignore[arg-type]
 
 
 async def wait_for_signal() -> None:
@@ -91,6 +91,7 @@ def proxy(
     proxy_log_level: str,
     proxy_component_log_level: str,
     concurrency: int,
+    outlier_log_path: str,
     log_output_level: str | None,
     log_as_json: bool | None,
     **_later: object,
@@ -107,10 +108,11 @@ def proxy(
     workdir = Path.cwd()
     log.info("pilot-agent %s starting (%s) in %s", __version__, proxy_type, workdir)
     try:
-        proxy_config = ProxyConfig.load(env, workdir / mesh_config)
+        proxy_config = ProxyConfig.load(env, workdir / mesh_config, read_pod_annotations(workdir))
         security = SecuritySettings.from_env(env, workdir, proxy_config)
         xds = XdsSettings.from_env(env, security, proxy_config, proxy_type)
         status = StatusSettings.from_env(env, proxy_config, proxy_type)
+        health = parse_readiness_probe(proxy_config.readiness_probe)
         disable_envoy = env.flag("DISABLE_ENVOY")
         bootstrap = None
         if not disable_envoy:
@@ -125,6 +127,7 @@ def proxy(
                 component_log_level=proxy_component_log_level,
                 concurrency=concurrency,
                 log_as_json=as_json,
+                outlier_log_path=outlier_log_path,
             )
     except ConfigError as err:
         _fail(str(err))
@@ -134,27 +137,45 @@ def proxy(
         xds=xds,
         bootstrap=bootstrap,
         status=status,
+        health=health,
         serve_sds=not disable_envoy,
     )
     pin_mmap_threshold()  # large xDS pushes must not ratchet resident memory up (see memory.py)
     try:
-        run_event_loop(_run_agent(settings))
+        code = run_event_loop(_run_agent(settings))
     except (ConfigError, OSError) as err:  # bad settings, a socket path that cannot be bound, no Envoy
         _fail(str(err))
+    sys.exit(code)
 
 
-async def _run_agent(settings: AgentSettings) -> None:
-    """Run until SIGINT/SIGTERM, ``/quitquitquit`` or Envoy exiting on its own; all exit 0, as in Istio."""
+async def _run_agent(settings: AgentSettings) -> int:
+    """Run until SIGINT/SIGTERM, ``/quitquitquit`` or Envoy exiting for good; return the exit status.
+
+    Signals and ``/quitquitquit`` exit 0, as does Envoy exiting with status 0. Beyond Istio (which
+    always exits 0 here): Envoy exiting with an error or killed by a signal, with no restart to
+    follow, exits 1, so a supervisor (systemd, a VM's init) sees the failure. An Envoy that cannot
+    be executed at all raises OSError (the caller exits 255 naming the binary).
+    """
     agent = Agent(settings)
+    code = 0
     try:
         await agent.start()
+        envoy_exit = asyncio.ensure_future(agent.wait_envoy())
         waiters = [
             asyncio.ensure_future(wait_for_signal()),
-            asyncio.ensure_future(agent.wait_envoy()),
+            envoy_exit,
             asyncio.ensure_future(agent.stop_requested.wait()),  # /quitquitquit
         ]
         try:
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if envoy_exit.done() and not envoy_exit.cancelled() and envoy_exit.exception() is None:
+                status = envoy_exit.result()
+                if status != 0:
+                    log.error(
+                        "Envoy did not exit cleanly (%s): the agent exits with status 1",
+                        describe_exit(status),
+                    )
+                    code = 1
         finally:
             for task in waiters:
                 task.cancel()
@@ -163,6 +184,7 @@ async def _run_agent(settings: AgentSettings) -> None:
         raise OSError(f"cannot start Envoy: {err}") from None
     finally:
         await agent.stop()
+    return code
 
 
 @main.command()
