@@ -12,6 +12,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from istio_agent.bootstrap.envoy import write_bootstrap
 from istio_agent.config import ConfigError, ProxyConfig, SecuritySettings, XdsSettings
@@ -20,7 +21,6 @@ from istio_agent.config.security import CERT_CHAIN_FILE, CRL_PATH, KEY_FILE, ROO
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyProcess
 from istio_agent.envoy.supervisor import EnvoySupervisor
-from istio_agent.health import HealthChecker, ReadinessProbeConfig, build_probers
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY
 from istio_agent.protos import nds_pb2
@@ -29,12 +29,16 @@ from istio_agent.security.credentials import token_source_for
 from istio_agent.security.manager import SecretManager
 from istio_agent.security.sds import SdsServer
 from istio_agent.security.uds import remove_if_stale
-from istio_agent.status.metrics import MetricsMerger
-from istio_agent.status.probes import AppProbes
-from istio_agent.status.readiness import DnsReadiness, EnvoyReadiness, Prober, Readiness
-from istio_agent.status.server import StatusServer
 from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
 from istio_agent.xds.proxy import TypeHandler, XdsProxy
+
+if TYPE_CHECKING:  # imported when used: they load aiohttp, which is not needed to start Envoy
+    from istio_agent.health.checker import HealthChecker
+    from istio_agent.health.config import ReadinessProbeConfig
+    from istio_agent.status.metrics import MetricsMerger
+    from istio_agent.status.probes import AppProbes
+    from istio_agent.status.readiness import Readiness
+    from istio_agent.status.server import StatusServer
 
 log = scope("agent")
 
@@ -130,15 +134,21 @@ class Agent:
             self._prewarm = asyncio.get_running_loop().create_task(manager.prewarm())
         if self._settings.xds is not None:
             await self._start_xds_proxy(self._settings.xds, manager)
-        if self._settings.status is not None and self._settings.status.enabled:
-            await self._start_status_server(self._settings.status)
+        # Envoy first: it retries the agent's sockets on its own, and its start-up overlaps with the
+        # status server's (which loads aiohttp); kubelet sees 503 through 15021 until both are up.
         if self._settings.bootstrap is not None:
             await self._start_envoy(self._settings.bootstrap)
+        if self._settings.status is not None and self._settings.status.enabled:
+            await self._start_status_server(self._settings.status)
         if self._settings.health is not None and self.xds_proxy is not None:
             self._start_health_checks(self._settings.health, self.xds_proxy)
 
     def _start_health_checks(self, config: ReadinessProbeConfig, proxy: XdsProxy) -> None:
         """VM health checks (WorkloadGroup readinessProbe); transitions are reported to istiod over xDS."""
+        from istio_agent.health.checker import HealthChecker
+        from istio_agent.health.probes import build_probers
+        from istio_agent.status.readiness import EnvoyReadiness
+
         bootstrap = self._settings.bootstrap
         envoy = None
         host = self._settings.status.pod_ip if self._settings.status else "localhost"
@@ -155,6 +165,11 @@ class Agent:
 
     async def _start_status_server(self, settings: StatusSettings) -> None:
         """Readiness, merged metrics, app probes, quit/drain on statusPort; a bind failure is only logged."""
+        from istio_agent.status.metrics import MetricsMerger
+        from istio_agent.status.probes import AppProbes
+        from istio_agent.status.readiness import DnsReadiness, EnvoyReadiness, Prober, Readiness
+        from istio_agent.status.server import StatusServer
+
         bootstrap = self._settings.bootstrap
         probers: list[Prober] = []
         if bootstrap is not None:

@@ -7,10 +7,9 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 from urllib.parse import urlsplit
 
-import aiohttp
 import click
 
 from istio_agent import __version__
@@ -19,9 +18,12 @@ from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, 
 from istio_agent.config.bootstrap import BootstrapSettings, read_pod_annotations
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyStartError, describe_exit
-from istio_agent.health import parse_readiness_probe
+from istio_agent.health.config import parse_readiness_probe
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 from istio_agent.memory import pin_mmap_threshold
+
+if TYPE_CHECKING:
+    import aiohttp
 
 log = scope("default")
 PROXY_TYPES = ("sidecar", "router", "waypoint", "ztunnel", "agentgateway")
@@ -254,6 +256,8 @@ def _describe(err: BaseException, timeout: float) -> str:
 
 async def check_ready(session: aiohttp.ClientSession, url: str, timeout: float) -> str | None:
     """GET ``url`` and read the whole body; None when the status is 200, else why not."""
+    import aiohttp
+
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             await response.read()
@@ -271,6 +275,8 @@ async def wait_until_ready(url: str, *, timeout: float, period: float, request_t
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     last_error = "<nil>"  # what Go prints when no attempt was made before the deadline
+    import aiohttp  # only the commands that make HTTP calls pay for importing it
+
     async with aiohttp.ClientSession() as session:
         while True:
             if loop.time() + period > deadline:
@@ -366,6 +372,8 @@ async def admin_request(
 
     Raises CommandError for transport failures and for statuses above 399 other than 404 (as Istio's).
     """
+    import aiohttp
+
     url = f"http://{host}:{port}/{path.removeprefix('/')}"
     data: Any = body.encode() if body else None
     try:

@@ -15,9 +15,6 @@ import signal
 from collections.abc import Iterable
 from pathlib import Path
 
-import aiohttp
-from yarl import URL
-
 from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.log import scope
 
@@ -193,6 +190,9 @@ class EnvoyProcess:
         query = "inboundonly&graceful" if self._settings.proxy_type == "sidecar" else "graceful"
         if skip_exit:
             query += "&skip_exit"
+        import aiohttp  # imported when first needed: it is not on the start-up path
+        from yarl import URL
+
         url = URL(f"{self._settings.admin_url}/drain_listeners?{query}", encoded=True)
         try:
             timeout = aiohttp.ClientTimeout(total=DRAIN_REQUEST_TIMEOUT)
@@ -258,6 +258,9 @@ class EnvoyProcess:
         minimum = self._settings.minimum_drain_duration.total_seconds()
         log.info("Waiting %ss (MINIMUM_DRAIN_DURATION) before checking active connections", f"{minimum:g}")
         await asyncio.sleep(minimum)
+        import aiohttp
+        from yarl import URL
+
         url = URL(f"{self._settings.admin_url}{ACTIVE_CONNECTIONS_PATH}", encoded=True)
         failures = 0
         timeout = aiohttp.ClientTimeout(total=STATS_REQUEST_TIMEOUT)
