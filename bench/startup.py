@@ -32,60 +32,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from istio_agent.ctl.local import free_port
 from istio_agent.ctl.localmesh import LocalMesh, Workload
+from istio_agent.ctl.static_mtls import direct_response_bootstrap
 from istio_agent.envoy.binary import find_envoy
 
 READY_TIMEOUT = 60.0
 POLL = 0.005
 GOAL_EXTRA_SECONDS = 0.3
 GOAL_RSS_MB = 45.0
-
-
-def static_bootstrap(admin_port: int, listener_port: int) -> dict[str, Any]:
-    """Admin plus one HTTP listener with a direct response: the least Envoy needs to be ready."""
-    hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-        ".HttpConnectionManager",
-        "stat_prefix": "bench",
-        "route_config": {
-            "virtual_hosts": [
-                {
-                    "name": "all",
-                    "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 200}}],
-                }
-            ]
-        },
-        "http_filters": [
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                },
-            }
-        ],
-    }
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "bench",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listener_port}},
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                            ]
-                        }
-                    ],
-                }
-            ]
-        },
-    }
 
 
 def answers_200(url: str) -> bool:
@@ -130,7 +86,9 @@ def envoy_alone(base: Path, run: int) -> float:
     workdir = base / f"envoy-{run}"
     workdir.mkdir()
     admin_port = free_port()
-    (workdir / "envoy.json").write_text(json.dumps(static_bootstrap(admin_port, free_port())))
+    (workdir / "envoy.json").write_text(
+        json.dumps(direct_response_bootstrap(admin_port, free_port(), "bench"))
+    )
     started = time.perf_counter()
     process = subprocess.Popen(
         [str(find_envoy()), "-c", "envoy.json", "--use-dynamic-base-id", "--log-level", "error"],

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from istio_agent import metrics
 from istio_agent.ctl.local import free_port
+from istio_agent.ctl.static_mtls import direct_response_bootstrap
 from istio_agent.envoy.binary import find_envoy
 from istio_agent.status.readiness import (
     CONFIG_FILTER,
@@ -342,54 +343,12 @@ async def test_logs_are_debounced(caplog: pytest.LogCaptureFixture) -> None:
 
 
 # -- real Envoy ---------------------------------------------------------------------------------------------
-def _static_bootstrap(admin_port: int, listener_port: int) -> dict[str, object]:
-    hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "static",
-        "route_config": {
-            "virtual_hosts": [
-                {
-                    "name": "all",
-                    "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 200}}],
-                }
-            ]
-        },
-        "http_filters": [
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                },
-            }
-        ],
-    }
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "static",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listener_port}},
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                            ]
-                        }
-                    ],
-                }
-            ]
-        },
-    }
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
 async def test_real_envoy_without_xds_is_live_but_has_no_config(tmp_path: Path) -> None:
     admin_port = free_port()
     bootstrap = tmp_path / "envoy.json"
-    bootstrap.write_text(json.dumps(_static_bootstrap(admin_port, free_port())))
+    bootstrap.write_text(json.dumps(direct_response_bootstrap(admin_port, free_port())))
     process = await asyncio.create_subprocess_exec(
         str(find_envoy()),
         "-c", str(bootstrap),

@@ -1,7 +1,9 @@
-"""A static Envoy bootstrap with one mTLS listener whose certificates come from the agent over SDS.
+"""Static Envoy bootstraps for tests and benchmarks (no xDS).
 
-Used where only the certificate side is under test (the SDS end-to-end tests and benchmark): no
-xDS, just ``default`` + ``ROOTCA`` over SDS and a direct response naming the verified caller.
+``mtls_bootstrap``: one mTLS listener whose certificates come from the agent over SDS (``default`` +
+``ROOTCA``) and a direct response naming the verified caller — where only the certificate side is
+under test. ``direct_response_bootstrap``: admin plus one plain HTTP listener, the least Envoy
+needs to be ready — the "Envoy alone" floor of the start-up benchmark and readiness tests.
 """
 
 from __future__ import annotations
@@ -80,5 +82,49 @@ def mtls_bootstrap(
                     ],
                 }
             ],
+        },
+    }
+
+
+def direct_response_bootstrap(admin_port: int, listener_port: int, name: str = "static") -> dict[str, Any]:
+    """Admin on ``admin_port`` and one HTTP listener on ``listener_port`` answering 200 to everything."""
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        "stat_prefix": name,
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 200}}],
+                }
+            ]
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            }
+        ],
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": name,
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listener_port}},
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                            ]
+                        }
+                    ],
+                }
+            ]
         },
     }
