@@ -17,3 +17,13 @@ async def test_echo_reports_headers_path_and_name() -> None:
     assert answer["path"] == "/hello?x=1"
     assert answer["body_bytes"] == 3
     assert answer["headers"]["X-Forwarded-Client-Cert"] == "By=x"
+
+
+async def test_metrics_count_the_requests_answered() -> None:
+    async with TestClient(TestServer(make_app("b"))) as client:
+        await client.get("/one")
+        await client.get("/two")
+        response = await client.get("/metrics")
+        text = await response.text()
+    assert response.content_type == "text/plain"
+    assert 'echo_requests_total{app="b"} 2' in text

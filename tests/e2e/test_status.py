@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 import urllib.error
@@ -85,3 +86,27 @@ def test_quitquitquit_stops_the_agent_without_draining(mesh: LocalMesh) -> None:
     assert get(b.ports["status"], "/quitquitquit", method="POST") == (200, "OK")
     assert agent.wait(10) == 0
     assert "Agent skipping draining Proxy" in (b.workdir / "agent.log").read_text()
+
+
+def test_metrics_merge_the_agent_envoy_and_the_app(short_tmp: Path) -> None:
+    b = Workload("b", short_tmp / "b", backs=["b"])
+    annotations = json.dumps({"scrape": "true", "port": str(b.ports["app"]), "path": "/metrics"})
+    local = LocalMesh(
+        short_tmp, [Service("b", 8000)], [b], agent_env={"ISTIO_PROMETHEUS_ANNOTATIONS": annotations}
+    )
+    try:
+        local.start_controlplane()
+        local.start_workload(b)
+        wait_until(lambda: status(b.ports["status"]) == (200, ""), 60, "readiness to turn 200")
+        code, body = get(b.ports["status"], "/stats/prometheus")
+        assert code == 200
+        agent_at = body.index("istio_agent_scrapes_total")
+        envoy_at = body.index("envoy_cluster_manager_active_clusters")
+        app_at = body.index('echo_requests_total{app="b"}')
+        assert agent_at < envoy_at < app_at  # Istio's order: agent, Envoy, application
+        # The agent's own section comes first, so it shows how the previous scrape went.
+        _, again = get(b.ports["status"], "/stats/prometheus")
+        assert 'istio_agent_scrape_target_up{target="envoy"} 1.0' in again
+        assert f'istio_agent_scrape_target_up{{target="app:{b.ports["app"]}/metrics"}} 1.0' in again
+    finally:
+        local.stop()

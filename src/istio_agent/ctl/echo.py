@@ -16,9 +16,20 @@ from aiohttp import web
 
 
 def make_app(name: str) -> web.Application:
-    """The echo application: every path answers 200 with a JSON description of the request."""
+    """The echo application: ``/metrics`` is Prometheus text, every other path a JSON echo of the request."""
+    served = 0
+
+    async def metrics(_request: web.Request) -> web.Response:
+        text = (
+            "# HELP echo_requests_total Requests the echo app answered.\n"
+            "# TYPE echo_requests_total counter\n"
+            f'echo_requests_total{{app="{name}"}} {served}\n'
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def echo(request: web.Request) -> web.Response:
+        nonlocal served
+        served += 1
         body = await request.read()
         return web.json_response(
             {
@@ -31,6 +42,7 @@ def make_app(name: str) -> web.Application:
         )
 
     app = web.Application()
+    app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/{tail:.*}", echo)
     return app
 
