@@ -24,6 +24,7 @@ import asyncio
 import enum
 import math
 import re
+import zlib
 from dataclasses import dataclass
 
 import aiohttp
@@ -34,13 +35,14 @@ from yarl import URL
 from istio_agent import metrics
 from istio_agent.config.prometheus import PrometheusTargets, ScrapeTarget
 from istio_agent.log import scope
-from istio_agent.status.server import enable_negotiated_compression
+from istio_agent.status.server import negotiate_encoding
 
 log = scope("status")
 
 DEFAULT_BODY_CAP = 10 * 2**20
 DEFAULT_SCRAPE_TIMEOUT = 10.0
 HOLD_MAX = 256 * 1024  # longest incomplete line held back; longer "lines" are passed through as is
+GZIP_LEVEL = 1
 WRITE_PIECE = 64 * 1024  # writes are sliced so a large held buffer is never copied whole
 SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
 ENVOY_TARGET = "envoy"
@@ -174,11 +176,16 @@ class ScrapeError(Exception):
 
 
 class _Output:
-    """The client response, remembering whether the output currently ends at a line boundary."""
+    """The client response, remembering whether the output currently ends at a line boundary.
 
-    def __init__(self, response: web.StreamResponse) -> None:
+    With ``gzip`` the stream is compressed here at zlib level 1: aiohttp's own compressor uses
+    level 6, which made a 7 MB scrape cost ~5x the CPU of an uncompressed one for 25 % less output.
+    """
+
+    def __init__(self, response: web.StreamResponse, *, gzip: bool = False) -> None:
         self.response = response
         self.at_line_start = True
+        self._compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS) if gzip else None
 
     async def write(self, data: bytes | bytearray, end: int | None = None) -> None:
         end = len(data) if end is None else end
@@ -186,8 +193,18 @@ class _Output:
             return
         with memoryview(data) as view:
             for start in range(0, end, WRITE_PIECE):
-                await self.response.write(bytes(view[start : min(start + WRITE_PIECE, end)]))
+                piece = bytes(view[start : min(start + WRITE_PIECE, end)])
+                if self._compressor is not None:
+                    piece = self._compressor.compress(piece)
+                if piece:
+                    await self.response.write(piece)
             self.at_line_start = view[end - 1] == ord("\n")
+
+    async def finish(self) -> None:
+        """Flush the compressor (if any) and end the response."""
+        if self._compressor is not None:
+            await self.response.write(self._compressor.flush())
+        await self.response.write_eof()
 
     async def end_line(self) -> None:
         if not self.at_line_start:
@@ -272,9 +289,12 @@ class MetricsMerger:
 
             response = web.StreamResponse(status=200)
             response.headers[hdrs.CONTENT_TYPE] = fmt.content_type
-            enable_negotiated_compression(request, response)
+            gzip = negotiate_encoding(request.headers.get(hdrs.ACCEPT_ENCODING, ""), zstd=False) == "gzip"
+            response.headers.add(hdrs.VARY, hdrs.ACCEPT_ENCODING)
+            if gzip:
+                response.headers[hdrs.CONTENT_ENCODING] = "gzip"
             await response.prepare(request)
-            out = _Output(response)
+            out = _Output(response, gzip=gzip)
 
             await self._write_agent(out)
             if self._envoy_port is not None:
@@ -283,7 +303,7 @@ class MetricsMerger:
                 await self._relay_single(targets[0], single, out, fmt, single_deadline)
             elif buffered:
                 await self._write_buffered(buffered, out, fmt)
-            await response.write_eof()
+            await out.finish()
             return response
         finally:
             if single is not None:

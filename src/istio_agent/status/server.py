@@ -7,8 +7,8 @@ of loopback-only endpoints). Metrics and app-probe handlers come from their own 
 Compression: responses the handler returns whole (``web.Response``) are compressed here per
 ``Accept-Encoding`` (gzip; zstd when a zstd module is importable) when the body is at least 1 KiB.
 A streamed response (one the handler prepared itself) is never touched by the middleware — its
-headers are already on the wire; a streaming handler that wants compression calls
-:func:`enable_negotiated_compression` before ``prepare()``.
+headers are already on the wire; a streaming handler compresses by itself (the metrics merger
+streams gzip at zlib level 1, using :func:`negotiate_encoding`).
 """
 
 from __future__ import annotations
@@ -93,17 +93,6 @@ def negotiate_encoding(accept_encoding: str, *, zstd: bool | None = None) -> str
         if best is None or rank > best:
             best = rank
     return best[2] if best else None
-
-
-def enable_negotiated_compression(request: web.Request, response: web.StreamResponse) -> None:
-    """For streaming handlers: compress ``response`` with the coding the client accepts (call before prepare).
-
-    Only gzip can be streamed (aiohttp's compressor); a client accepting only zstd gets identity.
-    """
-    coding = negotiate_encoding(request.headers.get(hdrs.ACCEPT_ENCODING, ""), zstd=False)
-    if coding == "gzip":
-        response.enable_compression(web.ContentCoding.gzip)
-    response.headers.add(hdrs.VARY, hdrs.ACCEPT_ENCODING)
 
 
 @web.middleware
