@@ -116,11 +116,6 @@ class Agent:
         self._health: tuple[HealthChecker, asyncio.Task[None]] | None = None
 
     async def start(self) -> None:
-        status_modules = None
-        if self._settings.status is not None and self._settings.status.enabled:
-            # Load the status server's modules (aiohttp: ~150 ms) in a thread while the main thread
-            # mostly waits on sockets and the CA, so the server is up sooner after Envoy starts.
-            status_modules = asyncio.get_running_loop().run_in_executor(None, _import_status_modules)
         plan = await plan_sds(self._settings.security)
         ca_client = None
         if plan.uses_ca:
@@ -144,8 +139,6 @@ class Agent:
         if self._settings.bootstrap is not None:
             await self._start_envoy(self._settings.bootstrap)
         if self._settings.status is not None and self._settings.status.enabled:
-            if status_modules is not None:
-                await status_modules
             await self._start_status_server(self._settings.status)
         if self._settings.health is not None and self.xds_proxy is not None:
             self._start_health_checks(self._settings.health, self.xds_proxy)
@@ -298,12 +291,6 @@ class Agent:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-
-def _import_status_modules() -> None:
-    import istio_agent.status.metrics
-    import istio_agent.status.probes
-    import istio_agent.status.server  # noqa: F401
 
 
 def _log_name_table(table: nds_pb2.NameTable) -> None:
