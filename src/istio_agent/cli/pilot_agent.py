@@ -40,14 +40,23 @@ def run_event_loop(main: object) -> Any:
     return uvloop.run(main)  # type: ignore[arg-type]
 
 
-async def wait_for_signal() -> None:
-    """Return on the first SIGINT/SIGTERM; later signals are swallowed, as in Istio."""
+def install_signal_handlers() -> asyncio.Event:
+    """An event the first SIGINT/SIGTERM sets; later signals are swallowed, as in Istio.
+
+    Installed before anything starts: a signal that arrives while the agent is still starting (Envoy
+    may already serve traffic then) must stop it cleanly, not kill the process outright.
+    """
     stop = asyncio.Event()
+
+    def received() -> None:
+        if not stop.is_set():
+            log.info("received termination signal, shutting down")
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("received termination signal, shutting down")
+        loop.add_signal_handler(sig, received)
+    return stop
 
 
 @click.group(context_settings=TOLERANT)
@@ -158,13 +167,14 @@ async def _run_agent(settings: AgentSettings) -> int:
     follow, exits 1, so a supervisor (systemd, a VM's init) sees the failure. An Envoy that cannot
     be executed at all raises OSError (the caller exits 255 naming the binary).
     """
+    signalled = install_signal_handlers()
     agent = Agent(settings)
     code = 0
     try:
         await agent.start()
         envoy_exit = asyncio.ensure_future(agent.wait_envoy())
         waiters = [
-            asyncio.ensure_future(wait_for_signal()),
+            asyncio.ensure_future(signalled.wait()),
             envoy_exit,
             asyncio.ensure_future(agent.stop_requested.wait()),  # /quitquitquit
         ]
