@@ -63,7 +63,7 @@ def mesh(request: pytest.FixtureRequest, short_tmp: Path) -> Iterator[LocalMesh]
     finally:
         codes = local.stop()
         for name, code in codes.items():
-            assert code == 0, f"{name} exited with {code}"
+            assert code == 0, f"{name} exited with {code}:\n{local.processes.log_tail(name)}"
 
 
 def test_a_calls_b_over_mtls_and_b_sees_a(mesh: LocalMesh) -> None:

@@ -2,15 +2,41 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, from below the kernel's ephemeral range.
+
+    Ports from ``bind(0)`` are ephemeral ports, the same pool every outgoing connection draws its
+    source port from: between picking one and the process that needs it binding it, a connection
+    (Envoy's, the agent's) could take it and the listener would fail. Below the range, only other
+    listeners compete.
+    """
+    high = _ephemeral_start() - 1
+    for _ in range(50):
+        port = random.randint(_LOWEST_PORT, high) if high > _LOWEST_PORT else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

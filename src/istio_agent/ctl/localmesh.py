@@ -145,11 +145,13 @@ class Processes:
     """Child processes by name, stopped in reverse start order."""
 
     children: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
 
     def start(self, name: str, args: list[str], log: Path, **kwargs: Any) -> subprocess.Popen[bytes]:
         with log.open("ab") as output:
             process = subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT, **kwargs)
         self.children[name] = process
+        self.logs[name] = log
         return process
 
     def alive(self, *names: str) -> bool:
@@ -157,8 +159,16 @@ class Processes:
         for name in names or tuple(self.children):
             process = self.children[name]
             if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {process.returncode}")
+                raise RuntimeError(
+                    f"{name} exited with status {process.returncode}; last lines of its log:\n{self.log_tail(name)}"
+                )
         return True
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.logs[name].read_text(errors="replace").splitlines()[-lines:])
+        except (KeyError, OSError):
+            return "(no log)"
 
     def stop(self, name: str, *, kill: bool = False, timeout: float = 15) -> int:
         process = self.children.pop(name)
