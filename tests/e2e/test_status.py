@@ -56,7 +56,12 @@ def test_readiness_follows_config_then_fails_at_once_on_sigterm(mesh: LocalMesh)
         seen.append(status(b.ports["status"]))
         return seen[-1] is not None and seen[-1][0] == 503 and "config not received" in seen[-1][1]
 
-    wait_until(not_ready_with_reason, 30, "readiness to say that no config was received")
+    try:
+        wait_until(not_ready_with_reason, 30, "readiness to say that no config was received")
+    except TimeoutError as err:
+        raise TimeoutError(
+            f"{err}; last answers {seen[-3:]}; agent log:\n{mesh.processes.log_tail('pilot-agent b', 40)}"
+        ) from None
     assert "is Istiod running?" in (seen[-1] or (0, ""))[1]
 
     mesh.start_controlplane()

@@ -11,6 +11,10 @@ from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST_PORT = 10000
+_HANDED_OUT: set[int] = set()
+"""Ports this process already handed out: random picks must not repeat (a demo or test asks for a
+dozen, and two listeners given the same port would fail). The one piece of module state in this
+dev-tools module; the agent itself has none."""
 
 
 def _ephemeral_start() -> int:
@@ -31,12 +35,16 @@ def free_port() -> int:
     high = _ephemeral_start() - 1
     for _ in range(50):
         port = random.randint(_LOWEST_PORT, high) if high > _LOWEST_PORT else 0
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return int(sock.getsockname()[1])
+            port = int(sock.getsockname()[1])
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
