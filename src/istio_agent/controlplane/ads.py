@@ -537,26 +537,47 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             except Exception:
                 log.exception("ADS: push observer failed")
 
+    # -- what SotW and Delta share ------------------------------------------------------------------------
+
+    @staticmethod
+    def _wants_syncz(request: Any) -> bool:
+        """A syncz query (not the client acknowledging a syncz response)."""
+        return (
+            request.type_url == SYNCZ_TYPE
+            and not request.response_nonce
+            and not request.HasField("error_detail")
+        )
+
+    def _handled_alike(self, conn: _Connection, request: Any) -> bool:
+        """Debug queries, unknown types and NACKs, the same in both flavours; True when nothing is left to do.
+
+        The caller answers a syncz query (see :meth:`_wants_syncz`) in its own flavour.
+        """
+        type_url = request.type_url
+        if type_url == SYNCZ_TYPE:
+            return True
+        if not self._screen(conn, type_url):
+            return True
+        if not request.HasField("error_detail"):
+            return False
+        state = conn.types.get(type_url)
+        nonce = request.response_nonce
+        if state is not None and state.sent_nonce and nonce == state.sent_nonce:
+            self._ack(conn, state, nonce, _error_text(request))
+        else:
+            log.debug("ADS: connection %d: NACK of %s for an unknown nonce ignored", conn.id, type_url)
+        return True
+
     # -- state of the world -----------------------------------------------------------------------------
 
     def _on_sotw_request(
         self, conn: _Connection, request: discovery_pb2.DiscoveryRequest
     ) -> list[discovery_pb2.DiscoveryResponse]:
+        if self._handled_alike(conn, request):
+            return [self._syncz_response(conn)] if self._wants_syncz(request) else []
         type_url = request.type_url
-        if type_url == SYNCZ_TYPE:
-            if request.response_nonce or request.HasField("error_detail"):
-                return []  # the client answering a debug response
-            return [self._syncz_response(conn)]
-        if not self._screen(conn, type_url):
-            return []
         state = conn.types.get(type_url)
         nonce = request.response_nonce
-        if request.HasField("error_detail"):
-            if state is not None and state.sent_nonce and nonce == state.sent_nonce:
-                self._ack(conn, state, nonce, _error_text(request))
-            else:
-                log.debug("ADS: connection %d: NACK of %s for an unknown nonce ignored", conn.id, type_url)
-            return []
         wildcard = type_url in WILDCARD_TYPES
         names = set(request.resource_names)
         if state is not None and nonce:
@@ -604,21 +625,11 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     def _on_delta_request(
         self, conn: _Connection, request: discovery_pb2.DeltaDiscoveryRequest
     ) -> list[discovery_pb2.DeltaDiscoveryResponse]:
+        if self._handled_alike(conn, request):
+            return [self._syncz_delta_response(conn)] if self._wants_syncz(request) else []
         type_url = request.type_url
-        if type_url == SYNCZ_TYPE:
-            if request.response_nonce or request.HasField("error_detail"):
-                return []
-            return [self._syncz_delta_response(conn)]
-        if not self._screen(conn, type_url):
-            return []
         state = conn.types.get(type_url)
         nonce = request.response_nonce
-        if request.HasField("error_detail"):
-            if state is not None and state.sent_nonce and nonce == state.sent_nonce:
-                self._ack(conn, state, nonce, _error_text(request))
-            else:
-                log.debug("ADS: connection %d: NACK of %s for an unknown nonce ignored", conn.id, type_url)
-            return []
         if state is not None and nonce:
             if nonce == state.sent_nonce:
                 self._ack(conn, state, nonce, None)
