@@ -6,7 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-fast lint protos bench demo clean
 
+# Debian tools the DNS tests and benchmark run against: dnsmasq (upstream resolver and peer), dig, dnsperf.
+DEB_TOOLS := dnsmasq dig dnsperf
+DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf
+
 $(STAMP): pyproject.toml
+	@missing=""; for t in $(DEB_TOOLS); do command -v $$t >/dev/null || missing=yes; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages: $(DEB_PACKAGES)"; \
+		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DEB_PACKAGES) >/dev/null; \
+	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
