@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from istio_agent.config.bootstrap import BootstrapSettings
+from istio_agent.envoy.admin import AdminError, admin_request
 from istio_agent.log import scope
 
 log = scope("envoy")
@@ -190,18 +191,20 @@ class EnvoyProcess:
         query = "inboundonly&graceful" if self._settings.proxy_type == "sidecar" else "graceful"
         if skip_exit:
             query += "&skip_exit"
-        import aiohttp  # imported when first needed: it is not on the start-up path
-        from yarl import URL
-
-        url = URL(f"{self._settings.admin_url}/drain_listeners?{query}", encoded=True)
+        target = f"/drain_listeners?{query}"
         try:
-            timeout = aiohttp.ClientTimeout(total=DRAIN_REQUEST_TIMEOUT)
-            async with aiohttp.ClientSession(timeout=timeout) as session, session.post(url) as response:
-                body = await response.text()
-                if response.status != 200:
-                    log.warning("Envoy drain request returned %d: %s", response.status, body.strip()[:200])
-        except (aiohttp.ClientError, TimeoutError, OSError) as err:
-            log.warning("Envoy drain request to %s failed: %s", url, err or type(err).__name__)
+            status, body = await self._admin("POST", target, DRAIN_REQUEST_TIMEOUT)
+        except AdminError as err:
+            log.warning("Envoy drain request to %s%s failed: %s", self._settings.admin_url, target, err)
+            return
+        if status != 200:
+            log.warning("Envoy drain request returned %d: %s", status, body.strip()[:200])
+
+    async def _admin(self, method: str, target: str, timeout: float) -> tuple[int, str]:
+        settings = self._settings
+        return await admin_request(
+            settings.localhost, settings.proxy_admin_port, method, target, timeout=timeout
+        )
 
     async def kill(self) -> None:
         """SIGKILL Envoy (if still running) and wait until it has exited."""
@@ -258,40 +261,34 @@ class EnvoyProcess:
         minimum = self._settings.minimum_drain_duration.total_seconds()
         log.info("Waiting %ss (MINIMUM_DRAIN_DURATION) before checking active connections", f"{minimum:g}")
         await asyncio.sleep(minimum)
-        import aiohttp
-        from yarl import URL
-
-        url = URL(f"{self._settings.admin_url}{ACTIVE_CONNECTIONS_PATH}", encoded=True)
         failures = 0
-        timeout = aiohttp.ClientTimeout(total=STATS_REQUEST_TIMEOUT)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                try:
-                    async with session.get(url) as response:
-                        response.raise_for_status()
-                        body = await response.text()
-                except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as err:
-                    failures += 1
-                    log.warning(
-                        "Checking Envoy's active connections failed (%d/%d): %s",
-                        failures,
-                        MAX_STATS_FAILURES,
-                        err or type(err).__name__,
-                    )
-                    if failures >= MAX_STATS_FAILURES:
-                        log.warning("Giving up on Envoy's active connections; terminating proxy...")
-                        return
-                else:
-                    failures = 0
-                    count = active_connections(body, self._settings)
-                    if count == 0:
-                        log.info("There are no more active connections. terminating proxy...")
-                        return
-                    if count < 0:
-                        log.info("Envoy reported no connection stats; terminating proxy...")
-                        return
-                    log.info("There are still %d active connections", count)
-                await asyncio.sleep(self._poll_interval)
+        while True:
+            try:
+                status, body = await self._admin("GET", ACTIVE_CONNECTIONS_PATH, STATS_REQUEST_TIMEOUT)
+                if status != 200:
+                    raise AdminError(f"HTTP status {status}")
+            except AdminError as err:
+                failures += 1
+                log.warning(
+                    "Checking Envoy's active connections failed (%d/%d): %s",
+                    failures,
+                    MAX_STATS_FAILURES,
+                    err,
+                )
+                if failures >= MAX_STATS_FAILURES:
+                    log.warning("Giving up on Envoy's active connections; terminating proxy...")
+                    return
+            else:
+                failures = 0
+                count = active_connections(body, self._settings)
+                if count == 0:
+                    log.info("There are no more active connections. terminating proxy...")
+                    return
+                if count < 0:
+                    log.info("Envoy reported no connection stats; terminating proxy...")
+                    return
+                log.info("There are still %d active connections", count)
+            await asyncio.sleep(self._poll_interval)
 
     async def _watch(self, process: asyncio.subprocess.Process) -> int:
         returncode = await process.wait()

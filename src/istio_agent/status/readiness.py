@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
 
-import aiohttp
-from yarl import URL
-
+from istio_agent.envoy.admin import AdminError, admin_request
 from istio_agent.log import scope
 from istio_agent.metrics import gauge
 
@@ -71,15 +69,11 @@ def parse_stats(body: str, names: Sequence[str]) -> dict[str, int]:
     return {name: values.get(name, 0) for name in names}
 
 
-def _host_for_url(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
 class EnvoyReadiness:
     """Envoy has received its first CDS and LDS updates and is LIVE with workers started (§4.1 item 1)."""
 
     def __init__(self, admin_host: str, admin_port: int, *, started_at: float) -> None:
-        self._base = f"http://{_host_for_url(admin_host)}:{admin_port}"
+        self._host, self._port = admin_host, admin_port
         self._started_at = started_at
         self._config_received = False
         self._live = False
@@ -141,19 +135,13 @@ class EnvoyReadiness:
     async def _stats(self, pattern: str, timeout: float) -> str:
         # The regex is percent-encoded: Envoy decodes query parameters, and a raw `\` or `^` is not valid
         # in a request line for strict HTTP parsers.
-        url = URL(f"{self._base}/stats?usedonly&filter={quote(pattern, safe='')}", encoded=True)
+        target = f"/stats?usedonly&filter={quote(pattern, safe='')}"
         try:
-            async with (
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-                session.get(url) as response,
-            ):
-                body = await response.text(errors="replace")
-        except TimeoutError:
-            raise StatsError(f"failed to get Envoy stats: timeout after {timeout:g}s") from None
-        except (aiohttp.ClientError, OSError) as err:
-            raise StatsError(f"failed to get Envoy stats: {err or type(err).__name__}") from None
-        if response.status != 200:
-            raise StatsError(f"failed to get Envoy stats: HTTP status code {response.status}")
+            status, body = await admin_request(self._host, self._port, "GET", target, timeout=timeout)
+        except AdminError as err:
+            raise StatsError(f"failed to get Envoy stats: {err}") from None
+        if status != 200:
+            raise StatsError(f"failed to get Envoy stats: HTTP status code {status}")
         return body
 
 
