@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +36,16 @@ from istio_agent.xds.proxy import TypeHandler, XdsProxy
 if TYPE_CHECKING:  # imported when used: they load aiohttp, which is not needed to start Envoy
     from istio_agent.health.checker import HealthChecker
     from istio_agent.health.config import ReadinessProbeConfig
+    from istio_agent.status.early import EarlyStatusServer
     from istio_agent.status.metrics import MetricsMerger
     from istio_agent.status.probes import AppProbes
     from istio_agent.status.readiness import Readiness
     from istio_agent.status.server import StatusServer
 
 log = scope("agent")
+
+FULL_STATUS_DELAY = 2.0
+"""Longest the full status server (metrics, app probes, quit/drain) waits for the workload to be ready."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,8 @@ class Agent:
         self._closers: list[MetricsMerger | AppProbes] = []
         self._prewarm: asyncio.Task[None] | None = None
         self._health: tuple[HealthChecker, asyncio.Task[None]] | None = None
+        self._status_starting: asyncio.Task[None] | None = None
+        self._status_socket: socket.socket | None = None
 
     async def start(self) -> None:
         plan = await plan_sds(self._settings.security)
@@ -164,11 +171,12 @@ class Agent:
         log.info("workload health checks started (every %gs)", config.period)
 
     async def _start_status_server(self, settings: StatusSettings) -> None:
-        """Readiness, merged metrics, app probes, quit/drain on statusPort; a bind failure is only logged."""
-        from istio_agent.status.metrics import MetricsMerger
-        from istio_agent.status.probes import AppProbes
+        """Bind statusPort and answer readiness at once; the full server follows once the workload is ready.
+
+        A bind failure is only logged (the agent runs on without a status server).
+        """
+        from istio_agent.status.early import EarlyStatusServer, bind_status_socket
         from istio_agent.status.readiness import DnsReadiness, EnvoyReadiness, Prober, Readiness
-        from istio_agent.status.server import StatusServer
 
         bootstrap = self._settings.bootstrap
         probers: list[Prober] = []
@@ -179,8 +187,42 @@ class Agent:
         name_table = self.name_table
         if name_table is not None:
             probers.append(DnsReadiness(lambda: name_table.ready))
-        self.readiness = Readiness(probers)
-        envoy_port = bootstrap.envoy_prometheus_port if bootstrap and settings.merge_envoy_stats else None
+        readiness = Readiness(probers)
+        self.readiness = readiness
+        try:
+            sock = bind_status_socket(settings.host, settings.port)
+        except OSError as err:
+            log.error("%s; continuing without the status server", err)
+            return
+        self._status_socket = sock
+        early = EarlyStatusServer(sock, readiness)
+        await early.start()
+        self._status_starting = asyncio.get_running_loop().create_task(
+            self._start_full_status_server(settings, sock, early), name="status-server"
+        )
+
+    async def _start_full_status_server(
+        self, settings: StatusSettings, sock: socket.socket, early: EarlyStatusServer
+    ) -> None:
+        """Load the full status server (aiohttp) once ready or after FULL_STATUS_DELAY, on the same socket."""
+        assert self.readiness is not None
+        waits = [
+            asyncio.ensure_future(self.readiness.became_ready.wait()),
+            asyncio.ensure_future(early.full_server_wanted.wait()),
+        ]
+        try:
+            await asyncio.wait(waits, timeout=FULL_STATUS_DELAY, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+        from istio_agent.status.metrics import MetricsMerger
+        from istio_agent.status.probes import AppProbes
+        from istio_agent.status.server import StatusServer
+
+        envoy_port = None
+        bootstrap = self._settings.bootstrap
+        if bootstrap is not None and settings.merge_envoy_stats:
+            envoy_port = bootstrap.envoy_prometheus_port
         merger = MetricsMerger(REGISTRY, envoy_port=envoy_port, app=settings.prometheus)
         self._closers.append(merger)
         probes = None
@@ -193,6 +235,7 @@ class Agent:
                 http2=settings.http2_probing,
             )
             self._closers.append(probes)
+        name_table = self.name_table
         server = StatusServer(
             settings.host,
             settings.port,
@@ -205,12 +248,29 @@ class Agent:
             metrics_localhost_only=settings.metrics_localhost_only,
         )
         try:
-            await server.start()
+            await server.start(sock)
+            early.hand_over(server.protocol_factory)
         except OSError as err:
             log.error("%s; continuing without the status server", err)
+            sock.close()
             return
+        finally:
+            await early.close()
         self.status_server = server
         log.info("status server on %s:%d", settings.host, server.port)
+
+    async def _stop_status_start(self) -> None:
+        """Cancel a full status server still waiting to load (its early server closes with it)."""
+        task, self._status_starting = self._status_starting, None
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+        results = await asyncio.gather(task, return_exceptions=True)
+        if isinstance(results[0], Exception):
+            log.error("the status server failed to start: %s", results[0])
+        if self.status_server is None and self._status_socket is not None:
+            self._status_socket.close()  # never handed to the full server: 15020 must refuse from now on
 
     def _quit(self) -> None:
         """``/quitquitquit``: stop now, killing Envoy without a drain."""
@@ -266,6 +326,7 @@ class Agent:
             await asyncio.gather(task, return_exceptions=True)
         if self.readiness is not None:
             self.readiness.terminate(cause)  # readiness fails at once
+        await self._stop_status_start()
         if self.status_server is not None:
             await self.status_server.close_listener()  # as Istio: 15020 refuses during the drain
         if self.envoy is not None:  # also ends a restart backoff (ENVOY_RESTART_ON_EXIT)

@@ -8,6 +8,7 @@ Termination is checked before everything, so readiness fails the moment SIGTERM 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -205,6 +206,8 @@ class Readiness:
         self._probers = list(probers)
         self._terminated: str | None = None
         self._last: str | None = ""  # "" = never checked, None = ready, else the last error logged
+        self.became_ready = asyncio.Event()
+        """Set by the first check that finds the workload ready."""
 
     def terminate(self, cause: str) -> None:
         """From now on report ``server is terminated: <cause>`` (the first cause is kept)."""
@@ -218,6 +221,7 @@ class Readiness:
     async def check(self) -> str | None:
         error = await self._evaluate()
         if error is None:
+            self.became_ready.set()
             if self._last is not None:
                 log.info("Envoy proxy is ready")
         elif error != self._last:

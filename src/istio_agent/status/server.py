@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import socket
 from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
@@ -151,7 +152,7 @@ class StatusServer:
         self._on_drain = on_drain
         self._metrics_localhost_only = metrics_localhost_only
         self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
+        self._site: web.BaseSite | None = None
         self._port = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -160,15 +161,19 @@ class StatusServer:
         """The bound port (the requested one, or the one picked for port 0); 0 before start()."""
         return self._port
 
-    async def start(self) -> None:
-        """Bind and serve; raise OSError naming the address if the port cannot be bound."""
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Bind (or serve on ``sock``, already listening); raise OSError naming the address if binding fails."""
         if self._runner is not None:
             raise RuntimeError("status server already started")
         app = web.Application(middlewares=[compression_middleware])
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT)
         await runner.setup()
-        site = web.TCPSite(runner, self._host, self._requested_port)
+        site: web.BaseSite
+        if sock is not None:
+            site = web.SockSite(runner, sock)
+        else:
+            site = web.TCPSite(runner, self._host, self._requested_port)
         try:
             await site.start()
         except OSError as err:
@@ -181,6 +186,14 @@ class StatusServer:
         addresses: list[Any] = runner.addresses
         self._port = int(addresses[0][1]) if addresses else self._requested_port
         log.info("status server listening on %s:%d", self._host, self._port)
+
+    @property
+    def protocol_factory(self) -> Callable[[], asyncio.Protocol]:
+        """aiohttp's protocol factory, for connections accepted before this server started (status/early.py)."""
+        if self._runner is None or self._runner.server is None:
+            raise RuntimeError("status server not started")
+        server = self._runner.server
+        return lambda: server()
 
     async def close_listener(self) -> None:
         """Stop accepting connections at once (on SIGTERM 15020 refuses during the drain)."""
