@@ -6,6 +6,7 @@ Answers are precomputed wire bytes so that serving a table hit is a dictionary l
 from __future__ import annotations
 
 import struct
+from functools import lru_cache
 from typing import NamedTuple
 
 # Record types and classes (RFC 1035, RFC 3596, RFC 6891).
@@ -18,6 +19,19 @@ TYPE_MX = 15
 TYPE_TXT = 16
 TYPE_AAAA = 28
 TYPE_SRV = 33
+TYPE_MD = 3
+TYPE_MF = 4
+TYPE_MB = 7
+TYPE_MG = 8
+TYPE_MR = 9
+TYPE_MINFO = 14
+TYPE_RP = 17
+TYPE_AFSDB = 18
+TYPE_RT = 21
+TYPE_PX = 26
+TYPE_NAPTR = 35
+TYPE_KX = 36
+TYPE_DNAME = 39
 TYPE_OPT = 41
 TYPE_AXFR = 252
 TYPE_IXFR = 251
@@ -67,3 +81,9 @@ class Record(NamedTuple):
 
     def with_name(self, name: str) -> Record:
         return self._replace(name=name)
+
+
+@lru_cache(maxsize=65536)
+def _encode_record(record: Record) -> bytes:
+    head = struct.pack("!HHIH", record.rtype, CLASS_IN, record.ttl, len(record.rdata))
+    return encode_name(record.name) + head + record.rdata

@@ -1,0 +1,140 @@
+"""The agent's DNS proxy as one unit: settings in, listeners up, name tables in from NDS.
+
+Beyond Istio: every table that arrives is also written to disk (atomically), and a restarted agent
+loads it before it binds, so mesh names resolve while the control plane is still unreachable.
+Readiness keeps Istio's meaning: it waits for a table from the control plane in this run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from istio_agent.config.dns import DnsSettings, split_host_port
+from istio_agent.dns.cache import AnswerCache
+from istio_agent.dns.resolvconf import ResolvConf, read_resolv_conf
+from istio_agent.dns.server import DnsResolver, DnsServer
+from istio_agent.dns.table import LookupTable
+from istio_agent.dns.upstream import Forwarder
+from istio_agent.log import scope
+from istio_agent.protos import nds_pb2
+
+log = scope("dns")
+
+SAVED_TABLE = Path("var/lib/istio/dns/name-table.pb")
+"""Where the last name table is kept, relative to the agent's working directory."""
+
+
+class DnsStartError(OSError):
+    """The DNS proxy cannot start (Istio: "failed to start local DNS server: ..."); fails the agent's start."""
+
+
+def listen_addresses(listen: str, resolv: ResolvConf) -> list[tuple[str, int]]:
+    """dns.md §1: ``localhost`` follows the nameservers' address families; anything else is bound as given."""
+    host, port = split_host_port(listen)  # validated with the settings
+    if host != "localhost":
+        return [(host or "0.0.0.0", port)]
+    families = {":" in server for server, _ in resolv.nameservers}
+    if not families:
+        return [("127.0.0.1", port)]  # Go's "localhost" resolves to the IPv4 loopback first
+    return [
+        address for v6, address in ((False, ("127.0.0.1", port)), (True, ("::1", port))) if v6 in families
+    ]
+
+
+class DnsProxy:
+    """Owns the resolver, its listeners and the current lookup table."""
+
+    def __init__(self, settings: DnsSettings, *, workdir: Path | None = None) -> None:
+        self._settings = settings
+        self._saved = (workdir or Path.cwd()) / SAVED_TABLE
+        try:
+            self._resolv = read_resolv_conf(settings.resolv_conf)
+        except Exception as err:
+            raise DnsStartError(f"failed to start local DNS server: {err}") from None
+        cache = AnswerCache() if settings.cache else None
+        self._forwarder = Forwarder(
+            self._resolv.nameservers,
+            parallel=settings.forward_parallel,
+            timeout=settings.forward_timeout,
+            retries=settings.forward_retries,
+            cache=cache,
+        )
+        self.resolver = DnsResolver(self._forwarder, respond_before_sync=settings.respond_before_sync)
+        self.server: DnsServer | None = None
+        self.name_table: nds_pb2.NameTable | None = None
+        """The last table from the control plane in this run (None until one arrived)."""
+
+    @property
+    def ready(self) -> bool:
+        return self.name_table is not None
+
+    async def start(self) -> None:
+        """Load any saved table, then bind UDP and TCP on every listen address."""
+        self._load_saved()
+        server = DnsServer(self.resolver, listen_addresses(self._settings.listen_address, self._resolv))
+        try:
+            await server.start()
+        except OSError as err:
+            raise DnsStartError(f"failed to start local DNS server: {err.strerror or err}") from None
+        self.server = server
+        upstreams = ", ".join(f"{host}:{port}" for host, port in self._resolv.nameservers) or "none"
+        mode = "in parallel" if self._settings.forward_parallel else "one after another"
+        log.info("DNS upstreams (%s): %s", mode, upstreams)
+
+    def update(self, name_table: nds_pb2.NameTable) -> None:
+        """A new table from NDS replaces the old one whole (dns.md §2), and is saved for the next start."""
+        self.resolver.table = self._build(name_table)
+        self.name_table = name_table
+        self._save(name_table)
+
+    def ndsz(self) -> dict[str, Any] | None:
+        """The ``/debug/ndsz`` view, or None before the first table."""
+        table = self.resolver.table
+        return table.ndsz() if table is not None and self.name_table is not None else None
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+        close = getattr(self._forwarder, "close", None)
+        if close is not None:
+            await close()
+
+    def _build(self, name_table: nds_pb2.NameTable) -> LookupTable:
+        return LookupTable.build(
+            name_table,
+            proxy_namespace=self._settings.proxy_namespace,
+            proxy_domain=self._settings.proxy_domain,
+            search_domains=self._resolv.search,
+        )
+
+    def _save(self, name_table: nds_pb2.NameTable) -> None:
+        try:
+            self._saved.parent.mkdir(parents=True, exist_ok=True)
+            temporary = self._saved.with_suffix(".tmp")
+            temporary.write_bytes(name_table.SerializeToString())
+            os.replace(temporary, self._saved)
+        except OSError as err:
+            log.warning("cannot save the DNS name table to %s: %s", self._saved, err)
+
+    def _load_saved(self) -> None:
+        try:
+            data = self._saved.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            log.warning("cannot read the saved DNS name table %s: %s", self._saved, err)
+            return
+        saved = nds_pb2.NameTable()
+        try:
+            saved.ParseFromString(data)
+            self.resolver.table = self._build(saved)
+        except (DecodeError, ValueError) as err:
+            log.warning("ignoring the saved DNS name table %s: %s", self._saved, err)
+            return
+        log.info(
+            "answering from the saved DNS name table (%d hosts) until istiod sends one", len(saved.table)
+        )

@@ -1,0 +1,301 @@
+"""The DNS proxy's listeners (dns.md §1, §4): one UDP and one TCP server per listen address.
+
+A query is answered from the name table when the table knows the name, and forwarded upstream
+otherwise. Table hits are answered synchronously inside the datagram callback (no task, no await),
+which is what keeps the proxy in dnsmasq's league; only forwarded queries become tasks.
+
+Beyond Istio's agent: replies honour the client's size limit with TC (never SERVFAIL for size),
+local replies carry OPT when the query did, the number of forwarded queries in flight and of TCP
+connections is bounded, and TCP clients that stall are cut off, so one client cannot starve others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from istio_agent.dns.records import Record
+from istio_agent.dns.table import LookupTable, random_id, round_robin
+from istio_agent.dns.upstream import Forwarder, UpstreamError
+from istio_agent.dns.wire import (
+    RCODE_SERVFAIL,
+    Query,
+    Rejected,
+    error_reply,
+    local_reply,
+    parse_query,
+    servfail,
+    truncate,
+)
+from istio_agent.log import scope
+from istio_agent.metrics import PREFIX, REGISTRY
+
+log = scope("dns")
+
+TCP_LIMIT = 65535
+MAX_PENDING_FORWARDS = 1024
+"""Forwarded queries in flight; beyond this, new ones are dropped (the client retries), not queued."""
+MAX_TCP_CONNECTIONS = 256
+TCP_IDLE_TIMEOUT = 8.0
+"""Between queries on a TCP connection, as the Go DNS library Istio uses."""
+TCP_READ_TIMEOUT = 2.0
+"""To read the rest of a query once its length prefix arrived (slowloris clients are cut off)."""
+TCP_QUERIES_PER_CONNECTION = 128
+
+_RCODE_NAMES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
+_TYPE_NAMES = {1: "A", 2: "NS", 5: "CNAME", 6: "SOA", 12: "PTR", 15: "MX", 16: "TXT", 28: "AAAA", 33: "SRV"}
+_TYPE_NAMES.update({64: "SVCB", 65: "HTTPS", 255: "ANY"})
+
+
+class DnsStats(Collector):
+    """Counters kept as plain ints on the hot path and exported on scrape.
+
+    ``dns_requests_total`` is Istio's; ``dns_queries_total{qtype,rcode,source}`` and
+    ``dns_name_table_size`` are ours.
+    """
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.queries: Counter[tuple[int, int, str]] = Counter()
+        self.table_size: Callable[[], int] = lambda: 0
+
+    def answered(self, qtype: int, rcode: int, source: str) -> None:
+        self.queries[(qtype, rcode, source)] += 1
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        yield _untyped_counter("dns_requests_total", "Total number of DNS requests.", self.requests)
+        by_kind = CounterMetricFamily(
+            PREFIX + "dns_queries",
+            "DNS replies by query type, response code and source (table, upstream, cache, local).",
+            labels=["qtype", "rcode", "source"],
+        )
+        for (qtype, rcode, source), count in sorted(self.queries.items()):
+            by_kind.add_metric(
+                [_TYPE_NAMES.get(qtype, f"TYPE{qtype}"), _RCODE_NAMES.get(rcode, str(rcode)), source], count
+            )
+        yield by_kind
+        yield GaugeMetricFamily(
+            PREFIX + "dns_name_table_size",
+            "Names the DNS proxy answers from the NDS table.",
+            self.table_size(),
+        )
+
+
+def _untyped_counter(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    # Istio's agent counters have no _total added (metrics.py): exported as a gauge with the exact name.
+    return GaugeMetricFamily(PREFIX + name, documentation, value)
+
+
+def _rcode(reply: bytes) -> int:
+    return reply[3] & 0x0F if len(reply) >= 4 else RCODE_SERVFAIL
+
+
+class DnsResolver:
+    """Decides each answer: the table, the upstream forwarder, or an error reply. Transport-agnostic."""
+
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        *,
+        respond_before_sync: bool = False,
+        next_id: Callable[[], int] = random_id,
+        stats: DnsStats | None = None,
+    ) -> None:
+        self._forwarder = forwarder
+        self._respond_before_sync = respond_before_sync
+        self._next_id = next_id
+        self.table: LookupTable | None = None
+        self.stats = stats or DnsStats()
+        self.stats.table_size = lambda: len(self.table) if self.table is not None else 0
+
+    def answer_now(self, data: bytes, limit: int | None) -> bytes | Query | None:
+        """A reply that needs no I/O, or the parsed query when it must go upstream, or None to drop.
+
+        ``limit`` is the transport's size limit (None for UDP: the query's own EDNS limit applies).
+        """
+        stats = self.stats
+        try:
+            query = parse_query(data)
+        except Rejected as rejected:
+            if rejected.rcode is None:
+                return None
+            stats.requests += 1
+            reply = error_reply(data, rejected.rcode)
+            if reply is not None:
+                stats.answered(0, rejected.rcode, "local")
+            return reply
+        stats.requests += 1
+        table = self.table
+        if table is None:
+            if self._respond_before_sync:
+                return query
+            stats.answered(query.qtype, RCODE_SERVFAIL, "local")
+            return servfail(query)  # Istio: no table yet means SERVFAIL, not a guess
+        answer = table.lookup(query.qname, query.qtype)
+        if answer is None:
+            return query
+        records: Sequence[Record] = answer.records
+        if len(records) > 1:
+            records = round_robin(records, self._next_id)
+        reply = local_reply(query, [record.wire for record in records])
+        stats.answered(query.qtype, 0, "table")
+        size_limit = query.udp_limit if limit is None else limit
+        return reply if len(reply) <= size_limit else truncate(reply, size_limit)
+
+    async def forward(self, data: bytes, query: Query, *, tcp: bool) -> bytes:
+        """Forward upstream; SERVFAIL when every upstream failed (never a made-up NXDOMAIN)."""
+        try:
+            reply = await self._forwarder.forward(data, query, tcp=tcp)
+        except UpstreamError as err:
+            log.debug("upstream failed for a %s query: %s", _TYPE_NAMES.get(query.qtype, query.qtype), err)
+            self.stats.answered(query.qtype, RCODE_SERVFAIL, "upstream")
+            return servfail(query)
+        self.stats.answered(query.qtype, _rcode(reply), "upstream")
+        limit = TCP_LIMIT if tcp else query.udp_limit
+        if len(reply) <= limit:
+            return reply
+        try:
+            return truncate(reply, limit)
+        except ValueError as err:  # DnsFormatError: the forwarder already checked it, so this is a bug
+            log.warning("cannot truncate an upstream reply: %s", err)
+            return servfail(query)
+
+
+class _UdpProtocol(asyncio.DatagramProtocol):
+    def __init__(self, resolver: DnsResolver, pending: set[asyncio.Task[None]]) -> None:
+        self._resolver = resolver
+        self._pending = pending
+        self._transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # asyncio's own datagram transport does not subclass DatagramTransport: no isinstance check
+        self._transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+        try:
+            result = self._resolver.answer_now(data, None)
+        except Exception:  # a bug must cost one query, never the listener
+            log.exception("DNS query handling failed")
+            return
+        if result is None:
+            return
+        if isinstance(result, bytes):
+            assert self._transport is not None
+            self._transport.sendto(result, addr)
+            return
+        if len(self._pending) >= MAX_PENDING_FORWARDS:
+            return  # overloaded: dropping lets the client retry; queueing would only add latency
+        task = asyncio.get_running_loop().create_task(self._forward(data, result, addr))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _forward(self, data: bytes, query: Query, addr: tuple[str | int, ...]) -> None:
+        try:
+            reply = await self._resolver.forward(data, query, tcp=False)
+        except Exception:
+            log.exception("DNS forwarding failed")
+            reply = servfail(query)
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.sendto(reply, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("DNS UDP socket error: %s", exc)  # e.g. ICMP port unreachable from a gone client
+
+
+class DnsServer:
+    """UDP and TCP listeners for every listen address, all answering through one resolver."""
+
+    def __init__(self, resolver: DnsResolver, addresses: Sequence[tuple[str, int]]) -> None:
+        self.resolver = resolver
+        self._addresses = list(addresses)
+        self._udp: list[asyncio.DatagramTransport] = []
+        self._tcp: list[asyncio.Server] = []
+        self._pending: set[asyncio.Task[None]] = set()
+        self._connections: set[asyncio.Task[None]] = set()
+        self.bound: list[tuple[str, str, int]] = []
+        """(protocol, host, port) actually bound, in Istio's order: udp a1, tcp a1, udp a2, ..."""
+
+    async def start(self) -> None:
+        """Bind every listener; raises OSError naming the address when one cannot be bound."""
+        loop = asyncio.get_running_loop()
+        try:
+            for host, port in self._addresses:
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                transport, _ = await loop.create_datagram_endpoint(
+                    lambda: _UdpProtocol(self.resolver, self._pending), local_addr=(host, port), family=family
+                )
+                self._udp.append(transport)
+                self.bound.append(("udp", host, transport.get_extra_info("sockname")[1]))
+                server = await asyncio.start_server(
+                    self._serve_tcp, host, port, family=family, reuse_address=True, limit=TCP_LIMIT + 2
+                )
+                self._tcp.append(server)
+                self.bound.append(("tcp", host, server.sockets[0].getsockname()[1]))
+        except OSError as err:
+            await self.stop()
+            raise OSError(err.errno, f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+        REGISTRY.register(self.resolver.stats)
+        log.info("DNS proxy listening on %s", ", ".join(f"{p} {h}:{n}" for p, h, n in self.bound))
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if len(self._connections) >= MAX_TCP_CONNECTIONS:
+            writer.close()
+            return
+        self._connections.add(task)
+        try:
+            await self._tcp_queries(reader, writer)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+            pass  # the client went away or stalled: nothing to answer
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _tcp_queries(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(TCP_QUERIES_PER_CONNECTION):
+            try:
+                prefix = await asyncio.wait_for(reader.readexactly(2), TCP_IDLE_TIMEOUT)
+            except asyncio.IncompleteReadError as err:
+                if not err.partial:
+                    return  # clean close between queries
+                raise
+            (length,) = struct.unpack("!H", prefix)
+            if length == 0:
+                return
+            data = await asyncio.wait_for(reader.readexactly(length), TCP_READ_TIMEOUT)
+            result = self.resolver.answer_now(data, TCP_LIMIT)
+            if result is None:
+                return  # unparsable: the stream cannot be trusted any more
+            reply = (
+                result if isinstance(result, bytes) else await self.resolver.forward(data, result, tcp=True)
+            )
+            writer.write(struct.pack("!H", len(reply)) + reply)
+            await asyncio.wait_for(writer.drain(), TCP_READ_TIMEOUT)
+
+    async def stop(self) -> None:
+        for transport in self._udp:
+            transport.close()
+        for server in self._tcp:
+            server.close()
+        tasks = [*self._pending, *self._connections]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for server in self._tcp:
+            with contextlib.suppress(Exception):
+                await server.wait_closed()
+        self._udp.clear()
+        self._tcp.clear()
+        with contextlib.suppress(KeyError):
+            REGISTRY.unregister(self.resolver.stats)

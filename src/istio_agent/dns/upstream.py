@@ -1,0 +1,281 @@
+"""Forwarding of queries the name table cannot answer to the resolv.conf nameservers (dns.md §5).
+
+The query goes out unchanged over the transport the client used (UDP in, UDP out; TCP in, TCP out),
+on a fresh socket per attempt, as Istio's agent does. Beyond Istio: parallel mode with no servers
+fails at once instead of hanging, optional extra rounds with a short backoff, a 64 KiB UDP receive
+buffer (a big reply is relayed and truncated for the client by the server, not turned into
+SERVFAIL), and an optional answer cache.
+
+This is on the latency path of every forwarded query, so an attempt is a bare non-blocking socket
+driven by ``loop.sock_*``: no transport, no protocol object, no extra task in sequential mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+import random
+import socket
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from istio_agent.dns.cache import AnswerCache
+from istio_agent.dns.wire import Query, check_reply
+from istio_agent.log import scope
+from istio_agent.metrics import counter, histogram
+
+log = scope("dns")
+
+_T = TypeVar("_T")
+
+UDP_RECEIVE_BUFFER = 65535
+RETRY_BACKOFF_INITIAL = 0.05
+"""Pause before the first extra round (DNS_FORWARD_RETRIES); doubled each round up to the cap."""
+RETRY_BACKOFF_MAX = 0.8
+
+upstream_requests = counter(
+    "dns_upstream_requests_total", "Total number of DNS requests forwarded to upstream servers."
+)
+upstream_failures = counter(
+    "dns_upstream_failures_total", "Total number of DNS requests for which every upstream server failed."
+)
+upstream_duration = histogram(
+    "dns_upstream_request_duration_seconds",
+    "Time spent forwarding a DNS request upstream, over all attempts.",
+    buckets=(0.001, 0.005, 0.01, 0.1, 1, 5),
+)
+
+
+class UpstreamError(Exception):
+    """Every upstream attempt failed; the caller answers SERVFAIL (never a made-up NXDOMAIN)."""
+
+    def __init__(self, errors: Sequence[tuple[str, str]]) -> None:
+        self.errors = list(errors)
+        """(server, error) for every failed attempt, in the order they failed."""
+        if self.errors:
+            detail = "; ".join(f"{server}: {error}" for server, error in self.errors)
+        else:
+            detail = "no upstream nameservers configured"
+        super().__init__(f"all upstream DNS servers failed: {detail}")
+
+
+@dataclass(frozen=True)
+class _Upstream:
+    label: str
+    """``host:port`` (``[v6]:port``), as logged."""
+    host: str
+    port: int
+    family: int | None
+    """Known for IP literals; None for a host name, resolved at each attempt."""
+
+
+def _upstream(host: str, port: int) -> _Upstream:
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = None  # resolv.conf nameservers are not validated (as in Istio): resolve when used
+    label = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return _Upstream(label, host, port, family)
+
+
+def shuffled(items: Sequence[_T], next_id: Callable[[], int]) -> list[_T]:
+    """A copy of ``items`` in the order Istio's per-query shuffle gives for the same ID sequence (dns.md §4.8)."""
+    out = list(items)
+    n = len(out)
+    if n < 2:
+        return out
+    if n == 2:
+        if next_id() % 2 == 0:
+            out.reverse()
+        return out
+    j = 0
+    while j < n * (next_id() % 4 + 1):
+        q = next_id() % n
+        p = next_id() % n
+        if q == p:
+            p = (p + 1) % n
+        out[q], out[p] = out[p], out[q]
+        j += 1
+    return out
+
+
+class _AttemptFailed(Exception):
+    """One attempt's failure, with a message safe to log (never payload bytes)."""
+
+
+def _describe(err: BaseException, timeout: float) -> str:
+    if isinstance(err, TimeoutError):
+        return f"i/o timeout after {timeout:g}s"
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return str(err) or type(err).__name__
+
+
+class Forwarder:
+    """Sends a client's query to the upstream nameservers and returns the first usable reply."""
+
+    def __init__(
+        self,
+        servers: Sequence[tuple[str, int]],
+        *,
+        parallel: bool = False,
+        timeout: float = 5.0,
+        retries: int = 0,
+        cache: AnswerCache | None = None,
+        next_id: Callable[[], int] | None = None,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"DNS forward timeout must be positive, got {timeout}")
+        if retries < 0:
+            raise ValueError(f"DNS forward retries must not be negative, got {retries}")
+        self._servers = [_upstream(host, port) for host, port in servers]
+        self._parallel = parallel
+        self._timeout = timeout
+        self._retries = retries
+        self._cache = cache
+        self._next_id = next_id or functools.partial(random.getrandbits, 16)
+
+    @property
+    def servers(self) -> list[str]:
+        """The upstreams as ``host:port`` labels, in configuration order."""
+        return [server.label for server in self._servers]
+
+    async def forward(self, query: bytes, parsed: Query, *, tcp: bool) -> bytes:
+        """The upstream reply to ``query`` (any rcode), checked against it; raises UpstreamError."""
+        cache = self._cache
+        if cache is not None:
+            hit = cache.get(parsed)
+            if hit is not None:
+                return hit
+        upstream_requests.inc()
+        start = time.perf_counter()
+        try:
+            reply = await self._exchange(query, tcp)
+        except UpstreamError:
+            upstream_failures.inc()
+            raise
+        finally:
+            upstream_duration.observe(time.perf_counter() - start)
+        if cache is not None:
+            cache.put(parsed, reply)
+        return reply
+
+    async def _exchange(self, query: bytes, tcp: bool) -> bytes:
+        if not self._servers:
+            raise UpstreamError([])  # beyond Istio: parallel mode with no servers does not hang
+        errors: list[tuple[str, str]] = []
+        delay = RETRY_BACKOFF_INITIAL
+        for attempt_round in range(self._retries + 1):
+            if attempt_round:
+                await asyncio.sleep(delay)  # a pause between rounds, not a wait for an event
+                delay = min(delay * 2, RETRY_BACKOFF_MAX)
+            if self._parallel and len(self._servers) > 1:
+                reply = await self._parallel_round(query, tcp, errors)
+            else:
+                reply = await self._sequential_round(query, tcp, errors)
+            if reply is not None:
+                return reply
+        raise UpstreamError(errors)
+
+    async def _sequential_round(self, query: bytes, tcp: bool, errors: list[tuple[str, str]]) -> bytes | None:
+        # The first reply without a transport or format error wins whatever its rcode: no failover on
+        # SERVFAIL/REFUSED/NXDOMAIN, as in Istio.
+        for server in shuffled(self._servers, self._next_id):
+            reply = await self._attempt(server, query, tcp, errors)
+            if reply is not None:
+                return reply
+        return None
+
+    async def _parallel_round(self, query: bytes, tcp: bool, errors: list[tuple[str, str]]) -> bytes | None:
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._attempt(server, query, tcp, errors)) for server in self._servers]
+        pending: set[asyncio.Task[bytes | None]] = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in tasks:  # configuration order breaks ties
+                    if task in done:
+                        reply = task.result()
+                        if reply is not None:
+                            return reply
+            return None
+        finally:
+            for task in pending:
+                task.cancel()  # their sockets close as the cancellation unwinds them
+
+    async def _attempt(
+        self, server: _Upstream, query: bytes, tcp: bool, errors: list[tuple[str, str]]
+    ) -> bytes | None:
+        """One exchange with one server; a failure is logged and recorded, and gives None."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                if tcp:
+                    return await self._exchange_tcp(server, query)
+                return await self._exchange_udp(server, query)
+        except (OSError, TimeoutError, ValueError, _AttemptFailed) as err:  # ValueError: DnsFormatError
+            message = _describe(err, self._timeout)
+            log.info("upstream failure: %s: %s", server.label, message)
+            errors.append((server.label, message))
+            return None
+
+    async def _address(self, server: _Upstream, kind: int) -> tuple[int, Any]:
+        if server.family is not None:
+            return server.family, (server.host, server.port)
+        infos = await asyncio.get_running_loop().getaddrinfo(server.host, server.port, type=kind)
+        if not infos:
+            raise _AttemptFailed(f"no address for {server.host}")
+        family, _, _, _, address = infos[0]
+        return family, address
+
+    async def _exchange_udp(self, server: _Upstream, query: bytes) -> bytes:
+        loop = asyncio.get_running_loop()
+        family, address = await self._address(server, socket.SOCK_DGRAM)
+        qid = query[:2]
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            sock.connect(address)  # the kernel now drops datagrams from any other address
+            try:
+                sock.send(query)
+            except BlockingIOError:
+                await loop.sock_sendall(sock, query)
+            while True:
+                reply = await loop.sock_recv(sock, UDP_RECEIVE_BUFFER)
+                if reply[:2] != qid:
+                    continue  # a stray or spoofed reply: keep waiting until the deadline
+                check_reply(query, reply)
+                return reply
+        finally:
+            sock.close()
+
+    async def _exchange_tcp(self, server: _Upstream, query: bytes) -> bytes:
+        loop = asyncio.get_running_loop()
+        family, address = await self._address(server, socket.SOCK_STREAM)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_connect(sock, address)
+            await loop.sock_sendall(sock, struct.pack("!H", len(query)) + query)
+            (length,) = struct.unpack("!H", await _receive_exactly(loop, sock, 2))
+            reply = await _receive_exactly(loop, sock, length)
+            if reply[:2] != query[:2]:
+                raise _AttemptFailed("reply ID does not match the query")
+            check_reply(query, reply)
+            return reply
+        finally:
+            sock.close()
+
+
+async def _receive_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = await loop.sock_recv(sock, size - len(data))
+        if not chunk:
+            raise _AttemptFailed("connection closed before a full reply")
+        data += chunk
+    return data

@@ -1,0 +1,501 @@
+"""The upstream forwarder against fake nameservers on loopback (real UDP and TCP sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import dns.message
+import dns.rcode
+import dns.rrset
+import pytest
+
+from istio_agent.ctl.local import free_port
+from istio_agent.dns.cache import AnswerCache
+from istio_agent.dns.upstream import Forwarder, UpstreamError, shuffled
+from istio_agent.dns.wire import parse_query
+from istio_agent.metrics import sample
+
+Respond = Callable[[bytes], list[bytes]]
+
+
+def make_query(name: str = "www.example.com.", qtype: str = "A", qid: int = 0x1234, **kw: Any) -> bytes:
+    return dns.message.make_query(name, qtype, id=qid, **kw).to_wire()
+
+
+def make_reply(
+    query: bytes, *, ips: tuple[str, ...] = ("10.0.0.1",), rcode: int = dns.rcode.NOERROR, ttl: int = 300
+) -> bytes:
+    request = dns.message.from_wire(query)
+    reply = dns.message.make_response(request)
+    reply.set_rcode(rcode)
+    if rcode == dns.rcode.NOERROR and ips:
+        reply.answer.append(dns.rrset.from_text_list(request.question[0].name, ttl, "IN", "A", list(ips)))
+    return reply.to_wire()
+
+
+def answer(*ips: str, rcode: int = dns.rcode.NOERROR) -> Respond:
+    return lambda query: [make_reply(query, ips=ips or ("10.0.0.1",), rcode=rcode)]
+
+
+def silent(query: bytes) -> list[bytes]:
+    return []
+
+
+def garbage(query: bytes) -> list[bytes]:
+    """Right ID, so it is not mistaken for a stray datagram, but not a DNS reply."""
+    return [query[:2] + b"\xff" * 9]
+
+
+def answer_ips(reply: bytes) -> list[str]:
+    return [rdata.address for rrset in dns.message.from_wire(reply).answer for rdata in rrset]
+
+
+class FakeUpstream:
+    """A fake nameserver on 127.0.0.1, UDP and TCP on one port, whose replies the test scripts.
+
+    ``respond(query)`` gives the messages to send back, in order (none: never answer); ``delay``
+    holds them back; ``spoof(query)`` is sent first from another port of the same host.
+    """
+
+    def __init__(self, respond: Respond, *, delay: float = 0.0, spoof: Respond | None = None) -> None:
+        self.respond = respond
+        self.delay = delay
+        self.spoof = spoof
+        self.queries: list[tuple[str, bytes]] = []
+        self.tcp_abandoned = asyncio.Event()
+        """Set when a TCP client hung up before it got its answer (it was cancelled)."""
+        self.port = 0
+        self._udp: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        fake = self
+
+        class Protocol(asyncio.DatagramProtocol):
+            def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+                fake.queries.append(("udp", data))
+                fake._spawn(fake._udp_reply(data, addr))
+
+        for _ in range(20):
+            port = free_port()
+            try:
+                self._udp, _ = await loop.create_datagram_endpoint(Protocol, local_addr=("127.0.0.1", port))
+                self._tcp = await asyncio.start_server(self._serve_tcp, "127.0.0.1", port)
+            except OSError:
+                if self._udp is not None:
+                    self._udp.close()
+                continue
+            self.port = port
+            return
+        raise RuntimeError("no free port for a fake upstream")
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _udp_reply(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+        if self.spoof is not None:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+                for message in self.spoof(data):
+                    other.sendto(message, addr)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        assert self._udp is not None
+        for message in self.respond(data):
+            self._udp.sendto(message, addr)
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            (length,) = struct.unpack("!H", await reader.readexactly(2))
+            data = await reader.readexactly(length)
+            self.queries.append(("tcp", data))
+            if self.delay:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.delay):
+                        await reader.read(1)  # returns b"" at once when the client hangs up
+                        self.tcp_abandoned.set()
+                        return
+            for message in self.respond(data):
+                writer.write(struct.pack("!H", len(message)) + message)
+            await writer.drain()
+            await reader.read(1)  # until the client closes
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        if self._udp is not None:
+            self._udp.close()
+        if self._tcp is not None:
+            self._tcp.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[Callable[..., Any]]:
+    started: list[FakeUpstream] = []
+
+    async def make(respond: Respond, **kw: Any) -> FakeUpstream:
+        fake = FakeUpstream(respond, **kw)
+        await fake.start()
+        started.append(fake)
+        return fake
+
+    yield make
+    for fake in started:
+        await fake.stop()
+
+
+def fixed_ids(*values: int) -> Callable[[], int]:
+    """An ID source that repeats ``values`` forever (to pin the per-query shuffle)."""
+    state = {"i": 0}
+
+    def next_id() -> int:
+        value = values[state["i"] % len(values)]
+        state["i"] += 1
+        return value
+
+    return next_id
+
+
+async def forward(forwarder: Forwarder, query: bytes, *, tcp: bool = False) -> bytes:
+    return await forwarder.forward(query, parse_query(query), tcp=tcp)
+
+
+# --- the happy path and metrics --------------------------------------------------------------------
+
+
+async def test_udp_query_is_forwarded_unchanged_and_the_reply_relayed(fakes: Any) -> None:
+    fake = await fakes(answer("10.1.2.3"))
+    forwarder = Forwarder([fake.address], timeout=2)
+    query = make_query("WwW.Example.COM.", qid=0xBEEF, use_edns=0, want_dnssec=True)
+    before = sample("dns_upstream_requests_total"), sample("dns_upstream_request_duration_seconds_count")
+
+    reply = await forward(forwarder, query)
+
+    assert fake.queries == [("udp", query)]  # same ID, case, flags and OPT
+    assert answer_ips(reply) == ["10.1.2.3"]
+    assert reply[:2] == b"\xbe\xef"
+    assert sample("dns_upstream_requests_total") == before[0] + 1
+    assert sample("dns_upstream_request_duration_seconds_count") == before[1] + 1
+
+
+async def test_tcp_in_tcp_out(fakes: Any) -> None:
+    fake = await fakes(answer("10.9.9.9"))
+    forwarder = Forwarder([fake.address], timeout=2)
+    query = make_query()
+    reply = await forward(forwarder, query, tcp=True)
+    assert fake.queries == [("tcp", query)]
+    assert answer_ips(reply) == ["10.9.9.9"]
+
+
+async def test_big_reply_over_tcp(fakes: Any) -> None:
+    ips = tuple(f"10.0.{i // 250}.{i % 250}" for i in range(200))
+    fake = await fakes(lambda q: [make_reply(q, ips=ips)])
+    reply = await forward(Forwarder([fake.address], timeout=2), make_query(), tcp=True)
+    assert len(reply) > 3000
+    assert len(answer_ips(reply)) == 200
+
+
+async def test_big_udp_reply_is_relayed_whole(fakes: Any) -> None:
+    """Beyond Istio: a 3000-byte datagram is received in full (the server truncates it for the client)."""
+    ips = tuple(f"10.0.{i // 250}.{i % 250}" for i in range(200))
+    fake = await fakes(lambda q: [make_reply(q, ips=ips)])
+    query = make_query()  # no EDNS: Istio would read 512 bytes of it and fail
+    reply = await forward(Forwarder([fake.address], timeout=2), query)
+    assert len(reply) > 3000
+    assert len(answer_ips(reply)) == 200
+
+
+# --- anti-spoofing and bad replies ---------------------------------------------------------------
+
+
+async def test_udp_reply_with_wrong_id_is_ignored(fakes: Any) -> None:
+    def wrong_id_first(query: bytes) -> list[bytes]:
+        bad = bytearray(make_reply(query, ips=("6.6.6.6",)))
+        bad[0] ^= 0xFF
+        return [bytes(bad), make_reply(query, ips=("10.0.0.7",))]
+
+    fake = await fakes(wrong_id_first)
+    reply = await forward(Forwarder([fake.address], timeout=2), make_query())
+    assert answer_ips(reply) == ["10.0.0.7"]
+
+
+async def test_udp_reply_from_another_address_is_ignored(fakes: Any) -> None:
+    fake = await fakes(answer("10.0.0.8"), spoof=answer("6.6.6.6"), delay=0.05)
+    reply = await forward(Forwarder([fake.address], timeout=2), make_query())
+    assert answer_ips(reply) == ["10.0.0.8"]
+
+
+async def test_garbage_fails_the_attempt_without_waiting_for_the_timeout(
+    fakes: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = await fakes(garbage)
+    forwarder = Forwarder([fake.address], timeout=5)
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="istio.dns"), pytest.raises(UpstreamError) as failed:
+        await forward(forwarder, make_query())
+    assert time.monotonic() - start < 2
+    assert failed.value.errors[0][0] == f"127.0.0.1:{fake.port}"
+    assert any(
+        r.getMessage().startswith(f"upstream failure: 127.0.0.1:{fake.port}: ") for r in caplog.records
+    )
+
+
+async def test_reply_to_another_question_is_rejected(fakes: Any) -> None:
+    fake = await fakes(lambda q: [make_reply(make_query("evil.example.", qid=0x1234))])
+    with pytest.raises(UpstreamError):
+        await forward(Forwarder([fake.address], timeout=2), make_query("www.example.com.", qid=0x1234))
+
+
+async def test_tcp_reply_with_wrong_id_is_an_error(fakes: Any) -> None:
+    def wrong_id(query: bytes) -> list[bytes]:
+        bad = bytearray(make_reply(query))
+        bad[1] ^= 0xFF
+        return [bytes(bad)]
+
+    fake = await fakes(wrong_id)
+    with pytest.raises(UpstreamError, match="ID"):
+        await forward(Forwarder([fake.address], timeout=5), make_query(), tcp=True)
+
+
+# --- timeouts, failures, failover ----------------------------------------------------------------
+
+
+async def test_silent_server_times_out(fakes: Any) -> None:
+    fake = await fakes(silent)
+    before = sample("dns_upstream_failures_total"), sample("dns_upstream_request_duration_seconds_count")
+    start = time.monotonic()
+    with pytest.raises(UpstreamError, match="timeout") as failed:
+        await forward(Forwarder([fake.address], timeout=0.3), make_query())
+    assert 0.25 < time.monotonic() - start < 1.5
+    assert failed.value.errors == [(f"127.0.0.1:{fake.port}", "i/o timeout after 0.3s")]
+    assert sample("dns_upstream_failures_total") == before[0] + 1
+    assert sample("dns_upstream_request_duration_seconds_count") == before[1] + 1
+
+
+async def test_tcp_silent_server_times_out(fakes: Any) -> None:
+    fake = await fakes(silent)
+    with pytest.raises(UpstreamError, match="timeout"):
+        await forward(Forwarder([fake.address], timeout=0.3), make_query(), tcp=True)
+
+
+async def test_refused_port_fails_fast() -> None:
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(UpstreamError) as failed:
+        await forward(Forwarder([("127.0.0.1", port)], timeout=5), make_query())
+    assert time.monotonic() - start < 2
+    assert "refused" in str(failed.value).lower()
+
+
+async def test_error_message_lists_every_server(fakes: Any) -> None:
+    quiet, broken = await fakes(silent), await fakes(garbage)
+    forwarder = Forwarder([quiet.address, broken.address], timeout=0.3)
+    with pytest.raises(UpstreamError) as failed:
+        await forward(forwarder, make_query())
+    assert sorted(server for server, _ in failed.value.errors) == sorted(
+        [f"127.0.0.1:{quiet.port}", f"127.0.0.1:{broken.port}"]
+    )
+    text = str(failed.value)
+    assert f"127.0.0.1:{quiet.port}: i/o timeout" in text
+    assert f"127.0.0.1:{broken.port}: " in text
+
+
+async def test_sequential_fails_over_on_transport_error(fakes: Any) -> None:
+    quiet, good = await fakes(silent), await fakes(answer("10.0.0.2"))
+    # Two servers: an odd ID keeps resolv.conf order, so the silent one is asked first.
+    forwarder = Forwarder([quiet.address, good.address], timeout=0.3, next_id=fixed_ids(1))
+    reply = await forward(forwarder, make_query())
+    assert answer_ips(reply) == ["10.0.0.2"]
+    assert len(quiet.queries) == 1 and len(good.queries) == 1
+
+
+@pytest.mark.parametrize("rcode", [dns.rcode.SERVFAIL, dns.rcode.REFUSED, dns.rcode.NXDOMAIN])
+async def test_sequential_does_not_fail_over_on_rcode(fakes: Any, rcode: int) -> None:
+    failing, good = await fakes(answer(rcode=rcode)), await fakes(answer("10.0.0.2"))
+    forwarder = Forwarder([failing.address, good.address], timeout=2, next_id=fixed_ids(1))
+    reply = await forward(forwarder, make_query())
+    assert dns.message.from_wire(reply).rcode() == rcode
+    assert good.queries == []
+
+
+async def test_sequential_order_is_shuffled_per_query(fakes: Any) -> None:
+    servers = [await fakes(answer(f"10.0.0.{i}")) for i in range(3)]
+    forwarder = Forwarder([s.address for s in servers], timeout=2)
+    firsts = {answer_ips(await forward(forwarder, make_query(qid=i)))[0] for i in range(60)}
+    assert firsts == {"10.0.0.0", "10.0.0.1", "10.0.0.2"}
+
+
+async def test_injected_ids_pin_the_order(fakes: Any) -> None:
+    first, second = await fakes(answer("10.0.0.1")), await fakes(answer("10.0.0.2"))
+    keep = Forwarder([first.address, second.address], next_id=fixed_ids(1))
+    swap = Forwarder([first.address, second.address], next_id=fixed_ids(2))
+    assert answer_ips(await forward(keep, make_query())) == ["10.0.0.1"]
+    assert answer_ips(await forward(swap, make_query())) == ["10.0.0.2"]
+
+
+def test_shuffle_follows_the_id_sequence() -> None:
+    assert shuffled([], fixed_ids(0)) == []
+    assert shuffled(["a"], fixed_ids(0)) == ["a"]
+    assert shuffled(["a", "b"], fixed_ids(3)) == ["a", "b"]  # two entries: swap on an even ID
+    assert shuffled(["a", "b"], fixed_ids(4)) == ["b", "a"]
+    # Three entries: before each round the bound 3 * (id % 4 + 1) is drawn anew (here 3 every time);
+    # a round draws q then p, and p == q bumps p to the next index.
+    ids = [0, 1, 1, 0, 0, 2, 0, 0, 1, 0]  # swaps (1,2), (0,2), (0,1), then 3 < 3 stops the loop
+    used: list[int] = []
+
+    def next_id() -> int:
+        used.append(ids[len(used)])
+        return used[-1]
+
+    items = ["a", "b", "c"]
+    assert shuffled(items, next_id) == ["c", "b", "a"]
+    assert used == ids
+    assert items == ["a", "b", "c"]  # a copy is shuffled, not the input
+
+
+# --- parallel ------------------------------------------------------------------------------------
+
+
+async def test_parallel_first_reply_wins(fakes: Any) -> None:
+    slow, fast = await fakes(answer("10.0.0.1"), delay=3), await fakes(answer("10.0.0.2"))
+    forwarder = Forwarder([slow.address, fast.address], parallel=True, timeout=5)
+    start = time.monotonic()
+    reply = await forward(forwarder, make_query())
+    assert time.monotonic() - start < 1.5
+    assert answer_ips(reply) == ["10.0.0.2"]
+    assert len(slow.queries) == 1  # everyone was asked at once
+
+
+async def test_parallel_any_rcode_wins(fakes: Any) -> None:
+    failing, slow = await fakes(answer(rcode=dns.rcode.SERVFAIL)), await fakes(answer("10.0.0.2"), delay=0.5)
+    forwarder = Forwarder([slow.address, failing.address], parallel=True, timeout=5)
+    reply = await forward(forwarder, make_query())
+    assert dns.message.from_wire(reply).rcode() == dns.rcode.SERVFAIL
+
+
+async def test_parallel_errors_do_not_win(fakes: Any) -> None:
+    broken, slow = await fakes(garbage), await fakes(answer("10.0.0.2"), delay=0.3)
+    forwarder = Forwarder([broken.address, slow.address], parallel=True, timeout=5)
+    assert answer_ips(await forward(forwarder, make_query())) == ["10.0.0.2"]
+
+
+async def test_parallel_cancels_the_losers(fakes: Any) -> None:
+    slow, fast = await fakes(answer("10.0.0.1"), delay=5), await fakes(answer("10.0.0.2"))
+    forwarder = Forwarder([slow.address, fast.address], parallel=True, timeout=10)
+    reply = await forward(forwarder, make_query(), tcp=True)
+    assert answer_ips(reply) == ["10.0.0.2"]
+    async with asyncio.timeout(2):
+        await slow.tcp_abandoned.wait()  # its connection was closed long before it would answer
+
+
+async def test_parallel_all_failing(fakes: Any) -> None:
+    a, b = await fakes(silent), await fakes(garbage)
+    forwarder = Forwarder([a.address, b.address], parallel=True, timeout=0.3)
+    with pytest.raises(UpstreamError) as failed:
+        await forward(forwarder, make_query())
+    assert len(failed.value.errors) == 2
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+async def test_zero_servers_fail_at_once(parallel: bool) -> None:
+    """Beyond Istio: parallel mode with no nameservers does not hang the query."""
+    forwarder = Forwarder([], parallel=parallel, timeout=5, retries=3)
+    before = sample("dns_upstream_failures_total")
+    async with asyncio.timeout(1):
+        with pytest.raises(UpstreamError, match="no upstream nameservers"):
+            await forward(forwarder, make_query())
+    assert sample("dns_upstream_failures_total") == before + 1
+
+
+# --- retries -------------------------------------------------------------------------------------
+
+
+def fail_first(times: int) -> Respond:
+    """Garbage for the first ``times`` queries, then a good answer."""
+    seen = {"n": 0}
+
+    def respond(query: bytes) -> list[bytes]:
+        seen["n"] += 1
+        return garbage(query) if seen["n"] <= times else [make_reply(query, ips=("10.0.0.5",))]
+
+    return respond
+
+
+async def test_no_retries_by_default(fakes: Any) -> None:
+    fake = await fakes(fail_first(1))
+    with pytest.raises(UpstreamError):
+        await forward(Forwarder([fake.address], timeout=2), make_query())
+    assert len(fake.queries) == 1
+
+
+@pytest.mark.parametrize("tcp", [False, True])
+async def test_retries_add_rounds(fakes: Any, tcp: bool) -> None:
+    fake = await fakes(fail_first(2))
+    reply = await forward(Forwarder([fake.address], timeout=2, retries=2), make_query(), tcp=tcp)
+    assert answer_ips(reply) == ["10.0.0.5"]
+    assert len(fake.queries) == 3
+
+
+async def test_retries_exhausted(fakes: Any) -> None:
+    a, b = await fakes(garbage), await fakes(garbage)
+    forwarder = Forwarder([a.address, b.address], timeout=2, retries=2)
+    with pytest.raises(UpstreamError) as failed:
+        await forward(forwarder, make_query())
+    assert len(failed.value.errors) == 6  # every attempt of every round is reported
+    assert len(a.queries) == 3 and len(b.queries) == 3
+
+
+def test_bad_settings_are_rejected() -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        Forwarder([("127.0.0.1", 53)], timeout=0)
+    with pytest.raises(ValueError, match="retries"):
+        Forwarder([("127.0.0.1", 53)], retries=-1)
+
+
+def test_server_labels() -> None:
+    forwarder = Forwarder([("10.0.0.1", 53), ("fd00::1", 5353)])
+    assert forwarder.servers == ["10.0.0.1:53", "[fd00::1]:5353"]
+
+
+# --- with the answer cache -----------------------------------------------------------------------
+
+
+async def test_cached_answer_skips_the_upstream(fakes: Any) -> None:
+    fake = await fakes(answer("10.0.0.3"))
+    forwarder = Forwarder([fake.address], timeout=2, cache=AnswerCache())
+    before = sample("dns_upstream_requests_total")
+    await forward(forwarder, make_query("www.example.com.", qid=1))
+    second = make_query("WWW.example.COM.", qid=2)
+    reply = await forward(forwarder, second)
+    assert len(fake.queries) == 1
+    assert sample("dns_upstream_requests_total") == before + 1  # a hit is not an upstream request
+    assert reply[:2] == b"\x00\x02"
+    assert str(dns.message.from_wire(reply).question[0].name) == "WWW.example.COM."  # the client's case
+    assert answer_ips(reply) == ["10.0.0.3"]
+
+
+async def test_servfail_is_not_cached(fakes: Any) -> None:
+    fake = await fakes(answer(rcode=dns.rcode.SERVFAIL))
+    forwarder = Forwarder([fake.address], timeout=2, cache=AnswerCache())
+    for qid in (1, 2):
+        await forward(forwarder, make_query(qid=qid))
+    assert len(fake.queries) == 2
