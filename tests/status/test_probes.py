@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import socket
@@ -24,8 +25,10 @@ from istio_agent.config.app_probers import (
     TCPSocketProber,
     parse_app_probers,
 )
+from istio_agent.status import h2client
 from istio_agent.status.probes import AppProbes, decode_health_status
 from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
+from tests.status.test_h2client import H2Server, Reply, Seen, tls_server_context
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -295,15 +298,23 @@ def server_tls(tmp_path: Path, alpn: list[str] | None = None) -> ssl.SSLContext:
     return context
 
 
-@pytest.mark.parametrize("alpn", [None, ["http/1.1"], ["h2", "http/1.1"]])
-async def test_https_without_verification(
-    tmp_path: Path, status_server: Prober, alpn: list[str] | None
+@pytest.mark.parametrize(
+    ("alpn", "http2"),
+    [
+        (None, True),  # no ALPN from the app: HTTP/1.1
+        (["http/1.1"], True),  # h2 offered, the app picks http/1.1
+        (["h2", "http/1.1"], False),  # HTTP/2 probing off: h2 is never offered
+    ],
+)
+async def test_https_http1(
+    tmp_path: Path, status_server: Prober, alpn: list[str] | None, http2: bool
 ) -> None:
+    # aiohttp's server speaks only HTTP/1.1 (it would fail an h2 connection it advertised).
     state = App()
     runner = await serve(make_app(state), tls=server_tls(tmp_path, alpn))
     try:
         client = await status_server(
-            {"/app-health/web/readyz": http("/echo", port_of(runner), scheme="HTTPS")}
+            {"/app-health/web/readyz": http("/echo", port_of(runner), scheme="HTTPS")}, http2=http2
         )
         response = await client.get("/app-health/web/readyz")
         assert response.status == 200
@@ -319,6 +330,143 @@ async def test_https_prober_against_plain_http_fails(app: App, status_server: Pr
         {"/app-health/web/readyz": http("/echo", app.port, timeout=2, scheme="HTTPS")}
     )
     assert (await client.get("/app-health/web/readyz")).status == 500
+
+
+# --- HTTPS over HTTP/2 -----------------------------------------------------------------------------
+
+
+async def h2_app_handler(seen: Seen) -> Reply:
+    """The HTTP/2 twin of make_app's routes."""
+    path = seen.header(":path") or ""
+    app_port = (seen.header(":authority") or "").rpartition(":")[2]
+    if path == "/echo":
+        return Reply(body=json.dumps({"headers": seen.headers, "remote": seen.peer}).encode())
+    if path.startswith("/status/"):
+        code = int(path.rpartition("/")[2])
+        return Reply(status=code, body=b"" if code in (204, 304) else f"code={code}".encode())
+    if path == "/big":
+        return Reply(body=b"x" * 20000)
+    if path.startswith("/hops/"):
+        left = int(path.rpartition("/")[2])
+        return (
+            Reply(body=b"arrived")
+            if left == 0
+            else Reply(status=302, headers=[("location", f"/hops/{left - 1}")])
+        )
+    if path == "/other-host":
+        return Reply(status=302, headers=[("location", f"https://localhost:{app_port}/status/503")])
+    if path == "/slow":
+        return Reply(stall=True)
+    return Reply(status=404)
+
+
+@pytest.fixture(params=[["h2"], ["h2", "http/1.1"]], ids=["h2-only", "h2+h1"])
+async def h2_app(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[H2Server]:
+    server = await H2Server(h2_app_handler, tls_server_context(tmp_path, request.param)).start()
+    yield server
+    await server.close()
+
+
+def https(path: str, port: int, timeout: int = 0) -> AppProber:
+    return http(path, port, timeout, scheme="HTTPS")
+
+
+async def test_https_h2(h2_app: H2Server, status_server: Prober) -> None:
+    prober = AppProber(
+        HTTPGetProber(port=h2_app.port, path="/echo", scheme="HTTPS", headers=(("X-Config", "no"),))
+    )
+    client = await status_server({"/app-health/web/readyz": prober})
+    response = await client.get(
+        "/app-health/web/readyz",
+        headers=[("X-Custom", "a"), ("X-Multi", "1"), ("X-Multi", "2"), ("User-Agent", "kube-probe/1.30")],
+    )
+    assert response.status == 200
+    seen = await response.json(content_type=None)
+    headers = [tuple(pair) for pair in seen["headers"]]
+    assert headers[:4] == [
+        (":method", "GET"),
+        (":scheme", "https"),
+        (":authority", f"127.0.0.1:{h2_app.port}"),  # status port replaced by the app port
+        (":path", "/echo"),
+    ]
+    assert ("x-custom", "a") in headers
+    assert [v for k, v in headers if k == "x-multi"] == ["1", "2"]
+    assert ("user-agent", "kube-probe/1.30") in headers
+    assert not [k for k, _ in headers if k in ("connection", "host", "x-config")]
+    assert seen["remote"] == "127.0.0.6"
+
+
+@pytest.mark.parametrize("code", [200, 204, 400, 404, 503])
+async def test_https_h2_status_passed_through(h2_app: H2Server, status_server: Prober, code: int) -> None:
+    client = await status_server({"/app-health/web/readyz": https(f"/status/{code}", h2_app.port)})
+    response = await client.get("/app-health/web/readyz")
+    assert response.status == code
+    assert await response.read() == (b"" if code == 204 else f"code={code}".encode())
+
+
+@pytest.mark.parametrize("code", [301, 302, 304, 307])
+async def test_https_h2_3xx_becomes_200(h2_app: H2Server, status_server: Prober, code: int) -> None:
+    client = await status_server({"/app-health/web/readyz": https(f"/status/{code}", h2_app.port)})
+    response = await client.get("/app-health/web/readyz")
+    assert (response.status, await response.read()) == (200, b"")
+
+
+async def test_https_h2_redirects_body_cap_timeout(h2_app: H2Server, status_server: Prober) -> None:
+    client = await status_server(
+        {
+            "/app-health/web/readyz": https("/hops/10", h2_app.port),
+            "/app-health/web/livez": https("/hops/11", h2_app.port),
+            "/app-health/web/startupz": https("/other-host", h2_app.port),
+            "/app-lifecycle/web/prestopz": https("/big", h2_app.port),
+            "/app-lifecycle/web/poststartz": https("/slow", h2_app.port, timeout=1),
+        }
+    )
+    ten = await client.get("/app-health/web/readyz")
+    assert (ten.status, await ten.text()) == (200, "arrived")
+    assert (await client.get("/app-health/web/livez")).status == 500  # 11th redirect
+    assert (await client.get("/app-health/web/startupz")).status == 200  # the 302 itself, not the 503
+    big = await client.get("/app-lifecycle/web/prestopz")
+    assert (big.status, await big.read()) == (200, b"x" * 10240)
+    started = time.monotonic()
+    assert (await client.get("/app-lifecycle/web/poststartz")).status == 500
+    assert time.monotonic() - started < 5
+    assert {seen.peer for seen in h2_app.seen} == {"127.0.0.6"}
+    assert len(h2_app.seen) == 11 + 11 + 1 + 1 + 1  # the 11th redirect is not followed
+
+
+async def test_http2_probing_off_never_offers_h2(tmp_path: Path, status_server: Prober) -> None:
+    server = await H2Server(h2_app_handler, tls_server_context(tmp_path, ["h2"])).start()
+    try:
+        client = await status_server({"/app-health/web/readyz": https("/echo", server.port, 2)}, http2=False)
+        assert (await client.get("/app-health/web/readyz")).status == 500  # HTTP/1.1 to an h2-only app
+        assert server.seen == []
+    finally:
+        await server.close()
+
+
+async def test_alpn_refused_by_app_is_500(tmp_path: Path, status_server: Prober) -> None:
+    # Go's TLS server, for one, ends the handshake when it shares no protocol with the client's
+    # ALPN offer; this app does that to every client.
+    tls = tls_server_context(tmp_path, ["foo"])
+    tls.sni_callback = lambda *_: 120  # no_application_protocol
+    server = await H2Server(h2_app_handler, tls).start()
+    try:
+        client = await status_server({"/app-health/web/readyz": https("/echo", server.port, 2)})
+        assert (await client.get("/app-health/web/readyz")).status == 500
+    finally:
+        await server.close()
+
+
+async def test_unknown_alpn_is_500(
+    h2_app: H2Server, status_server: Prober, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # OpenSSL itself rejects a protocol the client did not offer, so pretend one got through.
+    monkeypatch.setattr(h2client.Connection, "alpn", property(lambda self: "spdy/3"))
+    client = await status_server({"/app-health/web/readyz": https("/echo", h2_app.port, 2)})
+    with caplog.at_level(logging.INFO, logger="istio.healthcheck"):
+        assert (await client.get("/app-health/web/readyz")).status == 500
+    assert h2_app.seen == []
+    assert "unsupported ALPN protocol 'spdy/3'" in caplog.text
 
 
 # --- TCP -------------------------------------------------------------------------------------------
@@ -404,6 +552,8 @@ def encode_status(status: int) -> bytes:
 class HealthServer:
     port: int
     user_agents: list[str]
+    peers: list[str] = field(default_factory=list)
+    hung: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 async def grpc_server(host: str, health: bool = True) -> tuple[grpc.aio.Server, HealthServer]:
@@ -412,7 +562,11 @@ async def grpc_server(host: str, health: bool = True) -> tuple[grpc.aio.Server, 
     async def check(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         metadata = dict(context.invocation_metadata() or ())
         state.user_agents.append(str(metadata.get("user-agent", "")))
+        state.peers.append(context.peer())
         service = parse_service(request)
+        if service == "hang":
+            state.hung.set()
+            await asyncio.Event().wait()  # cancelled when the server stops
         if service not in STATUSES:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
         return encode_status(STATUSES[service])
@@ -446,6 +600,52 @@ async def test_grpc_probe(status_server: Prober, host: str) -> None:
         assert (await client.get("/app-health/c/startupz")).status == 500  # NOT_SERVING
         assert (await client.get("/app-lifecycle/c/prestopz")).status == 500  # UNKNOWN
         assert (await client.get("/app-lifecycle/c/poststartz")).status == 500  # NotFound
+        # 127.0.0.6 where it is a local address; ::6 is not, so IPv6 probes come from ::1.
+        source = "ipv4:127.0.0.6:" if host == "127.0.0.1" else "ipv6:%5B::1%5D:"
+        assert len(state.peers) == 5
+        assert all(peer.startswith(source) for peer in state.peers), state.peers
+    finally:
+        await server.stop(None)
+
+
+async def test_grpc_probe_logs(status_server: Prober, caplog: pytest.LogCaptureFixture) -> None:
+    server, state = await grpc_server("127.0.0.1")
+    bare, bare_state = await grpc_server("127.0.0.1", health=False)
+    try:
+        client = await status_server(
+            {
+                "/app-health/c/livez": AppProber(GRPCProber(port=state.port, service="nope"), 2),
+                "/app-health/c/readyz": AppProber(GRPCProber(port=bare_state.port), 2),
+                "/app-health/c/startupz": AppProber(GRPCProber(port=state.port, service="down"), 2),
+            }
+        )
+        with caplog.at_level(logging.INFO, logger="istio.healthcheck"):
+            for kind in ("livez", "readyz", "startupz"):
+                assert (await client.get(f"/app-health/c/{kind}")).status == 500
+        assert (
+            "app probe /app-health/c/livez failed: grpc probe failed: "
+            "rpc error: code = NotFound desc = unknown service"
+        ) in caplog.text
+        assert (
+            "app probe /app-health/c/readyz failed: server does not implement the grpc health protocol "
+            "(grpc.health.v1.Health): rpc error: code = Unimplemented"
+        ) in caplog.text
+        assert "app probe /app-health/c/startupz failed: gRPC health status 2" in caplog.text
+    finally:
+        await server.stop(None)
+        await bare.stop(None)
+
+
+async def test_grpc_timeout(status_server: Prober) -> None:
+    server, state = await grpc_server("127.0.0.1")
+    try:
+        client = await status_server(
+            {"/app-health/c/livez": AppProber(GRPCProber(port=state.port, service="hang"), 1)}
+        )
+        started = time.monotonic()
+        assert (await client.get("/app-health/c/livez")).status == 500
+        assert time.monotonic() - started < 5
+        assert state.hung.is_set()
     finally:
         await server.stop(None)
 
@@ -501,3 +701,36 @@ async def test_ipv6_source_falls_back_once(status_server: Prober, caplog: pytest
         server.close()
         await server.wait_closed()
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("error", "retried"),
+    [
+        (OSError(errno.EINVAL, "Invalid argument"), True),
+        (OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address"), True),
+        (OSError(errno.ENETUNREACH, "Network is unreachable"), True),
+        (ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), False),
+        (ssl.SSLError(errno.EINVAL, "handshake"), False),
+    ],
+)
+async def test_unreachable_from_source_retries_from_default(error: OSError, retried: bool) -> None:
+    # A pod IP that 127.0.0.6 cannot reach (not routed via loopback) cannot be set up on loopback,
+    # so the dial fails the way the kernel would.
+    probes = AppProbes({}, pod_ip="10.1.2.3", status_port=15020)
+    calls: list[bool] = []
+
+    async def attempt() -> str:
+        calls.append(probes._source.active(socket.AF_INET))
+        if len(calls) == 1:
+            raise error
+        return "connected"
+
+    if retried:
+        assert await probes._from_source("10.1.2.3", attempt) == "connected"
+        assert calls == [True, False]  # second try from the default source, which sticks
+        assert not probes._source.active(socket.AF_INET)
+    else:
+        with pytest.raises(OSError):
+            await probes._from_source("10.1.2.3", attempt)
+        assert calls == [True]
+        assert probes._source.active(socket.AF_INET)

@@ -4,6 +4,8 @@ With mTLS (or traffic capture) kubelet cannot probe the application directly, so
 points the probes at the agent, which replays the original probe (``ISTIO_KUBE_APP_PROBERS``)
 against the pod IP. Probes come from 127.0.0.6 (``::6``), the address Envoy's inbound passthrough
 also uses, so the traffic is recognisable and not captured again by the sidecar's iptables rules.
+HTTP/1.1 goes through aiohttp; HTTPS apps that pick h2 via ALPN and gRPC health checks go through
+``h2client``, which (unlike grpcio) lets gRPC probes come from the probe source address too.
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ import ipaddress
 import socket
 import ssl
 import struct
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import aiohttp
-import grpc
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
 from istio_agent.config.app_probers import AppProber, GRPCProber, HTTPGetProber, TCPSocketProber
 from istio_agent.log import scope
+from istio_agent.status import h2client
 
 log = scope("healthcheck")
 
@@ -45,6 +48,7 @@ _NOT_COPIED = frozenset(
 )
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 _SERVING = 1
+_T = TypeVar("_T")
 
 
 class ProbeError(Exception):
@@ -187,14 +191,11 @@ class AppProbes:
         self._pod_ip = pod_ip
         self._status_port = status_port
         self._keepalive = keepalive
-        # HTTP/2 needs an h2 client, which aiohttp lacks; HTTPS probes negotiate http/1.1 via ALPN.
-        self._http2 = http2
+        self._http2 = http2  # ISTIO_ENABLE_HTTP2_PROBING: offer h2 to HTTPS apps
         self._source = ProbeSource()
         self._session: aiohttp.ClientSession | None = None
-        self._tls = ssl.create_default_context()
-        self._tls.check_hostname = False
-        self._tls.verify_mode = ssl.CERT_NONE  # as kubelet: probes do not verify certificates
-        self._tls.set_alpn_protocols(["http/1.1"])
+        self._tls_h1 = _probe_tls(["http/1.1"])  # aiohttp: HTTP/1.1 only
+        self._tls_alpn = _probe_tls(["h2", "http/1.1"])
 
     async def close(self) -> None:
         """Close pooled connections (only pooled with keep-alive)."""
@@ -208,19 +209,52 @@ class AppProbes:
             return web.Response(status=400, text=f"app prober config does not exists for {request.path}")
         action = prober.action
         try:
-            async with asyncio.timeout(_timeout(prober)):
+            async with asyncio.timeout(_timeout(prober)) as deadline:
                 if isinstance(action, HTTPGetProber):
                     return await self._http_get(request, action)
                 if isinstance(action, TCPSocketProber):
                     await self._tcp(action)
                     return web.Response(status=200)
-                await self._grpc(request, action)
+                await self._grpc(request, action, deadline)
                 return web.Response(status=200)
         except TimeoutError:
             log.info("app probe %s timed out after %ss", request.path, _timeout(prober))
-        except (ProbeError, OSError, aiohttp.ClientError, grpc.RpcError, ValueError) as err:
+        except h2client.GrpcError as err:
+            if err.code == h2client.UNIMPLEMENTED:
+                log.info(
+                    "app probe %s failed: server does not implement the grpc health protocol "
+                    "(grpc.health.v1.Health): %s",
+                    request.path,
+                    err,
+                )
+            else:
+                log.info("app probe %s failed: grpc probe failed: %s", request.path, err)
+        except (ProbeError, OSError, aiohttp.ClientError, h2client.H2Error, ValueError) as err:
             log.info("app probe %s failed: %s", request.path, err or type(err).__name__)
         return web.Response(status=500)
+
+    async def _from_source(self, host: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """Run a dialling ``attempt``; again from the default source if the probe source cannot
+        reach ``host`` (a pod IP not routed via loopback), remembering that for later probes."""
+        families = _families(host)
+        try:
+            return await attempt()
+        except OSError as err:
+            cause = err.os_error if isinstance(err, aiohttp.ClientConnectorError) else err
+            if (
+                isinstance(cause, ssl.SSLError)
+                or cause.errno not in _SOURCE_ERRNOS
+                or not any(self._source.active(f) for f in families)
+            ):
+                raise
+            for family in families:
+                self._source.disable(family, cause)
+        return await attempt()
+
+    def _dial(
+        self, host: str, port: int, tls: ssl.SSLContext | None = None
+    ) -> Awaitable[h2client.Connection]:
+        return h2client.open_connection(host, port, tls=tls, socket_factory=self._source.open_socket)
 
     # --- httpGet ---------------------------------------------------------------------------------
 
@@ -286,19 +320,34 @@ class AppProbes:
         raise ProbeError("unreachable")  # pragma: no cover
 
     async def _fetch(self, url: URL, headers: CIMultiDict[str]) -> tuple[int, str | None, bytes]:
-        """One GET; retried once without the source address if that address cannot reach the app."""
-        families = _families(url.host or "")
-        try:
-            return await self._fetch_once(url, headers)
-        except aiohttp.ClientConnectorError as err:
-            if err.os_error.errno not in _SOURCE_ERRNOS or not any(self._source.active(f) for f in families):
-                raise
-            for family in families:
-                self._source.disable(family, err.os_error)
-        return await self._fetch_once(url, headers)
+        """One GET; over HTTP/2 when an HTTPS app picks h2, else HTTP/1.1."""
+        if url.scheme == "https" and self._http2:
+            answer = await self._from_source(url.host or "", lambda: self._fetch_h2(url, headers))
+            if answer is not None:
+                return answer
+        return await self._from_source(url.host or "", lambda: self._fetch_h1(url, headers))
 
-    async def _fetch_once(self, url: URL, headers: CIMultiDict[str]) -> tuple[int, str | None, bytes]:
-        tls: ssl.SSLContext | bool = self._tls if url.scheme == "https" else False
+    async def _fetch_h2(self, url: URL, headers: CIMultiDict[str]) -> tuple[int, str | None, bytes] | None:
+        """GET over HTTP/2 if the app picks h2 via ALPN; ``None`` when it picks HTTP/1.1.
+
+        The HTTP/1.1 answer costs a second TLS connection (aiohttp dials its own): the price of
+        keeping a single HTTP/1.1 client.
+        """
+        async with await self._dial(url.host or "", url.port or 443, self._tls_alpn) as conn:
+            protocol = conn.alpn
+            if protocol is None or protocol == "http/1.1":
+                return None
+            if protocol != "h2":
+                raise ProbeError(f"unsupported ALPN protocol {protocol!r}")
+            authority = headers.get("Host") or f"{_url_host(url.host or '')}:{url.port}"
+            response = await conn.request(
+                "GET", url.raw_path_qs, authority=authority, headers=list(headers.items()), max_body=MAX_BODY
+            )
+        body = b"" if 300 <= response.status < 400 else response.body
+        return response.status, response.header("location"), body
+
+    async def _fetch_h1(self, url: URL, headers: CIMultiDict[str]) -> tuple[int, str | None, bytes]:
+        tls: ssl.SSLContext | bool = self._tls_h1 if url.scheme == "https" else False
         session = self._get_session()
         async with session.get(url, headers=headers, allow_redirects=False, ssl=tls) as response:
             body = b""
@@ -317,40 +366,35 @@ class AppProbes:
     # --- tcpSocket -------------------------------------------------------------------------------
 
     async def _tcp(self, prober: TCPSocketProber) -> None:
-        loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(self._pod_ip, prober.port, type=socket.SOCK_STREAM)
-        last: OSError | None = None
-        for family, kind, proto, _, address in infos:
-            for _attempt in range(2):
-                used_source = self._source.active(family)
-                sock = self._source.open_socket(family, kind, proto)
-                try:
-                    sock.setblocking(False)
-                    await loop.sock_connect(sock, address)
-                    return
-                except OSError as err:
-                    last = err
-                    if used_source and err.errno in _SOURCE_ERRNOS:
-                        self._source.disable(family, err)
-                        continue
-                    break
-                finally:
-                    sock.close()
-        raise last or ProbeError(f"no address for {self._pod_ip}")
+        sock = await self._from_source(
+            self._pod_ip, lambda: h2client.dial(self._pod_ip, prober.port, self._source.open_socket)
+        )
+        sock.close()
 
     # --- grpc ------------------------------------------------------------------------------------
 
-    async def _grpc(self, request: web.Request, prober: GRPCProber) -> None:
-        # grpcio cannot bind a source address, so gRPC probes come from the default source.
-        options: list[tuple[str, Any]] = [("grpc.enable_http_proxy", 0), ("grpc.enable_retries", 0)]
-        user_agent = request.headers.get("User-Agent")
-        if user_agent:
-            options.append(("grpc.primary_user_agent", user_agent))
-        target = f"{_url_host(self._pod_ip)}:{prober.port}"
-        async with grpc.aio.insecure_channel(target, options=options) as channel:
-            await channel.channel_ready()
-            check = channel.unary_unary(_HEALTH_CHECK)
-            response = await check(encode_health_request(prober.service))
+    async def _grpc(self, request: web.Request, prober: GRPCProber, deadline: asyncio.Timeout) -> None:
+        """``grpc.health.v1.Health/Check`` over plaintext HTTP/2; only SERVING passes."""
+        conn = await self._from_source(self._pod_ip, lambda: self._dial(self._pod_ip, prober.port))
+        when = deadline.when()
+        remaining = None if when is None else max(0.0, when - asyncio.get_running_loop().time())
+        async with conn:
+            response = await h2client.grpc_unary(
+                conn,
+                _HEALTH_CHECK,
+                encode_health_request(prober.service),
+                authority=f"{_url_host(self._pod_ip)}:{prober.port}",
+                user_agent=request.headers.get("User-Agent"),
+                timeout=remaining,
+            )
         status = decode_health_status(response)
         if status != _SERVING:
             raise ProbeError(f"gRPC health status {status}")
+
+
+def _probe_tls(alpn: list[str]) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # as kubelet: probes do not verify certificates
+    context.set_alpn_protocols(alpn)
+    return context
