@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,3 +20,16 @@ def short_tmp() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
+    """asyncio's own loop for every test, plus uvloop (the agent's loop) for tests marked ``both_loops``.
+
+    The two loops' transports differ (uvloop's do not subclass asyncio's), so servers are tested on both.
+    """
+    factories: dict[str, Callable[[], Any]] = {"asyncio": asyncio.new_event_loop}
+    if item.get_closest_marker("both_loops") is not None:
+        import uvloop
+
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories

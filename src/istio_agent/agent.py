@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from istio_agent.bootstrap.envoy import write_bootstrap
 from istio_agent.config import ConfigError, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings
+from istio_agent.config.dns import DnsSettings
 from istio_agent.config.security import CERT_CHAIN_FILE, CRL_PATH, KEY_FILE, ROOT_CERT_FILE
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyProcess
@@ -34,6 +35,7 @@ from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
 from istio_agent.xds.proxy import TypeHandler, XdsProxy
 
 if TYPE_CHECKING:  # imported when used: they load aiohttp, which is not needed to start Envoy
+    from istio_agent.dns.proxy import DnsProxy
     from istio_agent.health.checker import HealthChecker
     from istio_agent.health.config import ReadinessProbeConfig
     from istio_agent.status.early import EarlyStatusServer
@@ -58,6 +60,8 @@ class AgentSettings:
     bootstrap: BootstrapSettings | None = None
     status: StatusSettings | None = None
     health: ReadinessProbeConfig | None = None  # ProxyConfig readinessProbe: VM health over xDS
+    dns: DnsSettings | None = None  # the DNS proxy runs when dns.enabled
+    workdir: Path = field(default_factory=Path.cwd)  # where state is kept (the DNS proxy's last name table)
     serve_sds: bool = True  # Istio's DISABLE_ENVOY (proxyless) runs no SDS server
 
 
@@ -109,6 +113,7 @@ class Agent:
         self.sds_server: SdsServer | None = None
         self.xds_proxy: XdsProxy | None = None
         self.name_table: NameTableHandler | None = None
+        self.dns: DnsProxy | None = None
         self.envoy: EnvoySupervisor | None = None
         self.readiness: Readiness | None = None
         self.status_server: StatusServer | None = None
@@ -123,6 +128,8 @@ class Agent:
         self._status_socket: socket.socket | None = None
 
     async def start(self) -> None:
+        if self._settings.dns is not None and self._settings.dns.enabled:
+            await self._start_dns(self._settings.dns)  # as Istio: bound before anything else
         plan = await plan_sds(self._settings.security)
         ca_client = None
         if plan.uses_ca:
@@ -149,6 +156,14 @@ class Agent:
             await self._start_status_server(self._settings.status)
         if self._settings.health is not None and self.xds_proxy is not None:
             self._start_health_checks(self._settings.health, self.xds_proxy)
+
+    async def _start_dns(self, settings: DnsSettings) -> None:
+        """The DNS proxy on DNS_PROXY_ADDR; a bind or resolv.conf error fails the start (DnsStartError)."""
+        from istio_agent.dns.proxy import DnsProxy
+
+        dns = DnsProxy(settings, workdir=self._settings.workdir)
+        await dns.start()
+        self.dns = dns
 
     def _start_health_checks(self, config: ReadinessProbeConfig, proxy: XdsProxy) -> None:
         """VM health checks (WorkloadGroup readinessProbe); transitions are reported to istiod over xDS."""
@@ -235,14 +250,13 @@ class Agent:
                 http2=settings.http2_probing,
             )
             self._closers.append(probes)
-        name_table = self.name_table
         server = StatusServer(
             settings.host,
             settings.port,
             self.readiness,
             metrics=merger.handle,
             app_probes=probes.handle if probes else None,
-            name_table=(lambda: name_table.table) if name_table else None,
+            ndsz=self.dns.ndsz if self.dns is not None else None,
             on_quit=self._quit,
             on_drain=self._drain,
             metrics_localhost_only=settings.metrics_localhost_only,
@@ -288,6 +302,8 @@ class Agent:
         handlers: list[TypeHandler] = []
         if settings.nds_enabled:
             self.name_table = NameTableHandler(_log_name_table)
+            if self.dns is not None:
+                self.name_table.add_listener(self.dns.update)
             handlers.append(self.name_table)
         if settings.pcds_enabled:
             handlers.append(ProxyConfigHandler(manager.update_trust_bundle))
@@ -340,6 +356,8 @@ class Agent:
         if self._prewarm is not None:
             self._prewarm.cancel()
             await asyncio.gather(self._prewarm, return_exceptions=True)
+        if self.dns is not None:
+            await self.dns.stop()
         if self.sds_server is not None:
             await self.sds_server.stop()
         if self.secret_manager is not None:

@@ -13,6 +13,8 @@ from istio_agent.status.early import EarlyStatusServer, bind_status_socket
 from istio_agent.status.readiness import Readiness
 from istio_agent.status.server import StatusServer
 
+pytestmark = pytest.mark.both_loops
+
 
 class Scripted:
     def __init__(self, error: str | None = None) -> None:

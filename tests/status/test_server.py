@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
-from google.protobuf import json_format
 
-from istio_agent.protos import nds_pb2
 from istio_agent.status.readiness import Readiness
 from istio_agent.status.server import (
     StatusServer,
@@ -40,7 +40,7 @@ class Calls:
     metrics: list[str] = field(default_factory=list)
     probes: list[str] = field(default_factory=list)
     quit: int = 0
-    table: nds_pb2.NameTable | None = None
+    ndsz: dict[str, Any] | None = None
     metrics_body: str = "agent_metric 1\n"
 
 
@@ -59,7 +59,7 @@ def build(calls: Calls, host: str = "127.0.0.1", **kwargs: object) -> StatusServ
     options: dict[str, object] = {
         "metrics": metrics,
         "app_probes": probes,
-        "name_table": lambda: calls.table,
+        "ndsz": lambda: calls.ndsz,
         "on_quit": on_quit,
     }
     options.update(kwargs)
@@ -177,22 +177,17 @@ async def test_missing_handlers_are_404(calls: Calls, client: aiohttp.ClientSess
 
 
 # -- ndsz -------------------------------------------------------------------------------------------------
-async def test_ndsz_serves_the_name_table_as_json(
+async def test_ndsz_serves_the_dns_view_as_json(
     server: StatusServer, calls: Calls, client: aiohttp.ClientSession
 ) -> None:
     status, body, response = await fetch(client, "GET", url(server, "/debug/ndsz"))
     assert (status, body, response.content_type) == (404, "{}", "application/json")
-    table = nds_pb2.NameTable()
-    info = table.table["echo.default.svc.cluster.local"]
-    info.ips.append("10.0.0.7")
-    info.registry = "Kubernetes"
-    calls.table = table
+    calls.ndsz = {
+        "table": {"echo.default.svc.cluster.local": {"ips": ["10.0.0.7"], "registry": "Kubernetes"}}
+    }
     status, body, response = await fetch(client, "GET", url(server, "/debug/ndsz"))
     assert (status, response.content_type) == (200, "application/json")
-    assert body == json_format.MessageToJson(table)
-    parsed = nds_pb2.NameTable()
-    json_format.Parse(body, parsed)
-    assert parsed == table
+    assert json.loads(body) == calls.ndsz
 
 
 # -- quit / drain -------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import sys
@@ -16,6 +17,7 @@ from istio_agent import __version__
 from istio_agent.agent import Agent, AgentSettings
 from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings, read_pod_annotations
+from istio_agent.config.dns import DnsSettings
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyStartError, describe_exit
 from istio_agent.health.config import parse_readiness_probe
@@ -124,6 +126,13 @@ def proxy(
         xds = XdsSettings.from_env(env, security, proxy_config, proxy_type)
         status = StatusSettings.from_env(env, proxy_config, proxy_type)
         health = parse_readiness_probe(proxy_config.readiness_probe)
+        dns = DnsSettings.from_env(
+            env,
+            proxy_type=proxy_type,
+            domain=domain,
+            is_root=os.geteuid() == 0,
+            proxy_metadata=proxy_config.proxy_metadata,
+        )
         disable_envoy = env.flag("DISABLE_ENVOY")
         bootstrap = None
         if not disable_envoy:
@@ -150,11 +159,13 @@ def proxy(
         status=status,
         health=health,
         serve_sds=not disable_envoy,
+        dns=dns,
+        workdir=workdir,
     )
     pin_mmap_threshold()  # large xDS pushes must not ratchet resident memory up (see memory.py)
     try:
         code = run_event_loop(_run_agent(settings))
-    except (ConfigError, OSError) as err:  # bad settings, a socket path that cannot be bound, no Envoy
+    except (ConfigError, OSError) as err:  # bad settings, a socket or port that cannot be bound, no Envoy
         _fail(str(err))
     sys.exit(code)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 from istio_agent.log import scope
 from istio_agent.status.readiness import Readiness
@@ -127,8 +127,8 @@ class _EarlyConnection(asyncio.Protocol):
         self._decided = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports do not subclass asyncio.Transport: no isinstance check
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if self._decided or self._transport is None:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import socket
 from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
 from aiohttp import hdrs, web
-from google.protobuf import json_format
-from google.protobuf.message import Message
 
 from istio_agent.log import scope
 from istio_agent.status.readiness import Readiness
@@ -137,7 +136,7 @@ class StatusServer:
         *,
         metrics: Handler | None = None,
         app_probes: Handler | None = None,
-        name_table: Callable[[], Message | None] | None = None,
+        ndsz: Callable[[], dict[str, Any] | None] | None = None,
         on_quit: Callable[[], None] | None = None,
         on_drain: Callable[[], Awaitable[None]] | None = None,
         metrics_localhost_only: bool = False,
@@ -147,7 +146,7 @@ class StatusServer:
         self._readiness = readiness
         self._metrics = metrics
         self._app_probes = app_probes
-        self._name_table = name_table
+        self._ndsz_view = ndsz
         self._on_quit = on_quit
         self._on_drain = on_drain
         self._metrics_localhost_only = metrics_localhost_only
@@ -293,7 +292,7 @@ class StatusServer:
     def _ndsz(self, request: web.Request) -> web.Response:
         if not is_loopback(request.remote):
             return _text(403, FORBIDDEN)
-        table = self._name_table() if self._name_table is not None else None
-        if table is None:
+        view = self._ndsz_view() if self._ndsz_view is not None else None
+        if view is None:  # DNS proxy off, or no table yet
             return web.Response(status=404, text="{}", content_type="application/json")
-        return web.Response(text=json_format.MessageToJson(table), content_type="application/json")
+        return web.Response(text=json.dumps(view, indent=2), content_type="application/json")
