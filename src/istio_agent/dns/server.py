@@ -22,7 +22,7 @@ from typing import cast
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from istio_agent.dns.records import Record
+from istio_agent.dns.records import TYPE_A, TYPE_AAAA, TYPE_MX, Record
 from istio_agent.dns.table import LookupTable, random_id, round_robin
 from istio_agent.dns.upstream import Forwarder, UpstreamError
 from istio_agent.dns.wire import (
@@ -49,6 +49,9 @@ TCP_IDLE_TIMEOUT = 8.0
 TCP_READ_TIMEOUT = 2.0
 """To read the rest of a query once its length prefix arrived (slowloris clients are cut off)."""
 TCP_QUERIES_PER_CONNECTION = 128
+MAX_REMEMBERED_REPLIES = 8192
+"""Table answers kept by question bytes, so a repeated question skips parsing and lookup."""
+_SHUFFLED = frozenset({TYPE_A, TYPE_AAAA, TYPE_MX})
 
 _RCODE_NAMES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
 _TYPE_NAMES = {1: "A", 2: "NS", 5: "CNAME", 6: "SOA", 12: "PTR", 15: "MX", 16: "TXT", 28: "AAAA", 33: "SRV"}
@@ -112,9 +115,19 @@ class DnsResolver:
         self._forwarder = forwarder
         self._respond_before_sync = respond_before_sync
         self._next_id = next_id
-        self.table: LookupTable | None = None
+        self._table: LookupTable | None = None
+        self._replies: dict[tuple[int | None, bytes], tuple[bytes, tuple[int, int, str]]] = {}
         self.stats = stats or DnsStats()
-        self.stats.table_size = lambda: len(self.table) if self.table is not None else 0
+        self.stats.table_size = lambda: len(self._table) if self._table is not None else 0
+
+    @property
+    def table(self) -> LookupTable | None:
+        return self._table
+
+    @table.setter
+    def table(self, table: LookupTable | None) -> None:
+        self._table = table
+        self._replies = {}  # replies were built from the old table
 
     def answer_now(self, data: bytes, limit: int | None) -> bytes | Query | None:
         """A reply that needs no I/O, or the parsed query when it must go upstream, or None to drop.
@@ -122,6 +135,11 @@ class DnsResolver:
         ``limit`` is the transport's size limit (None for UDP: the query's own EDNS limit applies).
         """
         stats = self.stats
+        known = self._replies.get((limit, data[2:]))
+        if known is not None:  # the same question as before: only the ID differs
+            stats.requests += 1
+            stats.queries[known[1]] += 1
+            return data[:2] + known[0]
         try:
             query = parse_query(data)
         except Rejected as rejected:
@@ -133,7 +151,7 @@ class DnsResolver:
                 stats.answered(0, rejected.rcode, "local")
             return reply
         stats.requests += 1
-        table = self.table
+        table = self._table
         if table is None:
             if self._respond_before_sync:
                 return query
@@ -143,12 +161,19 @@ class DnsResolver:
         if answer is None:
             return query
         records: Sequence[Record] = answer.records
-        if len(records) > 1:
+        shuffled = sum(record.rtype in _SHUFFLED for record in records) > 1
+        if shuffled:
             records = round_robin(records, self._next_id)
         reply = local_reply(query, [record.wire for record in records])
         stats.answered(query.qtype, 0, "table")
         size_limit = query.udp_limit if limit is None else limit
-        return reply if len(reply) <= size_limit else truncate(reply, size_limit)
+        if len(reply) > size_limit:
+            reply = truncate(reply, size_limit)
+        if not shuffled:  # the same bytes for the same question until the table changes
+            if len(self._replies) >= MAX_REMEMBERED_REPLIES:
+                self._replies = {}
+            self._replies[(limit, data[2:])] = (reply[2:], (query.qtype, 0, "table"))
+        return reply
 
     async def forward(self, data: bytes, query: Query, *, tcp: bool) -> bytes:
         """Forward upstream; SERVFAIL when every upstream failed (never a made-up NXDOMAIN)."""
