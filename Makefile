@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.xds
 	$(BIN)/python -m bench.startup
 	$(BIN)/python -m bench.metrics
+	$(BIN)/python -m bench.dns
 
 demo: $(STAMP)
 	$(BIN)/agentctl demo

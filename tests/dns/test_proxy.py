@@ -16,7 +16,7 @@ import dns.rdatatype
 import pytest
 
 from istio_agent.config.dns import DnsSettings
-from istio_agent.dns.proxy import SAVED_TABLE, DnsProxy, DnsStartError, listen_addresses
+from istio_agent.dns.proxy import BUILD_IN_THREAD_FROM, SAVED_TABLE, DnsProxy, DnsStartError, listen_addresses
 from istio_agent.dns.resolvconf import ResolvConf
 from istio_agent.metrics import sample
 from istio_agent.protos import nds_pb2
@@ -199,3 +199,27 @@ def test_localhost_follows_the_nameserver_families() -> None:
     assert listen_addresses("localhost:15053", both) == [("127.0.0.1", 15053), ("::1", 15053)]
     assert listen_addresses("localhost:15053", none) == [("127.0.0.1", 15053)]
     assert listen_addresses("0.0.0.0:53", v6) == [("0.0.0.0", 53)]
+
+
+def big_table(count: int, first_ip: str) -> nds_pb2.NameTable:
+    table = nds_pb2.NameTable()
+    for index in range(count):
+        info = table.table[f"svc{index}.ns1.svc.cluster.local"]
+        info.ips.append(first_ip if index == 0 else f"10.2.{index // 250}.{index % 250}")
+        info.registry, info.shortname, info.namespace = "Kubernetes", f"svc{index}", NAMESPACE
+    return table
+
+
+async def test_a_big_table_is_built_aside_and_a_newer_table_wins(proxy: DnsProxy) -> None:
+    proxy.update(name_table())
+    building = proxy.update(big_table(BUILD_IN_THREAD_FROM + 500, "10.9.9.9"))
+    assert building is not None
+    assert addresses(await ask(proxy, "productpage.")) == ["10.0.0.1"]  # the old table answers meanwhile
+    await building
+    assert addresses(await ask(proxy, "svc0.")) == ["10.9.9.9"]
+    older = proxy.update(big_table(BUILD_IN_THREAD_FROM + 500, "10.8.8.8"))
+    assert proxy.update(name_table()) is None  # small: installed at once
+    assert older is not None
+    await older
+    assert addresses(await ask(proxy, "productpage.")) == ["10.0.0.1"]  # the older big one was dropped
+    assert (await ask(proxy, "svc0.")).rcode() == dns.rcode.NXDOMAIN

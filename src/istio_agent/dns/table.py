@@ -13,13 +13,14 @@ import random
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from istio_agent.dns.records import TTL, TYPE_A, TYPE_AAAA, TYPE_CNAME, TYPE_MX, Record
 from istio_agent.log import scope
 from istio_agent.protos import nds_pb2
 
 log = scope("dns")
+_T = TypeVar("_T")
 
 KUBERNETES = "Kubernetes"
 
@@ -337,14 +338,17 @@ def _info_json(
     return out
 
 
-def _shuffle(records: list[Record], next_id: Callable[[], int]) -> None:
-    """In-place shuffle driven by 16-bit message IDs, step for step as miekg/dns does (dns.md §4.8)."""
-    n = len(records)
+def shuffle_by_ids(items: list[_T], next_id: Callable[[], int]) -> None:
+    """In-place shuffle driven by 16-bit message IDs, step for step as miekg/dns does (dns.md §4.8).
+
+    Also orders the upstream nameservers per query (dns.md §5).
+    """
+    n = len(items)
     if n < 2:
         return
     if n == 2:
         if next_id() % 2 == 0:
-            records[0], records[1] = records[1], records[0]
+            items[0], items[1] = items[1], items[0]
         return
     j = 0
     while j < n * (next_id() % 4 + 1):
@@ -352,7 +356,7 @@ def _shuffle(records: list[Record], next_id: Callable[[], int]) -> None:
         p = next_id() % n
         if q == p:
             p = (p + 1) % n
-        records[q], records[p] = records[p], records[q]
+        items[q], items[p] = items[p], items[q]
         j += 1
 
 
@@ -374,8 +378,8 @@ def round_robin(records: Sequence[Record], next_id: Callable[[], int]) -> list[R
             mx.append(record)
         else:
             others.append(record)
-    _shuffle(addresses, next_id)
-    _shuffle(mx, next_id)
+    shuffle_by_ids(addresses, next_id)
+    shuffle_by_ids(mx, next_id)
     return cnames + others + addresses + mx
 
 

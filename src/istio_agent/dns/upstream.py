@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from istio_agent.dns.cache import AnswerCache
+from istio_agent.dns.table import shuffle_by_ids
 from istio_agent.dns.wire import Query, check_reply
 from istio_agent.log import scope
 from istio_agent.metrics import counter, histogram
@@ -85,21 +86,7 @@ def _upstream(host: str, port: int) -> _Upstream:
 def shuffled(items: Sequence[_T], next_id: Callable[[], int]) -> list[_T]:
     """A copy of ``items`` in the order Istio's per-query shuffle gives for the same ID sequence (dns.md §4.8)."""
     out = list(items)
-    n = len(out)
-    if n < 2:
-        return out
-    if n == 2:
-        if next_id() % 2 == 0:
-            out.reverse()
-        return out
-    j = 0
-    while j < n * (next_id() % 4 + 1):
-        q = next_id() % n
-        p = next_id() % n
-        if q == p:
-            p = (p + 1) % n
-        out[q], out[p] = out[p], out[q]
-        j += 1
+    shuffle_by_ids(out, next_id)
     return out
 
 

@@ -30,8 +30,8 @@ class NameTableHandler:
 
     type_url = NAME_TABLE
 
-    def __init__(self, on_update: Callable[[nds_pb2.NameTable], None] | None = None) -> None:
-        self._listeners: list[Callable[[nds_pb2.NameTable], None]] = []
+    def __init__(self, on_update: Callable[[nds_pb2.NameTable], object] | None = None) -> None:
+        self._listeners: list[Callable[[nds_pb2.NameTable], object]] = []
         if on_update is not None:
             self._listeners.append(on_update)
         self.table: nds_pb2.NameTable | None = None
@@ -41,7 +41,7 @@ class NameTableHandler:
         """A table has arrived (agent readiness waits for it: "DNS lookup table is not ready yet")."""
         return self.table is not None
 
-    def add_listener(self, fn: Callable[[nds_pb2.NameTable], None]) -> None:
+    def add_listener(self, fn: Callable[[nds_pb2.NameTable], object]) -> None:
         self._listeners.append(fn)
 
     def handle(self, resource: any_pb2.Any) -> None:

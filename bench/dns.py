@@ -1,0 +1,535 @@
+"""DNS benchmark: the agent's DNS proxy against dnsmasq, with dnsperf.
+
+    python -m bench.dns [--seconds 10] [--names 1000] [--rate 1000]
+
+Needs root (the upstream listens on port 53 of a spare 127.0.0.N, because resolv.conf carries no
+port), dnsmasq and dnsperf (Debian packages; ``make`` installs them). One dnsmasq is the upstream
+resolver: from a hosts file it serves the ``--names`` mesh names and as many names only the
+upstream knows (TTL 30). The local control plane serves the mesh names to the agent as its NDS
+name table (mesh file ``nameTable``); ``pilot-agent proxy sidecar`` runs with DNS capture on, its
+resolv.conf naming the upstream. Rows:
+
+* **(a) table hits**: A queries for the mesh names, answered by the agent from its table vs by
+  dnsmasq from its hosts file;
+* **(b) forwarded**: A queries for the upstream-only names, through the agent vs straight to the
+  upstream; **(b')** the same through an agent with ``DNS_CACHE=true`` (after the warm-up pass the
+  cache holds every name, so this row measures cache hits).
+
+Every row is dnsperf with the same flags (``-c 1 -T 1 -q 100 -t 1 -v``) for ``--seconds``, run
+twice: at **unlimited** rate (throughput: dnsperf keeps up to 100 queries in flight, so latency
+there includes queueing) and at a **fixed** ``--rate`` queries/s (latency without queueing).
+dnsperf 2.10 prints only the mean latency; ``-v`` prints one line per query
+(``> NOERROR name A 0.000123``, ``> T name A`` for a timeout), from which p50/p99 are computed.
+Each target gets one unmeasured pass over its names first (warm-up).
+
+Goals (issue 5): (a) agent >= 1.0x dnsmasq's queries/s (unlimited rows) with p99 <= 2 ms (fixed
+rate); (b) agent latency <= 1.3x direct (fixed rate, p50; p99 ratio shown too). The agent's RSS
+(pilot-agent only, Envoy excluded) is printed for each agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from istio_agent.ctl.dnsmasq import (
+    DnsAddress,
+    Dnsmasq,
+    DnsmasqError,
+    find_dnsmasq,
+    port_free,
+    query_rcode,
+    start_dnsmasq,
+    write_hosts,
+)
+from istio_agent.ctl.local import free_port, wait_until
+from istio_agent.ctl.localmesh import LocalMesh, Workload
+
+NAMESPACE = "bench"
+UPSTREAM_DOMAIN = "upstream.test"
+DNSPERF_FLAGS = ("-c", "1", "-T", "1", "-q", "100", "-t", "1", "-v")
+READY_TIMEOUT = 60.0
+ANSWER_TIMEOUT = 10.0
+GOAL_QPS_RATIO = 1.0
+GOAL_P99_MS = 2.0
+GOAL_FORWARD_RATIO = 1.3
+
+_ANSWER = re.compile(r"^> (\S+) (\S+) (\S+) ([0-9.]+)$")
+_TIMEOUT = re.compile(r"^> T (\S+) (\S+)$")
+_SUMMARY = re.compile(
+    r"^\s*(Queries sent|Queries completed|Queries lost|Queries per second|Run time \(s\)):\s+([0-9.]+)"
+)
+
+
+# -- dnsperf ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class DnsperfResult:
+    """One dnsperf run: its summary and every answered query's latency (seconds)."""
+
+    latencies: list[float] = field(default_factory=list)
+    rcodes: Counter[str] = field(default_factory=Counter)
+    timeouts: int = 0
+    sent: int = 0
+    completed: int = 0
+    lost: int = 0
+    qps: float = 0.0
+    run_time: float = 0.0
+
+    def percentile_ms(self, fraction: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))] * 1000
+
+    @property
+    def p50_ms(self) -> float:
+        return self.percentile_ms(0.5)
+
+    @property
+    def p99_ms(self) -> float:
+        return self.percentile_ms(0.99)
+
+    @property
+    def not_noerror(self) -> int:
+        return sum(count for rcode, count in self.rcodes.items() if rcode != "NOERROR")
+
+
+def parse_dnsperf(lines: Iterable[str]) -> DnsperfResult:
+    """Parse ``dnsperf -v`` output: per-query lines and the statistics block."""
+    result = DnsperfResult()
+    for line in lines:
+        line = line.rstrip("\n")
+        if match := _ANSWER.match(line):
+            result.rcodes[match.group(1)] += 1
+            result.latencies.append(float(match.group(4)))
+        elif _TIMEOUT.match(line):
+            result.timeouts += 1
+        elif match := _SUMMARY.match(line):
+            label, value = match.groups()
+            if label == "Queries sent":
+                result.sent = int(value)
+            elif label == "Queries completed":
+                result.completed = int(value)
+            elif label == "Queries lost":
+                result.lost = int(value)
+            elif label == "Queries per second":
+                result.qps = float(value)
+            else:
+                result.run_time = float(value)
+    return result
+
+
+def dnsperf_command(server: DnsAddress, datafile: Path, seconds: float, rate: int | None) -> list[str]:
+    """The same flags for every row; ``rate`` None means unlimited (up to 100 in flight)."""
+    command = [
+        "dnsperf",
+        "-s",
+        server.host,
+        "-p",
+        str(server.port),
+        "-d",
+        str(datafile),
+        "-l",
+        f"{seconds:g}",
+    ]
+    command += DNSPERF_FLAGS
+    if rate is not None:
+        command += ["-Q", str(rate)]
+    return command
+
+
+def run_dnsperf(server: DnsAddress, datafile: Path, seconds: float, rate: int | None) -> DnsperfResult:
+    """Run dnsperf, parsing its per-query lines as they stream (hundreds of thousands of them)."""
+    command = dnsperf_command(server, datafile, seconds, rate)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        assert process.stdout is not None and process.stderr is not None
+        result = parse_dnsperf(process.stdout)
+        errors = process.stderr.read()
+    if process.returncode != 0:
+        raise RuntimeError(f"dnsperf exited with status {process.returncode}: {errors.strip()[-500:]}")
+    return result
+
+
+def warm_up(server: DnsAddress, datafile: Path) -> None:
+    """One unmeasured pass over the names (first-query costs, caches)."""
+    command = [
+        "dnsperf",
+        "-s",
+        server.host,
+        "-p",
+        str(server.port),
+        "-d",
+        str(datafile),
+        "-n",
+        "1",
+        "-t",
+        "1",
+    ]
+    subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+
+# -- the data ---------------------------------------------------------------------------------------
+
+
+def mesh_name(index: int) -> str:
+    return f"svc-{index}.{NAMESPACE}.svc.cluster.local"
+
+
+def upstream_name(index: int) -> str:
+    return f"host-{index}.{UPSTREAM_DOMAIN}"
+
+
+def address(prefix: int, index: int) -> str:
+    return f"10.{prefix}.{index // 250}.{index % 250 + 1}"
+
+
+def name_table(names: int) -> dict[str, dict[str, object]]:
+    """The mesh file's ``nameTable``: one Kubernetes service per name, one address each."""
+    return {
+        mesh_name(i): {
+            "ips": [address(64, i)],
+            "registry": "Kubernetes",
+            "shortname": f"svc-{i}",
+            "namespace": NAMESPACE,
+        }
+        for i in range(names)
+    }
+
+
+def write_datafile(path: Path, names: list[str]) -> Path:
+    path.write_text("".join(f"{name} A\n" for name in names))
+    return path
+
+
+# -- the agent --------------------------------------------------------------------------------------
+
+
+class AgentUnavailable(Exception):
+    """The agent's DNS proxy cannot be measured; the message says why (and where its log is)."""
+
+
+@dataclass
+class Agent:
+    mesh: LocalMesh
+    workload: Workload
+    name: str
+    dns: DnsAddress
+
+    @property
+    def log(self) -> Path:
+        return self.workload.workdir / "agent.log"
+
+    @property
+    def pid(self) -> int:
+        return self.mesh.processes.children[self.name].pid
+
+    def memory_mb(self) -> tuple[float, float] | None:
+        """(VmRSS, VmHWM) of the pilot-agent process, Envoy (its child) excluded; None once it exited."""
+        fields: dict[str, float] = {}
+        try:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return None
+        for line in status.splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024
+        if "VmRSS" not in fields or "VmHWM" not in fields:  # a zombie has no memory lines
+            return None
+        return fields["VmRSS"], fields["VmHWM"]
+
+
+def dns_port() -> int:
+    """A port free for both TCP and UDP on 127.0.0.1."""
+    while True:
+        port = free_port()
+        if port_free("127.0.0.1", port):
+            return port
+
+
+def answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+@contextmanager
+def running_agent(
+    mesh: LocalMesh, workload: Workload, resolv_conf: Path, probe_name: str, *, cache: bool
+) -> Iterator[Agent]:
+    """``pilot-agent proxy sidecar`` with DNS capture; yields once its DNS proxy answers a mesh name.
+
+    Raises AgentUnavailable (not a crash) when it exits, never gets ready, or does not answer DNS.
+    """
+    workload.workdir.mkdir(parents=True)
+    workload.prepare(mesh.state_dir)
+    listen = DnsAddress("127.0.0.1", dns_port())
+    extra = {"DNS_PROXY_ADDR": f"{listen.host}:{listen.port}", "ISTIO_AGENT_RESOLV_CONF": str(resolv_conf)}
+    if cache:
+        extra["DNS_CACHE"] = "true"
+    env = {**workload.env(mesh.discovery_address), **extra}
+    name = f"pilot-agent {workload.name}"
+    log = workload.workdir / "agent.log"
+    mesh.processes.start(name, workload.agent_command(), log, cwd=workload.workdir, env=env)
+    agent = Agent(mesh, workload, name, listen)
+    try:
+        _wait_for_dns(mesh, agent, probe_name, log)
+        yield agent
+    finally:
+        mesh.processes.stop(name)
+
+
+def _wait_for_dns(mesh: LocalMesh, agent: Agent, probe_name: str, log: Path) -> None:
+    ready_url = f"http://127.0.0.1:{agent.workload.ports['status']}/healthz/ready"
+    try:
+        wait_until(
+            lambda: mesh.processes.alive(agent.name) and answers_200(ready_url), READY_TIMEOUT, "ready"
+        )
+    except RuntimeError as err:  # the agent exited
+        raise AgentUnavailable(str(err)) from None
+    except TimeoutError:
+        print(
+            f"warning: the agent is not ready after {READY_TIMEOUT:.0f}s (log: {log}); probing its DNS anyway",
+            file=sys.stderr,
+        )
+    rcode: int | None = None
+    deadline = time.monotonic() + ANSWER_TIMEOUT
+    while time.monotonic() < deadline and rcode is None:
+        if agent.mesh.processes.children[agent.name].poll() is not None:
+            raise AgentUnavailable(
+                f"the agent exited; last lines of its log:\n{mesh.processes.log_tail(agent.name)}"
+            )
+        rcode = query_rcode(agent.dns.host, agent.dns.port, probe_name, timeout=0.5)
+    if rcode is None:
+        raise AgentUnavailable(
+            f"the agent's DNS proxy does not answer on {agent.dns.host}:{agent.dns.port} "
+            f"(is the DNS proxy implemented and enabled? log: {log})"
+        )
+    if rcode != 0:
+        print(
+            f"warning: the agent answers rcode {rcode} for mesh name {probe_name} (table not loaded?); "
+            "measuring anyway, see the 'not NOERROR' column",
+            file=sys.stderr,
+        )
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    scenario: str
+    target: str
+    load: str
+    result: DnsperfResult | None
+    note: str = ""
+
+
+@dataclass
+class Bench:
+    seconds: float
+    rate: int
+    rows: list[Row] = field(default_factory=list)
+    memory: list[tuple[str, float, float]] = field(default_factory=list)
+    unavailable: list[str] = field(default_factory=list)
+
+    def measure(self, scenario: str, target: str, server: DnsAddress, datafile: Path) -> None:
+        warm_up(server, datafile)
+        for rate in (None, self.rate):
+            load = "unlimited" if rate is None else f"{rate:,} q/s"
+            result = run_dnsperf(server, datafile, self.seconds, rate)
+            self.rows.append(Row(scenario, target, load, result))
+            print(f"  {scenario} / {target} / {load}: {result.qps:,.0f} q/s", file=sys.stderr, flush=True)
+
+    def skip(self, scenario: str, target: str, reason: str) -> None:
+        for load in ("unlimited", f"{self.rate:,} q/s"):
+            self.rows.append(Row(scenario, target, load, None, reason))
+
+    def find(self, scenario: str, target: str, load: str) -> DnsperfResult | None:
+        return next(
+            (r.result for r in self.rows if (r.scenario, r.target, r.load) == (scenario, target, load)), None
+        )
+
+
+TABLE = "(a) table hits"
+FORWARD = "(b) forwarded"
+FORWARD_CACHE = "(b') forwarded, DNS_CACHE=true"
+
+
+def run(bench: Bench, base: Path, names: int) -> None:
+    mesh_names = [mesh_name(i) for i in range(names)]
+    upstream_names = [upstream_name(i) for i in range(names)]
+    hosts = [(name, address(64, i)) for i, name in enumerate(mesh_names)]
+    hosts += [(name, address(128, i)) for i, name in enumerate(upstream_names)]
+    hosts_file = write_hosts(base / "upstream.hosts", hosts)
+    mesh_queries = write_datafile(base / "mesh-names.txt", mesh_names)
+    upstream_queries = write_datafile(base / "upstream-names.txt", upstream_names)
+
+    upstream: Dnsmasq = start_dnsmasq(hosts_file, port=53, log=base / "dnsmasq.log")
+    try:
+        print(f"upstream dnsmasq on {upstream.describe()}", file=sys.stderr)
+        resolv_conf = base / "resolv.conf"
+        resolv_conf.write_text(f"nameserver {upstream.address.host}\n")
+        bench.measure(TABLE, "dnsmasq, hosts file", upstream.address, mesh_queries)
+        bench.measure(FORWARD, "direct to the upstream", upstream.address, upstream_queries)
+
+        workloads = {
+            cache: Workload(f"dnsbench-{label}", base / f"agent-{label}", namespace=NAMESPACE)
+            for cache, label in ((False, "nocache"), (True, "cache"))
+        }
+        (base / "mesh").mkdir()
+        mesh = LocalMesh(base / "mesh", [], list(workloads.values()))
+        mesh.update_mesh(nameTable=name_table(names))
+        try:
+            mesh.start_controlplane()
+            for cache in (False, True):
+                scenarios = (
+                    [(FORWARD_CACHE, upstream_queries)]
+                    if cache
+                    else [
+                        (TABLE, mesh_queries),
+                        (FORWARD, upstream_queries),
+                    ]
+                )
+                target = "agent (DNS_CACHE=true)" if cache else "agent"
+                try:
+                    with running_agent(
+                        mesh, workloads[cache], resolv_conf, mesh_names[0], cache=cache
+                    ) as agent:
+                        for scenario, datafile in scenarios:
+                            bench.measure(scenario, "agent", agent.dns, datafile)
+                        memory = agent.memory_mb()
+                        if memory is None:
+                            bench.unavailable.append(f"{target}: exited during the run (log: {agent.log})")
+                        else:
+                            bench.memory.append((target, *memory))
+                except AgentUnavailable as err:
+                    bench.unavailable.append(f"{target}: {err}")
+                    for scenario, _ in scenarios:
+                        bench.skip(scenario, "agent", "agent DNS proxy not answering")
+        finally:
+            mesh.stop()
+    finally:
+        upstream.stop()
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+
+def _ms(value: float) -> str:
+    return "n/a" if value != value else f"{value:.3f} ms"
+
+
+def report(bench: Bench, names: int) -> None:
+    print(
+        f"DNS benchmark: dnsperf {bench.seconds:g} s per row, {names:,} names, "
+        f"flags `{' '.join(DNSPERF_FLAGS)}` (+ `-Q {bench.rate}` on fixed-rate rows); {os.cpu_count()} CPUs\n"
+    )
+    print("| scenario | target | load | queries/s | p50 | p99 | lost | not NOERROR |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    order = [TABLE, FORWARD, FORWARD_CACHE]
+    for row in sorted(
+        bench.rows, key=lambda row: order.index(row.scenario)
+    ):  # stable: targets keep run order
+        r = row.result
+        if r is None:
+            print(f"| {row.scenario} | {row.target} | {row.load} | not measured: {row.note} | | | | |")
+            continue
+        print(
+            f"| {row.scenario} | {row.target} | {row.load} | {r.qps:,.0f} | {_ms(r.p50_ms)} | {_ms(r.p99_ms)} "
+            f"| {r.lost:,} | {r.not_noerror:,} |"
+        )
+    print()
+    fixed = f"{bench.rate:,} q/s"
+    print("Goals (issue 5):\n")
+    agent_max = bench.find(TABLE, "agent", "unlimited")
+    dnsmasq_max = bench.find(TABLE, "dnsmasq, hosts file", "unlimited")
+    agent_fixed = bench.find(TABLE, "agent", fixed)
+    if agent_max and dnsmasq_max and dnsmasq_max.qps > 0:
+        ratio = agent_max.qps / dnsmasq_max.qps
+        verdict = "met" if ratio >= GOAL_QPS_RATIO else "NOT met"
+        print(f"- (a) agent / dnsmasq queries/s = {ratio:.2f}x (goal >= {GOAL_QPS_RATIO:.1f}x): {verdict}")
+    else:
+        print("- (a) agent / dnsmasq queries/s: not measured")
+    if agent_fixed and agent_fixed.latencies:
+        verdict = "met" if agent_fixed.p99_ms <= GOAL_P99_MS else "NOT met"
+        print(
+            f"- (a) agent p99 at {fixed} = {_ms(agent_fixed.p99_ms)} (goal <= {GOAL_P99_MS:g} ms): {verdict}"
+        )
+    else:
+        print(f"- (a) agent p99 at {fixed}: not measured")
+    direct = bench.find(FORWARD, "direct to the upstream", fixed)
+    for scenario in (FORWARD, FORWARD_CACHE):
+        via = bench.find(scenario, "agent", fixed)
+        if via and direct and via.latencies and direct.latencies:
+            p50, p99 = via.p50_ms / direct.p50_ms, via.p99_ms / direct.p99_ms
+            verdict = "met" if p50 <= GOAL_FORWARD_RATIO else "NOT met"
+            print(
+                f"- {scenario}: agent / direct latency at {fixed} = {p50:.2f}x at p50 "
+                f"(goal <= {GOAL_FORWARD_RATIO:.1f}x): {verdict}; {p99:.2f}x at p99"
+            )
+        else:
+            print(f"- {scenario}: agent / direct latency: not measured")
+    print()
+    for target, rss, hwm in bench.memory:
+        print(f"- pilot-agent memory, {target} (Envoy excluded): VmRSS {rss:.1f} MB, VmHWM {hwm:.1f} MB")
+    for reason in bench.unavailable:
+        print(f"- NOT MEASURED: {reason}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=10.0, help="dnsperf run time per row")
+    parser.add_argument(
+        "--names", type=int, default=1000, help="mesh names (and as many upstream-only names)"
+    )
+    parser.add_argument("--rate", type=int, default=1000, help="queries/s of the fixed-rate (latency) rows")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) for inspection")
+    args = parser.parse_args()
+    if args.names < 1 or args.seconds <= 0 or args.rate < 1:
+        parser.error("--names, --seconds and --rate must be positive")
+    missing = [
+        tool
+        for tool, found in (("dnsperf", shutil.which("dnsperf")), ("dnsmasq", find_dnsmasq()))
+        if not found
+    ]
+    if missing:
+        sys.exit(f"bench.dns needs {' and '.join(missing)} (Debian packages; `make` installs them)")
+    if os.geteuid() != 0:
+        sys.exit("bench.dns needs root: the upstream dnsmasq listens on port 53 of a spare 127.0.0.N")
+    base = Path(tempfile.mkdtemp(prefix="bench-dns-", dir="/tmp"))
+    bench = Bench(args.seconds, args.rate)
+    try:
+        run(bench, base, args.names)
+    except DnsmasqError as err:
+        sys.exit(f"bench.dns: {err}")
+    finally:
+        if args.keep:
+            print(f"work directory kept: {base}", file=sys.stderr)
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+    report(bench, args.names)
+    if bench.unavailable and not args.keep:
+        print("\n(the work directory is removed; rerun with --keep to read the agents' logs)")
+
+
+if __name__ == "__main__":
+    main()

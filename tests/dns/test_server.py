@@ -1,0 +1,151 @@
+"""The resolver and listeners under hostile input: nothing escapes, nothing sticks, nobody starves."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import AsyncIterator
+
+import dns.asyncquery
+import dns.message
+import dns.rcode
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from istio_agent.dns import server as dns_server
+from istio_agent.dns.server import DnsResolver, DnsServer
+from istio_agent.dns.table import LookupTable
+from istio_agent.dns.upstream import Forwarder
+from istio_agent.dns.wire import Query
+from istio_agent.protos import nds_pb2
+
+pytestmark = pytest.mark.both_loops
+
+
+def table(productpage_ip: str = "10.0.0.1") -> LookupTable:
+    name_table = nds_pb2.NameTable()
+    info = name_table.table["productpage.ns1.svc.cluster.local"]
+    info.ips.extend([productpage_ip])
+    info.registry, info.shortname, info.namespace = "Kubernetes", "productpage", "ns1"
+    many = name_table.table["many.ns1.svc.cluster.local"]
+    many.ips.extend(f"10.1.0.{i}" for i in range(1, 80))
+    many.registry = "External"
+    return LookupTable.build(
+        name_table,
+        proxy_namespace="ns1",
+        proxy_domain="svc.cluster.local",
+        search_domains=["ns1.svc.cluster.local"],
+    )
+
+
+def valid_query() -> bytes:
+    return dns.message.make_query("productpage.", "A").to_wire()
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        st.binary(max_size=600),
+        st.builds(
+            lambda data, index, byte: data[:index] + bytes([byte]) + data[index + 1 :],
+            st.just(valid_query()),
+            st.integers(0, 40),
+            st.integers(0, 255),
+        ),
+        st.builds(lambda data, cut: data[:cut], st.just(valid_query()), st.integers(0, 40)),
+    ),
+    st.sampled_from([None, 65535]),
+)
+def test_any_bytes_get_a_reply_a_query_or_nothing(data: bytes, limit: int | None) -> None:
+    resolver = DnsResolver(Forwarder([]))
+    resolver.table = table()
+    for _ in range(2):  # the second time through the remembered-reply path
+        result = resolver.answer_now(data, limit)
+        assert result is None or isinstance(result, bytes | Query)
+        if isinstance(result, bytes):
+            assert len(result) >= 12 and result[:2] == data[:2]
+            assert len(result) <= (limit or 65535)
+
+
+async def test_repeated_questions_reuse_replies_but_multi_address_answers_still_rotate() -> None:
+    resolver = DnsResolver(Forwarder([]))
+    resolver.table = table()
+    query = valid_query()
+    first = resolver.answer_now(query, None)
+    again = resolver.answer_now(b"\xab\xcd" + query[2:], None)
+    assert isinstance(first, bytes) and isinstance(again, bytes)
+    assert again[:2] == b"\xab\xcd" and again[2:] == first[2:]
+    many = dns.message.make_query("many.ns1.svc.cluster.local.", "A", use_edns=0, payload=4096).to_wire()
+    orders = {resolver.answer_now(many, None) for _ in range(20)}
+    assert len(orders) > 1  # shuffled per query, never frozen into one remembered reply
+    resolver.table = table("10.0.0.2")  # a new table forgets the remembered replies
+    moved = dns.message.from_wire(resolver.answer_now(query, None))  # type: ignore[arg-type]
+    assert [rd.to_text() for rd in moved.answer[0]] == ["10.0.0.2"]
+
+
+class Silent(asyncio.DatagramProtocol):
+    """A fake upstream that never answers (a remote CA-style outage for DNS)."""
+
+
+@pytest.fixture
+async def silent_upstream() -> AsyncIterator[tuple[str, int]]:
+    transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+        Silent, local_addr=("127.0.0.1", 0)
+    )
+    try:
+        yield transport.get_extra_info("sockname")[:2]
+    finally:
+        transport.close()
+
+
+async def test_a_flood_of_forwarded_queries_does_not_starve_table_answers(
+    silent_upstream: tuple[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dns_server, "MAX_PENDING_FORWARDS", 50)
+    resolver = DnsResolver(Forwarder([silent_upstream], timeout=5))
+    resolver.table = table()
+    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    await server.start()
+    try:
+        udp_port = server.bound[0][2]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as flood:
+            for index in range(500):  # each waits 5 s for the silent upstream
+                query = dns.message.make_query(f"name{index}.example.", "A")
+                flood.sendto(query.to_wire(), ("127.0.0.1", udp_port))
+        await asyncio.sleep(0.2)
+        assert len(server._pending) <= 50  # bounded: the rest were dropped, not queued
+        reply = await dns.asyncquery.udp(
+            dns.message.make_query("productpage.", "A"), "127.0.0.1", port=udp_port, timeout=2
+        )
+        assert reply.rcode() == dns.rcode.NOERROR and reply.answer
+    finally:
+        await server.stop()
+
+
+async def test_tcp_garbage_and_stalls_cost_only_their_own_connection() -> None:
+    resolver = DnsResolver(Forwarder([]))
+    resolver.table = table()
+    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    await server.start()
+    try:
+        tcp_port = server.bound[1][2]
+        reader, writer = await asyncio.open_connection("127.0.0.1", tcp_port)
+        writer.write(struct.pack("!H", 5) + b"\x00\x01\x02\x03\x04")  # a "query" shorter than a header
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # dropped: the stream cannot be trusted
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", tcp_port)
+        zero_questions = struct.pack("!HHHHHH", 7, 0x0100, 0, 0, 0, 0)
+        writer.write(struct.pack("!H", len(zero_questions)) + zero_questions + b"\x00\x00")
+        await writer.drain()
+        length = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 5))[0]
+        reply = await reader.readexactly(length)
+        assert reply[:2] == b"\x00\x07" and reply[3] & 0x0F == dns.rcode.FORMERR
+        writer.close()
+        query = dns.message.make_query("productpage.", "A")
+        answer = await dns.asyncquery.tcp(query, "127.0.0.1", port=tcp_port, timeout=2)
+        assert answer.answer
+    finally:
+        await server.stop()
