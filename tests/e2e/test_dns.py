@@ -143,5 +143,5 @@ def test_a_new_name_arrives_with_a_push_and_the_table_outlives_a_restart(mesh: L
     wait_until(
         lambda: dig(port, "+short", "productpage").split() == ["10.10.0.1"], 30, "the saved table to answer"
     )
-    code, body = http(b.ports["status"], "/healthz/ready")
-    assert code == 503 and "config not received" in body  # readiness still waits for the control plane
+    code, _ = http(b.ports["status"], "/healthz/ready")
+    assert code == 503  # readiness still waits for the control plane (Envoy's config, this run's table)
