@@ -149,3 +149,12 @@ async def test_tcp_garbage_and_stalls_cost_only_their_own_connection() -> None:
         assert answer.answer
     finally:
         await server.stop()
+
+
+def test_before_the_first_table_queries_get_servfail_or_go_upstream_on_port_53_as_root() -> None:
+    query = valid_query()
+    waiting = DnsResolver(Forwarder([]))
+    reply = waiting.answer_now(query, None)
+    assert isinstance(reply, bytes) and reply[3] & 0x0F == dns.rcode.SERVFAIL
+    forwarding = DnsResolver(Forwarder([]), respond_before_sync=True)  # dns.md §1: ":53" as root
+    assert isinstance(forwarding.answer_now(query, None), Query)
