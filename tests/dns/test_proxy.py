@@ -223,3 +223,22 @@ async def test_a_big_table_is_built_aside_and_a_newer_table_wins(proxy: DnsProxy
     await older
     assert addresses(await ask(proxy, "productpage.")) == ["10.0.0.1"]  # the older big one was dropped
     assert (await ask(proxy, "svc0.")).rcode() == dns.rcode.NXDOMAIN
+
+
+async def test_with_dns_cache_a_repeated_upstream_name_is_answered_by_the_agent(
+    upstream_resolv_conf: Path, tmp_path: Path
+) -> None:
+    cached = DnsProxy(settings(upstream_resolv_conf, cache=True), workdir=tmp_path)
+    await cached.start()
+    try:
+        cached.update(name_table())
+        hits = sample("dns_queries_total", {"qtype": "A", "rcode": "NOERROR", "source": "cache"})
+        upstream = sample("dns_upstream_requests_total")
+        first = await ask(cached, "www.upstream.test.")
+        second = await ask(cached, "WWW.upstream.test.", tcp=True)
+        assert addresses(first) == addresses(second) == ["192.0.2.10"]
+        assert str(second.question[0].name) == "WWW.upstream.test."  # the client's spelling
+        assert sample("dns_upstream_requests_total") == upstream + 1
+        assert sample("dns_queries_total", {"qtype": "A", "rcode": "NOERROR", "source": "cache"}) == hits + 1
+    finally:
+        await cached.stop()

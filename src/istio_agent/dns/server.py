@@ -61,7 +61,8 @@ _TYPE_NAMES.update({64: "SVCB", 65: "HTTPS", 255: "ANY"})
 class DnsStats(Collector):
     """Counters kept as plain ints on the hot path and exported on scrape.
 
-    ``dns_requests_total`` is Istio's; ``dns_queries_total{qtype,rcode,source}`` and
+    ``dns_requests_total`` is Istio's; ``dns_queries_total{qtype,rcode,source}`` (source: table,
+    cache, upstream or local) and
     ``dns_name_table_size`` are ours.
     """
 
@@ -154,12 +155,12 @@ class DnsResolver:
         table = self._table
         if table is None:
             if self._respond_before_sync:
-                return query
+                return self._cached(query, limit)
             stats.answered(query.qtype, RCODE_SERVFAIL, "local")
             return servfail(query)  # Istio: no table yet means SERVFAIL, not a guess
         answer = table.lookup(query.qname, query.qtype)
         if answer is None:
-            return query
+            return self._cached(query, limit)
         records: Sequence[Record] = answer.records
         shuffled = sum(record.rtype in _SHUFFLED for record in records) > 1
         if shuffled:
@@ -175,10 +176,19 @@ class DnsResolver:
             self._replies[(limit, data[2:])] = (reply[2:], (query.qtype, 0, "table"))
         return reply
 
+    def _cached(self, query: Query, limit: int | None) -> bytes | Query:
+        """A DNS_CACHE hit answered at once, or the query back for forwarding."""
+        reply = self._forwarder.cached(query)
+        if reply is None:
+            return query
+        self.stats.answered(query.qtype, _rcode(reply), "cache")
+        size_limit = query.udp_limit if limit is None else limit
+        return reply if len(reply) <= size_limit else truncate(reply, size_limit)
+
     async def forward(self, data: bytes, query: Query, *, tcp: bool) -> bytes:
         """Forward upstream; SERVFAIL when every upstream failed (never a made-up NXDOMAIN)."""
         try:
-            reply = await self._forwarder.forward(data, query, tcp=tcp)
+            reply = await self._forwarder.forward(data, query, tcp=tcp, lookup_cache=False)
         except UpstreamError as err:
             log.debug("upstream failed for a %s query: %s", _TYPE_NAMES.get(query.qtype, query.qtype), err)
             self.stats.answered(query.qtype, RCODE_SERVFAIL, "upstream")

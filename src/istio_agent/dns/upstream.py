@@ -131,10 +131,17 @@ class Forwarder:
         """The upstreams as ``host:port`` labels, in configuration order."""
         return [server.label for server in self._servers]
 
-    async def forward(self, query: bytes, parsed: Query, *, tcp: bool) -> bytes:
-        """The upstream reply to ``query`` (any rcode), checked against it; raises UpstreamError."""
+    def cached(self, parsed: Query) -> bytes | None:
+        """The answer cache's reply for this query (DNS_CACHE), or None; no I/O, so callers answer at once."""
+        return self._cache.get(parsed) if self._cache is not None else None
+
+    async def forward(self, query: bytes, parsed: Query, *, tcp: bool, lookup_cache: bool = True) -> bytes:
+        """The upstream reply to ``query`` (any rcode), checked against it; raises UpstreamError.
+
+        ``lookup_cache=False``: the caller already asked ``cached()`` (the reply is still stored).
+        """
         cache = self._cache
-        if cache is not None:
+        if cache is not None and lookup_cache:
             hit = cache.get(parsed)
             if hit is not None:
                 return hit
