@@ -28,7 +28,7 @@ from istio_agent.config.app_probers import (
 from istio_agent.status import h2client
 from istio_agent.status.probes import AppProbes, decode_health_status
 from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
-from tests.status.test_h2client import H2Server, Reply, Seen, tls_server_context
+from tests.status.h2server import H2Server, Reply, Seen, tls_server_context
 
 pytestmark = pytest.mark.timeout(20)
 
