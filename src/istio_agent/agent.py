@@ -199,8 +199,10 @@ class Agent:
             probers.append(
                 EnvoyReadiness(bootstrap.localhost, bootstrap.proxy_admin_port, started_at=self._started_at)
             )
-        name_table = self.name_table
-        if name_table is not None:
+        dns, name_table = self.dns, self.name_table
+        if dns is not None:  # ready once a table from this run answers (a big one is built aside)
+            probers.append(DnsReadiness(lambda: dns.ready))
+        elif name_table is not None:
             probers.append(DnsReadiness(lambda: name_table.ready))
         readiness = Readiness(probers)
         self.readiness = readiness
@@ -215,6 +217,7 @@ class Agent:
         self._status_starting = asyncio.get_running_loop().create_task(
             self._start_full_status_server(settings, sock, early), name="status-server"
         )
+        self._status_starting.add_done_callback(_report_status_start_failure)
 
     async def _start_full_status_server(
         self, settings: StatusSettings, sock: socket.socket, early: EarlyStatusServer
@@ -280,9 +283,7 @@ class Agent:
             return
         if not task.done():
             task.cancel()
-        results = await asyncio.gather(task, return_exceptions=True)
-        if isinstance(results[0], Exception):
-            log.error("the status server failed to start: %s", results[0])
+        await asyncio.gather(task, return_exceptions=True)  # a failure was logged when it happened
         if self.status_server is None and self._status_socket is not None:
             self._status_socket.close()  # never handed to the full server: 15020 must refuse from now on
 
@@ -370,6 +371,11 @@ class Agent:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _report_status_start_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the status server failed to start: %s", task.exception())
 
 
 def _log_name_table(table: nds_pb2.NameTable) -> None:
