@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import dns.edns
 import dns.flags
 import dns.message
 import dns.rcode
@@ -109,7 +110,9 @@ def test_nxdomain_lives_for_the_soa_minimum() -> None:
     assert hit is not None
     decoded = dns.message.from_wire(hit)
     assert decoded.rcode() == dns.rcode.NXDOMAIN
-    assert decoded.authority[0].ttl == 570  # the SOA's own TTL is aged too
+    # The SOA is served with the negative lifetime min(600, 60), aged: a client caching the NXDOMAIN
+    # for min(SOA TTL, MINIMUM) keeps it no longer than the upstream allowed in total.
+    assert decoded.authority[0].ttl == 30
     assert decoded.authority[0][0].minimum == 60  # the SOA's data is untouched
     clock.now += 30
     assert cache.get(parse_query(q)) is None
@@ -227,3 +230,17 @@ def test_hit_and_miss_counters() -> None:
 def test_bad_size_is_rejected() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         AnswerCache(max_entries=0)
+
+
+def test_cd_bit_and_edns_options_keep_replies_apart() -> None:
+    cache = AnswerCache()
+    plain = query("www.example.com.")
+    cache.put(parse_query(plain), reply(plain))
+    checking_disabled = dns.message.make_query("www.example.com.", "A")
+    checking_disabled.flags |= dns.flags.CD
+    assert cache.get(parse_query(checking_disabled.to_wire())) is None
+    with_cookie = dns.message.make_query(
+        "cookie.example.com.", "A", use_edns=0, options=[dns.edns.GenericOption(10, b"12345678")]
+    ).to_wire()
+    cache.put(parse_query(with_cookie), reply(with_cookie))
+    assert len(cache) == 1  # a reply to a query with EDNS options is that client's own

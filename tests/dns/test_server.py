@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -158,3 +159,47 @@ def test_before_the_first_table_queries_get_servfail_or_go_upstream_on_port_53_a
     assert isinstance(reply, bytes) and reply[3] & 0x0F == dns.rcode.SERVFAIL
     forwarding = DnsResolver(Forwarder([]), respond_before_sync=True)  # dns.md §1: ":53" as root
     assert isinstance(forwarding.answer_now(query, None), Query)
+
+
+def serving() -> list[asyncio.Task[object]]:
+    """The DNS server's TCP connection handlers still running."""
+    return [
+        task
+        for task in asyncio.all_tasks()
+        if not task.done() and getattr(task.get_coro(), "__qualname__", "") == "DnsServer._serve_tcp"
+    ]
+
+
+async def test_a_tcp_client_that_stops_reading_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dns_server, "TCP_READ_TIMEOUT", 0.3)
+    monkeypatch.setattr(dns_server, "TCP_CLOSE_TIMEOUT", 0.3)
+    name_table = nds_pb2.NameTable()
+    info = name_table.table["big.example"]
+    info.ips.extend(f"10.{i >> 8}.{i & 255}.1" for i in range(3000))
+    info.registry = "External"
+    resolver = DnsResolver(Forwarder([]))
+    resolver.table = LookupTable.build(name_table, proxy_namespace="", proxy_domain="", search_domains=[])
+    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    await server.start()
+    clients = []
+    try:
+        query = dns.message.make_query("big.example.", "A").to_wire()
+        for _ in range(3):  # each asks for ~50 KiB answers 128 times and never reads one
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            client.connect(("127.0.0.1", server.bound[1][2]))
+            client.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                client.send((struct.pack("!H", len(query)) + query) * 128)
+            clients.append(client)
+        await asyncio.sleep(0.2)
+        assert len(serving()) == 3
+        for _ in range(50):
+            if not serving():
+                break
+            await asyncio.sleep(0.1)
+        assert not serving() and not server._connections  # dropped once writes stalled, not left waiting
+    finally:
+        await asyncio.wait_for(server.stop(), 5)
+        for client in clients:
+            client.close()

@@ -65,6 +65,8 @@ async def test_body_until_close_and_error_status(serve: Serve) -> None:
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed chunk size"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1), "bad Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "bytes read on a total of 10"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\nabc\r\n", "malformed chunk size"),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000 + b"\r\n\r\n", "longer than limit"),
     ],
 )
 async def test_malformed_answers_are_admin_errors(serve: Serve, answer: bytes, message: str) -> None:

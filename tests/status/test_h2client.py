@@ -6,11 +6,15 @@ import asyncio
 import contextlib
 import socket
 import ssl
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import pytest
 
 from istio_agent.status import h2client
@@ -366,3 +370,43 @@ async def test_grpc_request_framing(servers: Callable[..., Awaitable[H2Server]])
     assert seen.header("grpc-timeout") == "1m"
     assert seen.header("user-agent") is None
     assert str(GrpcError(42, "x")) == "rpc error: code = Code(42) desc = x"
+
+
+async def test_an_answered_request_does_not_wait_for_the_servers_tls_shutdown(tmp_path: Path) -> None:
+    """An app that answers, then neither reads nor closes: the probe has its answer and must not time out."""
+    context = tls_server_context(tmp_path, ["h2"])
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    release = threading.Event()
+
+    def serve() -> None:
+        raw, _ = listener.accept()
+        with context.wrap_socket(raw, server_side=True) as tls:
+            conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+            conn.initiate_connection()
+            tls.sendall(conn.data_to_send())
+            answered = False
+            while not answered:
+                for event in conn.receive_data(tls.recv(65536)):
+                    if isinstance(event, h2.events.RequestReceived):
+                        conn.send_headers(event.stream_id, [(":status", "200")])
+                        conn.send_data(event.stream_id, b"ok", end_stream=True)
+                        answered = True
+                tls.sendall(conn.data_to_send())
+            release.wait(10)  # never reads the GOAWAY or the close_notify
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        async with asyncio.timeout(3):
+            connection = await h2client.open_connection(
+                "127.0.0.1", listener.getsockname()[1], tls=client_tls(["h2", "http/1.1"])
+            )
+            async with connection as conn:
+                response = await conn.request("GET", "/", authority="app", max_body=100)
+        assert (response.status, response.body) == (200, b"ok")
+    finally:
+        release.set()
+        thread.join(5)
+        listener.close()

@@ -14,7 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from istio_agent.dns.records import TYPE_OPT, TYPE_SOA
-from istio_agent.dns.wire import RCODE_NOERROR, RCODE_NXDOMAIN, DnsFormatError, Query, ttl_offsets
+from istio_agent.dns.wire import (
+    FLAG_CD,
+    OPCODE_MASK,
+    OPCODE_SHIFT,
+    RCODE_NOERROR,
+    RCODE_NXDOMAIN,
+    DnsFormatError,
+    Query,
+    ttl_offsets,
+)
 from istio_agent.metrics import counter
 
 cache_hits = counter("dns_cache_hits_total", "Upstream DNS answers served from the agent's answer cache.")
@@ -25,7 +34,7 @@ cache_misses = counter(
 _MAX_TTL = 0x7FFFFFFF
 """RFC 2181 §8: a TTL with the top bit set counts as zero."""
 
-_CacheKey = tuple[str, int, int, bool, bool]
+_CacheKey = tuple[str, int, int, int, bool, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +46,20 @@ class _Entry:
     expires: float
 
 
+_KEY_FLAGS = FLAG_CD | (OPCODE_MASK << OPCODE_SHIFT)
+
+
 def _key(parsed: Query) -> _CacheKey:
     # EDNS presence is part of the key: a client that sent no OPT must not get one back (RFC 6891 §7).
-    return (parsed.qname.lower(), parsed.qtype, parsed.qclass, parsed.do_bit, parsed.edns)
+    # So are CD (a reply fetched with checking disabled may be bogus for a validating client) and the opcode.
+    return (
+        parsed.qname.lower(),
+        parsed.qtype,
+        parsed.qclass,
+        parsed.flags & _KEY_FLAGS,
+        parsed.do_bit,
+        parsed.edns,
+    )
 
 
 def cacheable_ttl(reply: bytes) -> tuple[int, tuple[tuple[int, int], ...]] | None:
@@ -63,6 +83,7 @@ def cacheable_ttl(reply: bytes) -> tuple[int, tuple[tuple[int, int], ...]] | Non
         return None
     ttls: list[tuple[int, int]] = []
     soa_ttl: int | None = None
+    soa_index = 0
     for index, offset in enumerate(offsets):
         rtype, _, ttl = struct.unpack_from("!HHI", reply, offset - 4)
         if rtype == TYPE_OPT:
@@ -76,10 +97,14 @@ def cacheable_ttl(reply: bytes) -> tuple[int, tuple[tuple[int, int], ...]] | Non
                 return None
             (minimum,) = struct.unpack_from("!I", reply, offset + 6 + rdlength - 4)
             soa_ttl = min(ttl, minimum if minimum <= _MAX_TTL else 0)
+            soa_index = len(ttls) - 1
     if rcode == RCODE_NXDOMAIN or ancount == 0:
         if soa_ttl is None:
             return None
         lifetime = soa_ttl
+        # Clients cache a negative answer for min(SOA TTL, MINIMUM) of what they get: aging the SOA
+        # from the negative lifetime keeps the total within it (RFC 2308 §5).
+        ttls[soa_index] = (ttls[soa_index][0], soa_ttl)
     elif ttls:
         lifetime = min(ttl for _, ttl in ttls)
     else:
@@ -132,11 +157,21 @@ class AnswerCache:
         return bytes(out)
 
     def put(self, parsed: Query, reply: bytes) -> None:
-        """Remember ``reply`` for ``parsed`` when it may be cached (see ``cacheable_ttl``)."""
+        """Remember ``reply`` for ``parsed`` when it may be cached (see ``cacheable_ttl``).
+
+        Replies to queries with EDNS options are not kept: cookies and client-subnet answers belong to
+        the client that asked.
+        """
+        if parsed.edns_options:
+            return
         verdict = cacheable_ttl(reply)
         if verdict is None:
             return
         lifetime, ttls = verdict
+        stored = bytearray(reply)
+        for offset, ttl in ttls:  # as served at age 0 (the negative SOA TTL, RFC 2181 §8 zeroes)
+            struct.pack_into("!I", stored, offset, ttl)
+        reply = bytes(stored)
         key = _key(parsed)
         entries = self._entries
         entries.pop(key, None)

@@ -49,6 +49,8 @@ TCP_IDLE_TIMEOUT = 8.0
 TCP_READ_TIMEOUT = 2.0
 """To read the rest of a query once its length prefix arrived (slowloris clients are cut off)."""
 TCP_QUERIES_PER_CONNECTION = 128
+TCP_CLOSE_TIMEOUT = 1.0
+"""To flush the last answer on close; then the connection is dropped."""
 MAX_REMEMBERED_REPLIES = 8192
 """Table answers kept by question bytes, so a repeated question skips parsing and lookup."""
 _SHUFFLED = frozenset({TYPE_A, TYPE_AAAA, TYPE_MX})
@@ -284,18 +286,20 @@ class DnsServer:
         task = asyncio.current_task()
         assert task is not None
         if len(self._connections) >= MAX_TCP_CONNECTIONS:
-            writer.close()
+            writer.transport.abort()
             return
-        self._connections.add(task)
+        self._connections.add(task)  # counted until the socket is really closed
         try:
             await self._tcp_queries(reader, writer)
         except (OSError, asyncio.IncompleteReadError, TimeoutError, ConnectionError):
-            pass  # the client went away or stalled: nothing to answer
+            writer.transport.abort()  # the client went away or stalled: nothing to flush to it
         finally:
-            self._connections.discard(task)
             writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            try:  # a client that stopped reading would keep an orderly close waiting forever
+                await asyncio.wait_for(writer.wait_closed(), TCP_CLOSE_TIMEOUT)
+            except Exception:
+                writer.transport.abort()
+            self._connections.discard(task)
 
     async def _tcp_queries(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for _ in range(TCP_QUERIES_PER_CONNECTION):

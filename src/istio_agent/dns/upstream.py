@@ -241,7 +241,7 @@ class Forwarder:
                 reply = await loop.sock_recv(sock, UDP_RECEIVE_BUFFER)
                 if reply[:2] != qid:
                     continue  # a stray or spoofed reply: keep waiting until the deadline
-                check_reply(query, reply)
+                check_reply(query, reply)  # from the server's address with its ID: a broken reply fails fast
                 return reply
         finally:
             sock.close()

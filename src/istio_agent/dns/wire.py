@@ -107,6 +107,8 @@ class Query(NamedTuple):
     edns: bool
     udp_limit: int
     do_bit: bool
+    edns_options: bool = False
+    """The OPT record carries options (cookies, client subnet, ...): its reply is this client's own."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,6 +180,7 @@ def parse_query(data: bytes) -> Query:
     edns = False
     udp_limit = MIN_UDP_SIZE
     do_bit = False
+    edns_options = False
     if ancount or nscount or arcount:
         try:
             opt = _scan_query_records(data, qend, ancount + nscount, arcount)
@@ -185,7 +188,7 @@ def parse_query(data: bytes) -> Query:
             raise Rejected(RCODE_FORMERR, str(exc)) from None
         if opt is not None:
             edns = True
-            payload, ttl = opt
+            payload, ttl, edns_options = opt
             udp_limit = payload if payload > MIN_UDP_SIZE else MIN_UDP_SIZE
             do_bit = bool(ttl & EDNS_DO)
     return Query(
@@ -199,15 +202,16 @@ def parse_query(data: bytes) -> Query:
         edns,
         udp_limit,
         do_bit,
+        edns_options,
     )
 
 
 def _scan_query_records(
     data: bytes, pos: int, before_additional: int, arcount: int
-) -> tuple[int, int] | None:
-    """Validate the few records a query may carry; ``(udp payload size, OPT ttl)`` of its OPT or None."""
+) -> tuple[int, int, bool] | None:
+    """Validate the few records a query may carry; (udp payload size, OPT ttl, has options) or None."""
     n = len(data)
-    opt: tuple[int, int] | None = None
+    opt: tuple[int, int, bool] | None = None
     for index in range(before_additional + arcount):
         if pos < n and data[pos] == 0:  # root owner, the usual OPT case
             root_owner = True
@@ -230,7 +234,7 @@ def _scan_query_records(
             if not root_owner:
                 raise DnsFormatError("OPT record owner is not the root")
             _check_options(data, start, end)
-            opt = (rclass, ttl)
+            opt = (rclass, ttl, end > start)
         else:
             layout = _RDATA_LAYOUTS.get(rtype)
             if layout:

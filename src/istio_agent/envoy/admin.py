@@ -24,7 +24,8 @@ async def admin_request(host: str, port: int, method: str, target: str, *, timeo
         return await asyncio.wait_for(_exchange(host, port, method, target), timeout)
     except TimeoutError:
         raise AdminError(f"timeout after {timeout:g}s") from None
-    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as err:
+    except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as err:
+        # ValueError: StreamReader's over-long line
         raise AdminError(str(err) or type(err).__name__) from None
 
 
@@ -61,10 +62,10 @@ async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> b
         chunks = bytearray()
         while True:
             size_line = await reader.readline()
-            try:
-                size = int(size_line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise AdminError(f"malformed chunk size {size_line[:50]!r}") from None
+            text = size_line.split(b";", 1)[0].strip()
+            if not text or any(c not in b"0123456789abcdefABCDEF" for c in text):
+                raise AdminError(f"malformed chunk size {size_line[:50]!r}")
+            size = int(text, 16)
             if size == 0:
                 return bytes(chunks)
             if len(chunks) + size > MAX_BODY:

@@ -105,7 +105,13 @@ class EarlyStatusServer:
         self.full_server_wanted.set()
         try:
             factory = await asyncio.wait_for(asyncio.shield(self._full), HANDOVER_TIMEOUT)
-        except (TimeoutError, asyncio.CancelledError):
+        except TimeoutError:
+            log.warning(
+                "the status server did not load within %gs; dropping a waiting request", HANDOVER_TIMEOUT
+            )
+            transport.close()
+            return
+        except asyncio.CancelledError:
             transport.close()
             raise
         if transport.is_closing():

@@ -21,11 +21,14 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
+import h2.settings
 
 SocketFactory = Callable[[int, int, int], socket.socket]
 """Makes an unconnected socket for ``(family, type, proto)``; may bind it to a source address."""
 
 _READ_SIZE = 65536
+CLOSE_TIMEOUT = 0.1
+"""How long close() lets the transport flush before dropping it."""
 _DEFAULT_MAX_GRPC_MESSAGE = 4 * 1024 * 1024  # gRPC's default maximum receive size
 # Request headers that are connection-specific in HTTP/1.1 and forbidden in HTTP/2 (RFC 9113 8.2.2).
 _CONNECTION_HEADERS = frozenset(
@@ -151,14 +154,20 @@ class Connection:
         self._writer.transport.abort()
 
     async def close(self) -> None:
-        """Say GOAWAY (when HTTP/2 was started) and close; errors while closing do not matter."""
+        """Say GOAWAY (when HTTP/2 was started) and close, without waiting for the peer's TLS close_notify.
+
+        The answer is already in: an app that never completes the TLS shutdown must not turn a
+        successful probe into a timeout (Go's client does not wait either).
+        """
         with contextlib.suppress(OSError, h2.exceptions.H2Error):
             if self._h2 is not None:
                 self._h2.close_connection()
                 self._writer.write(self._h2.data_to_send())
         self._writer.close()
-        with contextlib.suppress(OSError):
-            await self._writer.wait_closed()
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), CLOSE_TIMEOUT)
+        except (OSError, TimeoutError):
+            self.abort()
 
     async def request(
         self,
@@ -189,6 +198,8 @@ class Connection:
             fields.append((lower, value))
         try:
             conn.initiate_connection()
+            # No server push: pushed streams would take connection window we never give back.
+            conn.update_settings({h2.settings.SettingCodes.ENABLE_PUSH: 0})
             stream_id = conn.get_next_available_stream_id()
             conn.send_headers(stream_id, fields, end_stream=not body)
             if body:
@@ -232,8 +243,11 @@ class Connection:
                 if isinstance(event, h2.events.ResponseReceived) and event.stream_id == stream_id:
                     headers = _decode(event.headers or [])
                     status = _status(headers)
-                elif isinstance(event, h2.events.DataReceived) and event.stream_id == stream_id:
-                    conn.acknowledge_received_data(event.flow_controlled_length, stream_id)
+                elif isinstance(event, h2.events.DataReceived):
+                    # Every stream's DATA is acknowledged, or the connection window could run dry.
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    if event.stream_id != stream_id:
+                        continue
                     body += event.data or b""
                     if max_body is not None and len(body) > max_body:
                         assert status is not None  # h2 rejects DATA before HEADERS
