@@ -18,6 +18,10 @@ def dns(
     vm_resolv_conf: Path = Path("/nonexistent/istio/resolv.conf"),
     **env: str,
 ) -> DnsSettings:
+    """Settings with DNS capture on unless the test says otherwise (off, nothing else is read)."""
+    switches = ("ISTIO_META_DNS_CAPTURE", "ISTIO_META_ENABLE_DNS_SERVER")
+    if not any(name in env or name in (metadata or {}) for name in switches):
+        env["ISTIO_META_DNS_CAPTURE"] = "true"
     return DnsSettings.from_env(
         Env(env),
         proxy_type=proxy_type,
@@ -30,7 +34,7 @@ def dns(
 
 def test_defaults_follow_istio() -> None:
     assert dns() == DnsSettings(
-        enabled=False,
+        enabled=True,
         listen_address="localhost:15053",
         resolv_conf=Path("/etc/resolv.conf"),
         forward_parallel=False,
@@ -184,3 +188,16 @@ def test_other_ports_are_not_special_for_root(tmp_path: Path) -> None:
 )
 def test_split_host_port(address: str, expected: tuple[str, int]) -> None:
     assert split_host_port(address) == expected
+
+
+def test_bad_values_do_not_matter_while_dns_is_off() -> None:
+    off = dns(
+        ISTIO_META_DNS_CAPTURE="false",
+        DNS_PROXY_ADDR="localhost",
+        DNS_FORWARD_TIMEOUT="5",
+        DNS_FORWARD_RETRIES="many",
+        POD_NAMESPACE="ns1",
+    )
+    assert off == DnsSettings(enabled=False, proxy_namespace="ns1")
+    with pytest.raises(ConfigError, match="DNS_PROXY_ADDR"):
+        dns(DNS_PROXY_ADDR="localhost")  # the same value with DNS on is an error naming the variable

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import dns.asyncquery
 import dns.message
+import dns.name
 import dns.rcode
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -203,3 +204,18 @@ async def test_a_tcp_client_that_stops_reading_is_dropped(monkeypatch: pytest.Mo
         await asyncio.wait_for(server.stop(), 5)
         for client in clients:
             client.close()
+
+
+def test_odd_labels_never_match_a_wildcard_and_go_upstream() -> None:
+    name_table = nds_pb2.NameTable()
+    for host, ip in (("*.wildcard", "10.0.0.1"), ("*.foo.wildcard", "10.0.0.2")):
+        name_table.table[host].ips.append(ip)
+        name_table.table[host].registry = "External"
+    resolver = DnsResolver(Forwarder([]))
+    resolver.table = LookupTable.build(name_table, proxy_namespace="", proxy_domain="", search_domains=[])
+    plain = resolver.answer_now(dns.message.make_query("x.foo.wildcard.", "A").to_wire(), None)
+    assert isinstance(plain, bytes) and "10.0.0.2" in dns.message.from_wire(plain).to_text()
+    for labels in ([b"x.foo", b"wildcard"], [b"\xff", b"wildcard"], [b"\\" * 63, b"wildcard"]):
+        name = dns.name.Name([*labels, b""])
+        result = resolver.answer_now(dns.message.make_query(name, "A").to_wire(), None)
+        assert isinstance(result, Query)  # forwarded, never a wrong wildcard or an exception

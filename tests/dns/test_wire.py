@@ -653,3 +653,13 @@ def test_fuzz_mutated_messages(data: bytes, limit: int) -> None:
     except wire.DnsFormatError:
         return
     assert out is data or len(out) <= limit
+
+
+def test_check_reply_compares_the_question_label_by_label() -> None:
+    asked = dns.message.make_query(dns.name.Name([b"a.b", b"c", b""]), "A", id=7)
+    other = dns.message.make_query(dns.name.Name([b"a", b"b.c", b""]), "A", id=7)  # same text, other labels
+    reply = dns.message.make_response(other).to_wire()
+    with pytest.raises(wire.DnsFormatError, match="question does not match"):
+        wire.check_reply(asked.to_wire(), reply)
+    same = dns.message.make_query(dns.name.Name([b"A.B", b"C", b""]), "A", id=7)
+    wire.check_reply(asked.to_wire(), dns.message.make_response(same).to_wire())  # case does not matter

@@ -98,6 +98,8 @@ class DnsSettings:
         enabled = (proxy_type == "sidecar" and values.flag("ISTIO_META_DNS_CAPTURE")) or values.flag(
             "ISTIO_META_ENABLE_DNS_SERVER"
         )
+        if not enabled:  # nothing below is used: a bad value must not stop an agent that runs no DNS proxy
+            return cls(enabled=False, proxy_namespace=values.text("POD_NAMESPACE"))
         listen_address = values.text("DNS_PROXY_ADDR") or DEFAULT_LISTEN_ADDRESS
         try:
             _, port = split_host_port(listen_address)

@@ -51,7 +51,7 @@ def encode_name(name: str) -> bytes:
     labels = name.rstrip(".").split(".") if name.strip(".") else []
     out = bytearray()
     for label in labels:
-        raw = label.encode()  # DNS labels are octets; NDS names are ASCII in practice
+        raw = label.encode("utf-8", "surrogateescape")  # labels are octets; undecodable ones round-trip
         if not raw or len(raw) > 63:
             raise DnsNameError(f"invalid DNS name {name!r}: empty or over-long label")
         out.append(len(raw))

@@ -120,6 +120,7 @@ class DnsResolver:
         self._next_id = next_id
         self._table: LookupTable | None = None
         self._replies: dict[tuple[int | None, bytes], tuple[bytes, tuple[int, int, str]]] = {}
+        self._failures = 0
         self.stats = stats or DnsStats()
         self.stats.table_size = lambda: len(self._table) if self._table is not None else 0
 
@@ -136,7 +137,17 @@ class DnsResolver:
         """A reply that needs no I/O, or the parsed query when it must go upstream, or None to drop.
 
         ``limit`` is the transport's size limit (None for UDP: the query's own EDNS limit applies).
+        A bug costs the one query (dropped), never the listener; it is logged, but not once per packet.
         """
+        try:
+            return self._answer(data, limit)
+        except Exception:
+            self._failures += 1
+            if self._failures <= 10 or self._failures % 1000 == 0:
+                log.exception("DNS query handling failed (%d so far); the query is dropped", self._failures)
+            return None
+
+    def _answer(self, data: bytes, limit: int | None) -> bytes | Query | None:
         stats = self.stats
         known = self._replies.get((limit, data[2:]))
         if known is not None:  # the same question as before: only the ID differs
@@ -217,11 +228,7 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         self._transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
-        try:
-            result = self._resolver.answer_now(data, None)
-        except Exception:  # a bug must cost one query, never the listener
-            log.exception("DNS query handling failed")
-            return
+        result = self._resolver.answer_now(data, None)
         if result is None:
             return
         if isinstance(result, bytes):

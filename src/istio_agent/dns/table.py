@@ -283,7 +283,9 @@ class LookupTable:
         answer = exact.get(qname)
         if answer is not None:
             return answer
-        if not wildcards:
+        if not wildcards or "\\" in qname or not qname.isascii():
+            # A label with an escaped dot or backslash, or non-ASCII bytes, is no mesh name: splitting the
+            # presentation form on dots would match the wrong wildcard. Forwarded upstream instead.
             return None
         # Most specific wildcard first: a.b.w. tries *.b.w., then *.w.
         last = len(qname) - 1

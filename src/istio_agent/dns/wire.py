@@ -602,8 +602,8 @@ def check_reply(query: bytes, reply: bytes) -> None:
             if (
                 len(msg.questions) != 1
                 or got_tail != query[qend - 4 : qend]
-                or b".".join(got_labels).lower() != b".".join(labels).lower()
                 or len(got_labels) != len(labels)
+                or any(got.lower() != want.lower() for got, want in zip(got_labels, labels, strict=True))
             ):
                 raise DnsFormatError("reply question does not match the query")
 
