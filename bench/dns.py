@@ -15,11 +15,14 @@ resolv.conf naming the upstream. Rows:
   upstream; **(b')** the same through an agent with ``DNS_CACHE=true`` (after the warm-up pass the
   cache holds every name, so this row measures cache hits).
 
-Every row is dnsperf with the same flags (``-c 1 -T 1 -q 100 -t 1 -v``) for ``--seconds``, run
+Every row is dnsperf with the same flags (``-c 1 -T 1 -q 100 -t 1``) for ``--seconds``, run
 twice: at **unlimited** rate (throughput: dnsperf keeps up to 100 queries in flight, so latency
 there includes queueing) and at a **fixed** ``--rate`` queries/s (latency without queueing).
-dnsperf 2.10 prints only the mean latency; ``-v`` prints one line per query
-(``> NOERROR name A 0.000123``, ``> T name A`` for a timeout), from which p50/p99 are computed.
+dnsperf 2.10 prints only the mean latency; on the fixed-rate rows ``-v`` adds one line per query
+(``> NOERROR name A 0.000123``, ``> T name A`` for a timeout), from which p50/p99 are computed (not
+on the unlimited rows: printing 100,000 lines a second would make dnsperf the bottleneck). The
+server CPU column is the CPU time of the answering process (dnsmasq, or pilot-agent without Envoy)
+during the row, per answered query.
 Each target gets one unmeasured pass over its names first (warm-up).
 
 Goals (issue 5): (a) agent >= 1.0x dnsmasq's queries/s (unlimited rows) with p99 <= 2 ms (fixed
@@ -59,7 +62,9 @@ from istio_agent.ctl.localmesh import LocalMesh, Workload
 
 NAMESPACE = "bench"
 UPSTREAM_DOMAIN = "upstream.test"
-DNSPERF_FLAGS = ("-c", "1", "-T", "1", "-q", "100", "-t", "1", "-v")
+DNSPERF_FLAGS = ("-c", "1", "-T", "1", "-q", "100", "-t", "1")
+VERBOSE = "-v"
+"""Only on fixed-rate rows: printing a line per query would make dnsperf itself the bottleneck."""
 READY_TIMEOUT = 60.0
 ANSWER_TIMEOUT = 10.0
 GOAL_QPS_RATIO = 1.0
@@ -69,7 +74,8 @@ GOAL_FORWARD_RATIO = 1.3
 _ANSWER = re.compile(r"^> (\S+) (\S+) (\S+) ([0-9.]+)$")
 _TIMEOUT = re.compile(r"^> T (\S+) (\S+)$")
 _SUMMARY = re.compile(
-    r"^\s*(Queries sent|Queries completed|Queries lost|Queries per second|Run time \(s\)):\s+([0-9.]+)"
+    r"^\s*(Queries sent|Queries completed|Queries lost|Queries per second|Run time \(s\)|Average Latency \(s\))"
+    r":\s+([0-9.]+)"
 )
 
 
@@ -88,6 +94,13 @@ class DnsperfResult:
     lost: int = 0
     qps: float = 0.0
     run_time: float = 0.0
+    average_latency: float = float("nan")
+    server_cpu: float = float("nan")
+    """CPU seconds the server process used during the run (user + system)."""
+
+    @property
+    def cpu_us_per_query(self) -> float:
+        return self.server_cpu / self.completed * 1e6 if self.completed else float("nan")
 
     def percentile_ms(self, fraction: float) -> float:
         if not self.latencies:
@@ -128,6 +141,8 @@ def parse_dnsperf(lines: Iterable[str]) -> DnsperfResult:
                 result.lost = int(value)
             elif label == "Queries per second":
                 result.qps = float(value)
+            elif label == "Average Latency (s)":
+                result.average_latency = float(value)
             else:
                 result.run_time = float(value)
     return result
@@ -148,17 +163,28 @@ def dnsperf_command(server: DnsAddress, datafile: Path, seconds: float, rate: in
     ]
     command += DNSPERF_FLAGS
     if rate is not None:
-        command += ["-Q", str(rate)]
+        command += [VERBOSE, "-Q", str(rate)]
     return command
 
 
-def run_dnsperf(server: DnsAddress, datafile: Path, seconds: float, rate: int | None) -> DnsperfResult:
-    """Run dnsperf, parsing its per-query lines as they stream (hundreds of thousands of them)."""
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_dnsperf(
+    server: DnsAddress, datafile: Path, seconds: float, rate: int | None, server_pid: int | None = None
+) -> DnsperfResult:
+    """Run dnsperf, parsing its per-query lines as they stream; ``server_pid``: whose CPU to count."""
     command = dnsperf_command(server, datafile, seconds, rate)
+    cpu_before = cpu_seconds(server_pid) if server_pid is not None else 0.0
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
         assert process.stdout is not None and process.stderr is not None
         result = parse_dnsperf(process.stdout)
         errors = process.stderr.read()
+    if server_pid is not None:
+        result.server_cpu = cpu_seconds(server_pid) - cpu_before
     if process.returncode != 0:
         raise RuntimeError(f"dnsperf exited with status {process.returncode}: {errors.strip()[-500:]}")
     return result
@@ -349,11 +375,11 @@ class Bench:
     memory: list[tuple[str, float, float]] = field(default_factory=list)
     unavailable: list[str] = field(default_factory=list)
 
-    def measure(self, scenario: str, target: str, server: DnsAddress, datafile: Path) -> None:
+    def measure(self, scenario: str, target: str, server: DnsAddress, datafile: Path, pid: int) -> None:
         warm_up(server, datafile)
         for rate in (None, self.rate):
             load = "unlimited" if rate is None else f"{rate:,} q/s"
-            result = run_dnsperf(server, datafile, self.seconds, rate)
+            result = run_dnsperf(server, datafile, self.seconds, rate, pid)
             self.rows.append(Row(scenario, target, load, result))
             print(f"  {scenario} / {target} / {load}: {result.qps:,.0f} q/s", file=sys.stderr, flush=True)
 
@@ -386,8 +412,10 @@ def run(bench: Bench, base: Path, names: int) -> None:
         print(f"upstream dnsmasq on {upstream.describe()}", file=sys.stderr)
         resolv_conf = base / "resolv.conf"
         resolv_conf.write_text(f"nameserver {upstream.address.host}\n")
-        bench.measure(TABLE, "dnsmasq, hosts file", upstream.address, mesh_queries)
-        bench.measure(FORWARD, "direct to the upstream", upstream.address, upstream_queries)
+        assert upstream.process is not None
+        upstream_pid = upstream.process.pid
+        bench.measure(TABLE, "dnsmasq, hosts file", upstream.address, mesh_queries, upstream_pid)
+        bench.measure(FORWARD, "direct to the upstream", upstream.address, upstream_queries, upstream_pid)
 
         workloads = {
             cache: Workload(f"dnsbench-{label}", base / f"agent-{label}", namespace=NAMESPACE)
@@ -413,7 +441,7 @@ def run(bench: Bench, base: Path, names: int) -> None:
                         mesh, workloads[cache], resolv_conf, mesh_names[0], cache=cache
                     ) as agent:
                         for scenario, datafile in scenarios:
-                            bench.measure(scenario, "agent", agent.dns, datafile)
+                            bench.measure(scenario, "agent", agent.dns, datafile, agent.pid)
                         memory = agent.memory_mb()
                         if memory is None:
                             bench.unavailable.append(f"{target}: exited during the run (log: {agent.log})")
@@ -439,21 +467,25 @@ def _ms(value: float) -> str:
 def report(bench: Bench, names: int) -> None:
     print(
         f"DNS benchmark: dnsperf {bench.seconds:g} s per row, {names:,} names, "
-        f"flags `{' '.join(DNSPERF_FLAGS)}` (+ `-Q {bench.rate}` on fixed-rate rows); {os.cpu_count()} CPUs\n"
+        f"flags `{' '.join(DNSPERF_FLAGS)}` (+ `{VERBOSE} -Q {bench.rate}` on fixed-rate rows, for "
+        f"per-query latencies); {os.cpu_count()} CPUs. Server CPU: the answering process only "
+        "(dnsmasq, or pilot-agent without Envoy).\n"
     )
-    print("| scenario | target | load | queries/s | p50 | p99 | lost | not NOERROR |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| scenario | target | load | queries/s | mean | p50 | p99 | server CPU / query | lost | not NOERROR |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     order = [TABLE, FORWARD, FORWARD_CACHE]
     for row in sorted(
         bench.rows, key=lambda row: order.index(row.scenario)
     ):  # stable: targets keep run order
         r = row.result
         if r is None:
-            print(f"| {row.scenario} | {row.target} | {row.load} | not measured: {row.note} | | | | |")
+            print(f"| {row.scenario} | {row.target} | {row.load} | not measured: {row.note} | | | | | | |")
             continue
         print(
-            f"| {row.scenario} | {row.target} | {row.load} | {r.qps:,.0f} | {_ms(r.p50_ms)} | {_ms(r.p99_ms)} "
-            f"| {r.lost:,} | {r.not_noerror:,} |"
+            f"| {row.scenario} | {row.target} | {row.load} | {r.qps:,.0f} | {_ms(r.average_latency * 1000)} "
+            f"| {_ms(r.p50_ms)} | {_ms(r.p99_ms)} | {r.cpu_us_per_query:.1f} µs | {r.lost:,} | {r.not_noerror:,} |"
         )
     print()
     fixed = f"{bench.rate:,} q/s"
