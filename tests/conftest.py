@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+import istio_agent  # noqa: F401  (first: it turns grpcio's fork handlers off before grpc loads)
+
 
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:

@@ -19,12 +19,12 @@ from istio_agent.ctl.dnsmasq import (
     Dnsmasq,
     DnsmasqError,
     DnsmasqOptions,
-    build_query,
     find_dnsmasq,
     query_rcode,
     write_hosts,
 )
 from istio_agent.ctl.local import free_port
+from istio_agent.dns.client import build_query
 from tests.dns.conftest import MANY_COUNT, MANY_NAME, StartDnsmasq
 
 TIMEOUT = 2.0

@@ -21,6 +21,7 @@ from typing import Any
 
 from istio_agent.ctl.local import wait_until
 from istio_agent.ctl.localmesh import LocalMesh, Service, Workload, admin_json, dynamic_names
+from istio_agent.dns.client import lookup
 
 Echo = Callable[[str], None]
 
@@ -121,6 +122,18 @@ def run_demo(base: Path, keep: bool, echo: Echo) -> int:
         echo("  caller identity b's Envoy verified (x-forwarded-client-cert):")
         for part in headers.get("x-forwarded-client-cert", "(missing)").split(";"):
             echo(f"    {part}")
+        echo("")
+        dns_port = a.ports["dns"]
+        echo(f"  a's DNS proxy (127.0.0.1:{dns_port}, name table from the control plane over NDS):")
+        rows = [("QUESTION", "ANSWER", "FLAGS")]
+        for name in ("b.", "b.default.", "b.default.svc.cluster.local."):
+            found = lookup("127.0.0.1", dns_port, name)
+            if found is None:
+                rows.append((name, "(no answer)", ""))
+                continue
+            addresses = ", ".join(f"{r.value} (TTL {r.ttl})" for r in found.answers) or "(none)"
+            rows.append((name, addresses, "authoritative" if found.authoritative else ""))
+        _table(rows, echo)
         echo("")
         echo("  config each Envoy holds (received over ADS through its agent):")
         rows = [("WORKLOAD", "KIND", "NAMES")]

@@ -18,7 +18,6 @@ import pwd
 import random
 import shutil
 import socket
-import struct
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, NamedTuple
+
+from istio_agent.dns.client import lookup
 
 DNSMASQ_PATHS = ("/usr/sbin/dnsmasq", "/usr/bin/dnsmasq")
 SPARE_FIRST, SPARE_LAST = 100, 250
@@ -107,31 +108,10 @@ def spare_loopback(port: int = 53, exclude: Iterable[str] = ()) -> str:
     raise DnsmasqError(f"no loopback address 127.0.0.{SPARE_FIRST}-{SPARE_LAST} has port {port} free")
 
 
-def build_query(name: str, qtype: int = 1, query_id: int | None = None) -> bytes:
-    """A plain recursive DNS query (no EDNS) for ``name``; enough to see whether a server answers."""
-    ident = random.randrange(1 << 16) if query_id is None else query_id
-    header = struct.pack("!HHHHHH", ident, 0x0100, 1, 0, 0, 0)
-    labels = b"".join(
-        bytes([len(p)]) + p for p in (part.encode() for part in name.strip(".").split(".")) if p
-    )
-    return header + labels + b"\x00" + struct.pack("!HH", qtype, 1)
-
-
 def query_rcode(host: str, port: int, name: str = "probe.invalid", timeout: float = 0.2) -> int | None:
     """Send one UDP query; the response code of the answer, or None when nothing answered in ``timeout``."""
-    query = build_query(name)
-    with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
-        sock.settimeout(timeout)
-        try:
-            sock.sendto(query, (host, port))
-            deadline = time.monotonic() + timeout
-            while True:
-                data = sock.recv(65535)
-                if len(data) >= 12 and data[:2] == query[:2] and data[2] & 0x80:
-                    return data[3] & 0x0F
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-        except OSError:  # timeout, ICMP port unreachable (ConnectionRefusedError), ...
-            return None
+    answer = lookup(host, port, name, timeout=timeout)
+    return None if answer is None else answer.rcode
 
 
 @dataclass(frozen=True)
