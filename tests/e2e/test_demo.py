@@ -31,6 +31,7 @@ def test_demo_runs_and_cleans_up() -> None:
     assert "HTTP 200 from app 'b'" in out
     assert "    URI=spiffe://cluster.local/ns/default/sa/a" in out
     assert "a         clusters   outbound|8000||b.default.svc.cluster.local" in out
+    assert "b.                            127.0.0.1 (TTL 30)  authoritative" in out  # a's DNS proxy
     assert "stopped: pilot-agent a (exit 0), app a (exit 0), pilot-agent b (exit 0), app b (exit 0)" in out
     assert "control plane (exit 0)" in out
 
