@@ -40,13 +40,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.startup import answers_200
 from istio_agent.ctl.dnsmasq import (
     DnsAddress,
     Dnsmasq,
@@ -148,20 +148,13 @@ def parse_dnsperf(lines: Iterable[str]) -> DnsperfResult:
     return result
 
 
+def _dnsperf(server: DnsAddress, datafile: Path) -> list[str]:
+    return ["dnsperf", "-s", server.host, "-p", str(server.port), "-d", str(datafile)]
+
+
 def dnsperf_command(server: DnsAddress, datafile: Path, seconds: float, rate: int | None) -> list[str]:
     """The same flags for every row; ``rate`` None means unlimited (up to 100 in flight)."""
-    command = [
-        "dnsperf",
-        "-s",
-        server.host,
-        "-p",
-        str(server.port),
-        "-d",
-        str(datafile),
-        "-l",
-        f"{seconds:g}",
-    ]
-    command += DNSPERF_FLAGS
+    command = [*_dnsperf(server, datafile), "-l", f"{seconds:g}", *DNSPERF_FLAGS]
     if rate is not None:
         command += [VERBOSE, "-Q", str(rate)]
     return command
@@ -192,19 +185,7 @@ def run_dnsperf(
 
 def warm_up(server: DnsAddress, datafile: Path) -> None:
     """One unmeasured pass over the names (first-query costs, caches)."""
-    command = [
-        "dnsperf",
-        "-s",
-        server.host,
-        "-p",
-        str(server.port),
-        "-d",
-        str(datafile),
-        "-n",
-        "1",
-        "-t",
-        "1",
-    ]
+    command = [*_dnsperf(server, datafile), "-n", "1", "-t", "1"]
     subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
@@ -285,14 +266,6 @@ def dns_port() -> int:
         port = free_port()
         if port_free("127.0.0.1", port):
             return port
-
-
-def answers_200(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as answer:
-            return bool(answer.status == 200)
-    except OSError:
-        return False
 
 
 @contextmanager

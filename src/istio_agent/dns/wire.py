@@ -219,13 +219,7 @@ def _scan_query_records(
         else:
             labels, pos = _read_name(data, pos, n)
             root_owner = not labels
-        if pos + 10 > n:
-            raise DnsFormatError("record header runs past end of message")
-        rtype, rclass, ttl, rdlength = _RR_FIXED.unpack_from(data, pos)
-        start = pos + 10
-        end = start + rdlength
-        if end > n:
-            raise DnsFormatError("record data runs past end of message")
+        rtype, rclass, ttl, start, end = _record_header(data, pos, n)
         if rtype == TYPE_OPT:
             if index < before_additional:
                 raise DnsFormatError("OPT record outside the additional section")
@@ -241,6 +235,18 @@ def _scan_query_records(
                 _read_rdata(data, start, end, layout)
         pos = end
     return opt
+
+
+def _record_header(data: bytes, pos: int, n: int) -> tuple[int, int, int, int, int]:
+    """Type, class, TTL and the rdata's [start, end) of the record whose fixed part starts at ``pos``."""
+    if pos + 10 > n:
+        raise DnsFormatError("record header runs past end of message")
+    rtype, rclass, ttl, rdlength = _RR_FIXED.unpack_from(data, pos)
+    start = pos + 10
+    end = start + rdlength
+    if end > n:
+        raise DnsFormatError("record data runs past end of message")
+    return rtype, rclass, ttl, start, end
 
 
 def _check_options(data: bytes, pos: int, end: int) -> None:
@@ -454,13 +460,7 @@ def _parse(data: bytes, decode_rdata: bool = True) -> _Message:
         records: list[_RR] = []
         for _ in range(count):
             name, pos = _read_name(data, pos, n)
-            if pos + 10 > n:
-                raise DnsFormatError("record header runs past end of message")
-            rtype, rclass, ttl, rdlength = _RR_FIXED.unpack_from(data, pos)
-            start = pos + 10
-            end = start + rdlength
-            if end > n:
-                raise DnsFormatError("record data runs past end of message")
+            rtype, rclass, ttl, start, end = _record_header(data, pos, n)
             if rtype == TYPE_OPT:
                 if section != 2:
                     raise DnsFormatError("OPT record outside the additional section")
