@@ -108,7 +108,11 @@ class DnsProxy:
         return task
 
     async def _build_in_thread(self, name_table: nds_pb2.NameTable, generation: int) -> None:
-        table = await asyncio.to_thread(self._build, name_table)
+        try:
+            table = await asyncio.to_thread(self._build, name_table)
+        except Exception:  # the old table keeps answering; the next push tries again
+            log.exception("cannot build the DNS name table (%d hosts)", len(name_table.table))
+            return
         self._install(name_table, table, generation)
 
     def _install(self, name_table: nds_pb2.NameTable, table: LookupTable, generation: int) -> None:
@@ -129,9 +133,6 @@ class DnsProxy:
         await asyncio.gather(*self._building, return_exceptions=True)
         if self.server is not None:
             await self.server.stop()
-        close = getattr(self._forwarder, "close", None)
-        if close is not None:
-            await close()
 
     def _build(self, name_table: nds_pb2.NameTable) -> LookupTable:
         return LookupTable.build(
