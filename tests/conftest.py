@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-import istio_agent  # noqa: F401  (first: it turns grpcio's fork handlers off before grpc loads)
+from istio_agent.cli.runtime import prepare_process
+
+prepare_process()  # as every entry point does, before anything loads grpc
 
 
 @pytest.fixture

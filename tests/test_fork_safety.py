@@ -11,7 +11,8 @@ import pytest
 STRESS = textwrap.dedent(
     """
     import asyncio, sys
-    import istio_agent  # first, as every entry point does: it turns gRPC's fork handlers off
+    from istio_agent.cli.runtime import prepare_process
+    prepare_process()  # first, as every entry point does: gRPC's fork handlers off before grpc loads
     import grpc, grpc.aio, uvloop
 
     async def main(spawns):

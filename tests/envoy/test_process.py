@@ -24,7 +24,6 @@ from istio_agent.envoy.process import (
     EnvoyProcess,
     EnvoyStartError,
     active_connections,
-    describe_exit,
     envoy_command,
 )
 from tests.bootstrap import make_settings
@@ -109,13 +108,6 @@ def test_command_without_optional_flags(short_tmp: Path) -> None:
     ]
     assert command[command.index("--local-address-ip-version") + 1] == "v6"
     assert "-l" not in command and "--skip-deprecated-logs" not in command and "--concurrency" not in command
-
-
-def test_describe_exit() -> None:
-    assert describe_exit(0) == "exit status 0"
-    assert describe_exit(1) == "exit status 1"
-    assert describe_exit(-signal.SIGKILL) == "signal: killed"
-    assert describe_exit(-signal.SIGTERM) == "signal: terminated"
 
 
 # -- supervision with a stand-in process -------------------------------------------------------------

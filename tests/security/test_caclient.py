@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from istio_agent import metrics
+from istio_agent import goformat, metrics
 from istio_agent.config import ConfigError, SecuritySettings
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 from istio_agent.security import caclient
@@ -26,9 +26,7 @@ from istio_agent.security.caclient import (
     CAClientOptions,
     CAError,
     CitadelClient,
-    format_duration,
     load_client_cert,
-    status_name,
 )
 from istio_agent.security.credentials import FileTokenSource, StaticTokenSource, TokenSource
 
@@ -319,7 +317,7 @@ async def test_non_retryable_code_is_not_retried(sleeps: Sleeps, code: grpc.Stat
     assert sleeps.delays == []
     assert retries["delta"] == 0
     assert info.value.code == code
-    assert f"code = {status_name(code)} desc = no" in str(info.value)
+    assert f"code = {goformat.status_code_name(code)} desc = no" in str(info.value)
 
 
 async def test_unreachable_ca_is_retried_and_reported(sleeps: Sleeps) -> None:
@@ -703,12 +701,3 @@ def test_options_system_root_uses_the_os_store(tmp_path: Path) -> None:
 def test_unusable_headers_are_config_errors(headers: dict[str, str], variable: str) -> None:
     with pytest.raises(ConfigError, match=variable):
         CAClientOptions(address="a:1", plaintext=True, root_cert_path=None, server_name="", headers=headers)
-
-
-def test_go_style_names_and_durations() -> None:
-    assert status_name(grpc.StatusCode.RESOURCE_EXHAUSTED) == "ResourceExhausted"
-    assert status_name(grpc.StatusCode.CANCELLED) == "Canceled"
-    assert status_name(grpc.StatusCode.DEADLINE_EXCEEDED) == "DeadlineExceeded"
-    assert format_duration(0.1) == "100ms"
-    assert format_duration(0.1054321) == "105.432ms"
-    assert format_duration(1.5) == "1.5s"

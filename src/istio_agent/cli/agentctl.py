@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Coroutine
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import click
 
+from istio_agent.cli import runtime
 from istio_agent.config.env import parse_go_duration
 from istio_agent.controlplane.ca import StateError
 from istio_agent.controlplane.mesh import MeshError
@@ -27,16 +26,6 @@ from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 
 log = scope("controlplane")
 STOP_GRACE_SECONDS = 1.0
-
-
-def _run(main: Coroutine[Any, Any, None]) -> None:
-    """Run on uvloop when it is installed, else on asyncio's default loop."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
 
 
 @click.group()
@@ -72,7 +61,7 @@ def controlplane(
         raise click.ClickException(f"--log_output_level: {err}") from None
     plane = ControlPlane(mesh_path, state_dir, address, secure_address)
     try:
-        _run(_serve(plane, address, secure_address))
+        runtime.run(_serve(plane, address, secure_address))
     except (ControlPlaneError, MeshError, StateError) as err:
         raise click.ClickException(str(err)) from None
 

@@ -13,13 +13,14 @@ from urllib.parse import urlsplit
 
 import click
 
-from istio_agent import __version__
+from istio_agent import __version__, goformat
 from istio_agent.agent import Agent, AgentSettings
+from istio_agent.cli import runtime
 from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings, read_pod_annotations
 from istio_agent.config.dns import DnsSettings
 from istio_agent.config.status import StatusSettings
-from istio_agent.envoy.process import EnvoyStartError, describe_exit
+from istio_agent.envoy.process import EnvoyStartError
 from istio_agent.health.config import parse_readiness_probe
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 from istio_agent.memory import pin_mmap_threshold
@@ -31,15 +32,6 @@ log = scope("default")
 PROXY_TYPES = ("sidecar", "router", "waypoint", "ztunnel", "agentgateway")
 EXIT_ERROR = 255  # Istio exits with os.Exit(-1) on any command error
 TOLERANT = {"ignore_unknown_options": True, "allow_extra_args": True}
-
-
-def run_event_loop(main: object) -> Any:
-    """Run a coroutine on uvloop when installed (the house rule), else asyncio's loop; return its result."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)  # type: ignore[arg-type]
-    return uvloop.run(main)  # type: ignore[arg-type]
 
 
 def install_signal_handlers() -> asyncio.Event:
@@ -164,7 +156,7 @@ def proxy(
     )
     pin_mmap_threshold()  # large xDS pushes must not ratchet resident memory up (see memory.py)
     try:
-        code = run_event_loop(_run_agent(settings))
+        code = runtime.run(_run_agent(settings))
     except (ConfigError, OSError) as err:  # bad settings, a socket or port that cannot be bound, no Envoy
         _fail(str(err))
     sys.exit(code)
@@ -196,7 +188,7 @@ async def _run_agent(settings: AgentSettings) -> int:
                 if status != 0:
                     log.error(
                         "Envoy did not exit cleanly (%s): the agent exits with status 1",
-                        describe_exit(status),
+                        goformat.exit_text(status),
                     )
                     code = 1
         finally:
@@ -370,7 +362,7 @@ def wait(
         _fail(str(err))
     log.info("Waiting for Envoy proxy to be ready (timeout: %d seconds)...", timeout)
     try:
-        run_event_loop(
+        runtime.run(
             wait_until_ready(
                 url, timeout=timeout, period=period / 1000, request_timeout=request_timeout / 1000
             )
@@ -436,7 +428,7 @@ def request(args: tuple[str, ...], debug_port: str, **_ignored: object) -> None:
         _fail(f"requires at least 2 arg(s), only received {len(args)}")
     body = args[2] if len(args) > 2 else ""
     try:
-        run_event_loop(_request_and_print(args[0], args[1], body, port))
+        runtime.run(_request_and_print(args[0], args[1], body, port))
     except CommandError as err:
         _fail(str(err))
 

@@ -15,6 +15,7 @@ import signal
 from collections.abc import Iterable
 from pathlib import Path
 
+from istio_agent import goformat
 from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.envoy.admin import AdminError, admin_request
 from istio_agent.log import scope
@@ -59,17 +60,6 @@ def envoy_command(settings: BootstrapSettings, bootstrap_path: Path) -> list[str
     if settings.concurrency > 0:
         command += ["--concurrency", str(settings.concurrency)]
     return command
-
-
-def describe_exit(returncode: int) -> str:
-    """Go's wording for a process exit (``exit status 1``, ``signal: killed``), as Istio logs it."""
-    if returncode >= 0:
-        return f"exit status {returncode}"
-    try:
-        name = signal.strsignal(-returncode) or f"signal {-returncode}"
-    except ValueError:
-        name = f"signal {-returncode}"
-    return f"signal: {name.lower()}"
 
 
 def active_connections(
@@ -223,7 +213,7 @@ class EnvoyProcess:
         log.info("Graceful termination period is %ss, starting...", f"{period:g}")
         done, _ = await asyncio.wait({self._exited}, timeout=period)
         if done:
-            log.info("Envoy exited with status %s", describe_exit(self._exited.result()))
+            log.info("Envoy exited with status %s", goformat.exit_text(self._exited.result()))
 
     async def _drain_until_idle(self, began: float) -> None:
         """EXIT_ON_ZERO_ACTIVE_CONNECTIONS: wait until no connection is left, or Envoy exits.
@@ -244,7 +234,7 @@ class EnvoyProcess:
             idle.cancel()
             await asyncio.gather(idle, return_exceptions=True)
         if self._exited in done:
-            log.info("Envoy exited with status %s", describe_exit(self._exited.result()))
+            log.info("Envoy exited with status %s", goformat.exit_text(self._exited.result()))
         elif not done:
             log.warning(
                 "Envoy still has active connections %ss after the drain began (drainDuration); "
@@ -297,7 +287,7 @@ class EnvoyProcess:
         elif returncode == 0:
             log.info("Envoy exited normally")
         else:
-            reason = describe_exit(returncode)
+            reason = goformat.exit_text(returncode)
             if returncode == -signal.SIGKILL:
                 log.warning("Envoy may have been out of memory killed. Check memory usage and limits.")
             log.error("Envoy exited with error: %s", reason)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from istio_agent import goformat
 from istio_agent.backoff import ExponentialBackoff
-from istio_agent.envoy.process import EnvoyProcess, describe_exit
+from istio_agent.envoy.process import EnvoyProcess
 from istio_agent.log import scope
 from istio_agent.metrics import counter
 
@@ -105,7 +106,7 @@ class EnvoySupervisor:
             if loop.time() - started >= self._stable_after:
                 self._backoff.reset()
             delay = self._backoff.next_delay()
-            log.warning("Envoy exited (%s); restarting it in %.1fs", describe_exit(code), delay)
+            log.warning("Envoy exited (%s); restarting it in %.1fs", goformat.exit_text(code), delay)
             if await self._stopped_within(delay):
                 return code
             try:

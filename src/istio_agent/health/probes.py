@@ -24,6 +24,7 @@ import grpc
 from multidict import CIMultiDict
 from yarl import URL
 
+from istio_agent import goformat
 from istio_agent.health.config import (
     ExecCheck,
     GRPCCheck,
@@ -43,18 +44,9 @@ GRPC_CONFIG_NIL = "grpc health check config is nil"
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 _SERVING = 1
 _MAX_REDIRECTS = 10
+
+
 # Go's names for the signals a probe command typically dies of (`signal: killed`).
-_SIGNAL_NAMES = {
-    signal.SIGKILL: "killed",
-    signal.SIGTERM: "terminated",
-    signal.SIGINT: "interrupt",
-    signal.SIGHUP: "hangup",
-    signal.SIGABRT: "aborted",
-    signal.SIGSEGV: "segmentation fault",
-    signal.SIGPIPE: "broken pipe",
-}
-
-
 class ProbeResult(enum.Enum):
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"
@@ -84,13 +76,6 @@ class HealthProber(Protocol):
     """One workload health condition."""
 
     async def probe(self, timeout: float) -> ProbeOutcome: ...
-
-
-def _go_duration(seconds: float) -> str:
-    """``1s``, ``500ms``: how Go prints the durations that appear in Istio's messages."""
-    if seconds >= 1 or seconds == 0:
-        return f"{seconds:g}s"
-    return f"{seconds * 1000:g}ms"
 
 
 def _host_port(host: str, port: int) -> str:
@@ -223,13 +208,6 @@ class TCPProber:
         return HEALTHY
 
 
-def _go_code(code: grpc.StatusCode) -> str:
-    """``NOT_FOUND`` -> ``NotFound``, as grpc-go prints codes."""
-    if code is grpc.StatusCode.OK:
-        return "OK"
-    return "".join(part.capitalize() for part in code.name.split("_"))
-
-
 class GRPCProber:
     """``grpc``: ``grpc.health.v1.Health/Check`` with the service; only SERVING is healthy.
 
@@ -267,7 +245,7 @@ class GRPCProber:
                         )
                     raise
         except TimeoutError:
-            return _unhealthy(f"health rpc probe timed out after {_go_duration(timeout)}")
+            return _unhealthy(f"health rpc probe timed out after {goformat.duration(timeout)}")
         except grpc.aio.AioRpcError as err:
             code = err.code()
             if code is grpc.StatusCode.UNIMPLEMENTED:
@@ -275,21 +253,15 @@ class GRPCProber:
                     "this server does not implement the grpc health protocol (grpc.health.v1.Health): "
                     f"{err.details()}"
                 )
-            return _unhealthy(f"health rpc probe failed with status {_go_code(code)}: {err.details()}")
+            return _unhealthy(
+                f"health rpc probe failed with status {goformat.status_code_name(code)}: {err.details()}"
+            )
         try:
             status = decode_health_status(response)
         except Exception as err:
             return _unhealthy(f"health rpc probe failed: {err}")
         # NOT_SERVING, UNKNOWN, SERVICE_UNKNOWN: unhealthy without an error, as in Istio.
         return HEALTHY if status == _SERVING else _unhealthy(None)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        sig = signal.Signals(number)
-    except ValueError:
-        return f"signal {number}"
-    return _SIGNAL_NAMES.get(sig, sig.name)
 
 
 class ExecProber:
@@ -321,23 +293,18 @@ class ExecProber:
         except TimeoutError:
             _kill_group(process.pid)
             code = await process.wait()
-            return _unhealthy(f"command timeout exceeded: {_exit_text(code)}")
+            return _unhealthy(f"command timeout exceeded: {goformat.exit_text(code)}")
         except asyncio.CancelledError:
             _kill_group(process.pid)
             raise
         if code == 0:
             return HEALTHY
-        return _unhealthy(_exit_text(code))
+        return _unhealthy(goformat.exit_text(code))
 
 
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-
-
-def _exit_text(code: int) -> str:
-    """Go's ``*exec.ExitError`` text: ``exit status 1`` or ``signal: killed``."""
-    return f"signal: {_signal_name(-code)}" if code < 0 else f"exit status {code}"
 
 
 def build_probers(

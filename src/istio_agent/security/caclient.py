@@ -23,7 +23,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from google.protobuf import struct_pb2
 
-from istio_agent import metrics
+from istio_agent import goformat, metrics
 from istio_agent.config import ConfigError, SecuritySettings
 from istio_agent.config.security import CERT_CHAIN_FILE, KEY_FILE, os_ca_bundle
 from istio_agent.log import scope
@@ -172,26 +172,10 @@ def _has_pem_cert(data: bytes) -> bool:
     return False
 
 
-def status_name(code: grpc.StatusCode) -> str:
-    """Go's name of a gRPC status code (``Unavailable``, ``ResourceExhausted``, ``Canceled``)."""
-    if code == grpc.StatusCode.CANCELLED:
-        return "Canceled"
-    if code == grpc.StatusCode.OK:
-        return "OK"
-    return "".join(part.capitalize() for part in code.name.split("_"))
-
-
 def _status_of(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     if isinstance(err, grpc.aio.AioRpcError):
         return err.code(), err.details() or ""
     return grpc.StatusCode.UNKNOWN, str(err)
-
-
-def format_duration(seconds: float) -> str:
-    """A short Go-style duration for log lines (``100ms``, ``1.5s``)."""
-    if seconds < 1:
-        return f"{seconds * 1000:.3f}".rstrip("0").rstrip(".") + "ms"
-    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
 
 
 @dataclass(frozen=True)
@@ -285,14 +269,17 @@ class CitadelClient:
             if code in RETRYABLE_CODES and attempt < MAX_ATTEMPTS:
                 await self._backoff(attempt)
                 continue
-            raise CAError(f"create certificate: rpc error: code = {status_name(code)} desc = {details}", code)
+            raise CAError(
+                f"create certificate: rpc error: code = {goformat.status_code_name(code)} desc = {details}",
+                code,
+            )
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _backoff(self, attempt: int) -> None:
         base = RETRY_BASE * 2 ** (attempt - 1)
         delay = base * (1 + RETRY_JITTER * (2 * self._rng() - 1))
         OUTGOING_RETRIES.labels(request_type=REQUEST_TYPE).inc()
-        log.warning("ca request failed, starting attempt %d in %s", attempt + 1, format_duration(delay))
+        log.warning("ca request failed, starting attempt %d in %s", attempt + 1, goformat.duration(delay))
         await self._sleep(delay)
 
     def _call_metadata(self) -> list[tuple[str, str]]:

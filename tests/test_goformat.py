@@ -1,0 +1,41 @@
+"""Go's renderings of exit statuses, gRPC codes and durations, as Istio's messages show them."""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+
+from istio_agent import goformat
+
+
+def test_exit_text() -> None:
+    assert goformat.exit_text(0) == "exit status 0"
+    assert goformat.exit_text(1) == "exit status 1"
+    assert goformat.exit_text(-signal.SIGKILL) == "signal: killed"
+    assert goformat.exit_text(-signal.SIGTERM) == "signal: terminated"
+    assert goformat.exit_text(-signal.SIGSEGV) == "signal: segmentation fault"
+
+
+def test_status_code_names() -> None:
+    assert goformat.status_code_name(grpc.StatusCode.RESOURCE_EXHAUSTED) == "ResourceExhausted"
+    assert goformat.status_code_name(grpc.StatusCode.CANCELLED) == "Canceled"
+    assert goformat.status_code_name(grpc.StatusCode.DEADLINE_EXCEEDED) == "DeadlineExceeded"
+    assert goformat.status_code_name(grpc.StatusCode.OK) == "OK"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0s"),
+        (0.1, "100ms"),
+        (0.1054321, "105.432ms"),
+        (0.5, "500ms"),
+        (1, "1s"),
+        (1.5, "1.5s"),
+        (30, "30s"),
+    ],
+)
+def test_durations(seconds: float, text: str) -> None:
+    assert goformat.duration(seconds) == text
