@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretItem
-from istio_agent.security.output import atomic_write, write_output_certs
+from istio_agent.security.output import write_output_certs
 
 FULL = SecretItem(WORKLOAD_KEY_CERT, certificate_chain=b"chain", private_key=b"key", root_cert=b"root")
 
@@ -20,40 +20,6 @@ def mode(path: Path) -> int:
 def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
     """(inode, mtime_ns) of every file: a rewrite changes the inode (atomic rename)."""
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in directory.iterdir()}
-
-
-def test_atomic_write_creates_and_replaces(tmp_path: Path) -> None:
-    target = tmp_path / "f.pem"
-    atomic_write(target, b"one", 0o600)
-    assert target.read_bytes() == b"one" and mode(target) == 0o600
-    inode = target.stat().st_ino
-    atomic_write(target, b"two", 0o644)
-    assert target.read_bytes() == b"two" and mode(target) == 0o644
-    assert target.stat().st_ino != inode  # replaced by rename, not rewritten in place
-    assert os.listdir(tmp_path) == ["f.pem"]  # no temporary file left
-
-
-def test_atomic_write_mode_ignores_umask(tmp_path: Path) -> None:
-    old = os.umask(0o077)
-    try:
-        atomic_write(tmp_path / "f", b"x", 0o644)
-    finally:
-        os.umask(old)
-    assert mode(tmp_path / "f") == 0o644
-
-
-def test_atomic_write_failure_removes_temp_file(tmp_path: Path) -> None:
-    target = tmp_path / "busy"
-    target.mkdir()
-    (target / "inside").write_bytes(b"")
-    with pytest.raises(OSError):
-        atomic_write(target, b"data", 0o600)  # rename onto a non-empty directory fails
-    assert sorted(os.listdir(tmp_path)) == ["busy"]
-
-
-def test_atomic_write_missing_directory(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
-        atomic_write(tmp_path / "missing" / "f", b"x", 0o600)
 
 
 def test_write_all_three(tmp_path: Path) -> None:

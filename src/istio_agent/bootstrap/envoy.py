@@ -13,12 +13,9 @@ logged and skipped, never a reason for Envoy to refuse its bootstrap.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +25,7 @@ from istio_agent.bootstrap.sds import sds_cluster
 from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.config.env import ConfigError, parse_go_duration
 from istio_agent.config.proxy_config import duration_json, split_host_port, substitute_host_ip
+from istio_agent.files import write_atomic
 from istio_agent.log import scope
 
 log = scope("bootstrap")
@@ -139,22 +137,9 @@ def write_bootstrap(settings: BootstrapSettings) -> Path:
     content = json.dumps(build_bootstrap(settings), indent=2)
     token = _lightstep_token(settings)
     if token:
-        _write_atomically(settings.lightstep_token_path, token, 0o600)
-    _write_atomically(path, content, 0o600 if token else 0o644)
+        write_atomic(settings.lightstep_token_path, token, 0o600)
+    write_atomic(path, content, 0o600 if token else 0o644)
     return path
-
-
-def _write_atomically(path: Path, content: str, mode: int) -> None:
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as file:
-            file.write(content)
-        os.chmod(temp, mode)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
 
 
 # -- sections ---------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from istio_agent import metrics
+from istio_agent.files import write_atomic
 
 ROOT_CERT_FILE = "root-cert.pem"
 ROOT_KEY_FILE = "root-key.pem"
@@ -72,20 +73,11 @@ def locked_state_dir(state_dir: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-def write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Write ``path`` with ``mode`` via a temporary file and rename, so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+def write_state_file(path: Path, data: bytes, mode: int) -> None:
+    """Write one state file atomically; StateError names the file when it cannot be written."""
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            os.fchmod(fd, mode)
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        write_atomic(path, data, mode)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         raise StateError(f"cannot write {path}: {err.strerror or err}") from err
 
 
@@ -147,8 +139,8 @@ class LocalCA:
                 )
             key = new_ec_key()
             cert = _make_root(key, trust_domain)
-            write_atomic(key_path, private_key_pem(key), 0o600)
-            write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            write_state_file(key_path, private_key_pem(key), 0o600)
+            write_state_file(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
             return cls(key, cert)
 
     @classmethod

@@ -28,7 +28,7 @@ from istio_agent.controlplane.ca import (
     locked_state_dir,
     new_ec_key,
     private_key_pem,
-    write_atomic,
+    write_state_file,
 )
 
 SIGNING_KEY_FILE = "token-signing-key.pem"
@@ -71,7 +71,7 @@ def _signing_key(state_dir: Path) -> ec.EllipticCurvePrivateKey:
         if path.exists():
             return load_ec_key(path)
         key = new_ec_key()
-        write_atomic(path, private_key_pem(key), 0o600)
+        write_state_file(path, private_key_pem(key), 0o600)
         return key
 
 

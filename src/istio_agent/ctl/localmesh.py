@@ -23,6 +23,7 @@ import yaml
 
 from istio_agent.controlplane.tokens import mint_token
 from istio_agent.ctl.local import controlplane_command, free_port, port_open, wait_until
+from istio_agent.files import write_atomic
 
 ROOT_CERT_MOUNT = "var/run/secrets/istio/root-cert.pem"
 TOKEN_MOUNT = "var/run/secrets/tokens/istio-token"
@@ -136,9 +137,7 @@ def mesh_document(services: list[Service], workloads: list[Workload], **extra: A
 
 def write_mesh(path: Path, services: list[Service], workloads: list[Workload], **extra: Any) -> None:
     """Write the mesh file atomically (the control plane watches it)."""
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(yaml.safe_dump(mesh_document(services, workloads, **extra), sort_keys=False))
-    temporary.replace(path)
+    write_atomic(path, yaml.safe_dump(mesh_document(services, workloads, **extra), sort_keys=False))
 
 
 @dataclass

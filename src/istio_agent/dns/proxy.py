@@ -8,7 +8,6 @@ Readiness keeps Istio's meaning: it waits for a table from the control plane in 
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from istio_agent.dns.resolvconf import ResolvConf, read_resolv_conf
 from istio_agent.dns.server import DnsResolver, DnsServer
 from istio_agent.dns.table import LookupTable
 from istio_agent.dns.upstream import Forwarder
+from istio_agent.files import write_atomic
 from istio_agent.log import scope
 from istio_agent.protos import nds_pb2
 
@@ -72,6 +72,8 @@ class DnsProxy:
         """The last table from the control plane in this run (None until one arrived)."""
         self._generation = 0
         self._building: set[asyncio.Task[None]] = set()
+        self._saving: set[asyncio.Task[None]] = set()
+        self._save_order = asyncio.Lock()
 
     @property
     def ready(self) -> bool:
@@ -133,6 +135,7 @@ class DnsProxy:
         await asyncio.gather(*self._building, return_exceptions=True)
         if self.server is not None:
             await self.server.stop()
+        await asyncio.gather(*self._saving)  # the last table reaches the disk before the agent exits
 
     def _build(self, name_table: nds_pb2.NameTable) -> LookupTable:
         return LookupTable.build(
@@ -143,13 +146,21 @@ class DnsProxy:
         )
 
     def _save(self, name_table: nds_pb2.NameTable) -> None:
-        try:
-            self._saved.parent.mkdir(parents=True, exist_ok=True)
-            temporary = self._saved.with_suffix(".tmp")
-            temporary.write_bytes(name_table.SerializeToString())
-            os.replace(temporary, self._saved)
-        except OSError as err:
-            log.warning("cannot save the DNS name table to %s: %s", self._saved, err)
+        """Keep the table for the next start; written in a thread so a disk sync never delays an answer."""
+        task = asyncio.get_running_loop().create_task(self._write_saved(name_table.SerializeToString()))
+        self._saving.add(task)
+        task.add_done_callback(self._saving.discard)
+
+    async def _write_saved(self, data: bytes) -> None:
+        async with self._save_order:  # first come, first written: the newest table is the one left on disk
+            try:
+                await asyncio.to_thread(self._write_saved_file, data)
+            except OSError as err:
+                log.warning("cannot save the DNS name table to %s: %s", self._saved, err)
+
+    def _write_saved_file(self, data: bytes) -> None:
+        self._saved.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self._saved, data)
 
     def _load_saved(self) -> None:
         try:

@@ -2,53 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import secrets
 from pathlib import Path
 
 from istio_agent.config.security import CERT_CHAIN_FILE, KEY_FILE, ROOT_CERT_FILE
+from istio_agent.files import write_atomic
 from istio_agent.log import scope
 from istio_agent.security.model import SecretItem
 
 PRIVATE_MODE = 0o600
 WORLD_READABLE_MODE = 0o644
 DIRECTORY_MODE = 0o755
-
-
-def atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Replace ``path`` with ``data`` so readers see the old or the new file, never a partial one.
-
-    The temporary file lives in the same directory (a rename across filesystems is not atomic) and
-    gets its mode before any data is written, so a key is never readable by others even briefly.
-    """
-    tmp = path.with_name(f"{path.name}.tmp.{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        try:
-            os.fchmod(fd, mode)  # the umask may have narrowed the mode given to open()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable; best effort (not every filesystem supports it)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _current(path: Path) -> bytes | None:
@@ -78,6 +41,6 @@ def write_output_certs(directory: Path, item: SecretItem, world_readable: bool =
     for name, data in files:
         if not data or _current(directory / name) == data:
             continue
-        atomic_write(directory / name, data, mode)
+        write_atomic(directory / name, data, mode)
         written.append(name)
     return written
