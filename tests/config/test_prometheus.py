@@ -148,12 +148,12 @@ def test_set_but_empty_is_an_error() -> None:
     ("text", "match"),
     [
         ("{", "invalid JSON"),
-        ("[]", "expected a JSON object"),
-        ('"x"', "expected a JSON object"),
-        ('{"port": 8080}', r"port: must be a string"),
-        ('{"targets": {}}', r"targets: must be a list"),
-        ('{"targets": ["9090"]}', r"targets\[0\]: must be an object"),
-        ('{"targets": [{"port": 9090}]}', r"targets\[0\]\.port: must be a string"),
+        ("[]", "ANNOTATIONS: expected a map, got a list"),
+        ('"x"', "ANNOTATIONS: expected a map, got a string"),
+        ('{"port": 8080}', r"port: expected a string"),
+        ('{"targets": {}}', r"targets: expected a list"),
+        ('{"targets": ["9090"]}', r"targets\[0\]: expected a map"),
+        ('{"targets": [{"port": 9090}]}', r"targets\[0\]\.port: expected a string"),
     ],
 )
 def test_malformed_json_names_the_variable_and_field(text: str, match: str) -> None:

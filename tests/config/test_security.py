@@ -109,7 +109,7 @@ def test_proxy_config_overlays(tmp_path: Path) -> None:
     [
         ("discoveryAddress: nohost", "discoveryAddress"),
         ("[1, 2]", "expected a map"),
-        ("statusPort: lots", "statusPort must be an integer"),
+        ("statusPort: lots", "statusPort: expected an integer"),
         ("{unclosed", "not valid YAML"),
     ],
 )

@@ -120,7 +120,7 @@ def test_snake_case_timing_fields() -> None:
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
-        ([], "readinessProbe: expected an object"),
+        ([], "readinessProbe: expected a map"),
         ({"periodSeconds": 5}, "readinessProbe: one of httpGet, tcpSocket, grpc or exec is required"),
         ({"httpGet": {"port": 1}, "exec": {"command": ["x"]}}, "readinessProbe: only one of"),
         ({"tcpSocket": {"port": 1}, "bogus": 1}, "readinessProbe.bogus: unknown field"),
@@ -134,9 +134,12 @@ def test_snake_case_timing_fields() -> None:
         ({"tcpSocket": {"port": "http"}}, "readinessProbe.tcpSocket.port: expected an integer"),
         ({"tcpSocket": {"port": True}}, "readinessProbe.tcpSocket.port: expected an integer"),
         ({"tcpSocket": {"port": 1, "host": 5}}, "readinessProbe.tcpSocket.host: expected a string"),
-        ({"tcpSocket": "x"}, "readinessProbe.tcpSocket: expected an object"),
+        ({"tcpSocket": "x"}, "readinessProbe.tcpSocket: expected a map"),
         ({"grpc": {"port": 1, "service": ["a"]}}, "readinessProbe.grpc.service: expected a string"),
-        ({"httpGet": {"port": 1, "scheme": "ftp"}}, "readinessProbe.httpGet.scheme: must be http or https"),
+        (
+            {"httpGet": {"port": 1, "scheme": "ftp"}},
+            "readinessProbe.httpGet.scheme: must be one of http, https",
+        ),
         (
             {"httpGet": {"port": 1, "path": "/a b"}},
             "readinessProbe.httpGet.path: must not contain whitespace",

@@ -9,11 +9,13 @@ Istio's messages so that a broken value stops the agent at startup rather than a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from istio_agent.config.document import INT32_MAX, Keys, Node, config_errors
 from istio_agent.config.env import ConfigError
 
 _PREFIX = "invalid ISTIO_KUBE_APP_PROBERS: "
@@ -63,143 +65,64 @@ class AppProber:
     timeout_seconds: int = 0
 
 
-class _DecodeError(Exception):
-    """A value of the wrong JSON type (Go: json.Unmarshal error)."""
+_DECODE_ERRORS = config_errors(f"{_PREFIX}failed to decode app prober err = ")
+_PROBE_FIELDS = ("httpGet", "tcpSocket", "grpc", "timeoutSeconds")
+_HTTP_FIELDS = ("path", "port", "scheme", "host", "httpHeaders")
+_TCP_FIELDS = ("port", "host")
+_GRPC_FIELDS = ("port", "service")
+_HEADER_FIELDS = ("name", "value")
 
 
-def _fields(obj: Any, where: str) -> dict[str, Any]:
-    """Lower-case the keys of a JSON object, last duplicate winning (Go's case-insensitive match)."""
-    if not isinstance(obj, dict):
-        raise _DecodeError(f"{where}: expected an object, got {_kind(obj)}")
-    return {str(key).lower(): value for key, value in obj.items()}
+def _int32(node: Node) -> int:
+    """A Go ``int32`` field: a JSON integer; null is 0."""
+    return 0 if node.is_null else node.integer(minimum=-(2**31), maximum=INT32_MAX)
 
 
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
+def _int_or_string(node: Node) -> int | str:
+    """Kubernetes IntOrString: a JSON integer or a string (validation refuses the string later)."""
+    return node.value if isinstance(node.value, str) else _int32(node)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _string(value: Any, where: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise _DecodeError(f"{where}: expected a string, got {_kind(value)}")
-    return value
-
-
-def _int(value: Any, where: str) -> int:
-    if value is None:
-        return 0
-    if not _is_int(value):
-        raise _DecodeError(f"{where}: expected an integer, got {_kind(value)}")
-    if not -(2**31) <= value < 2**31:
-        raise _DecodeError(f"{where}: {value} overflows int32")
-    return int(value)
-
-
-def _int_or_string_port(value: Any, where: str) -> int | str:
-    """Kubernetes IntOrString: a JSON integer or string (validation later rejects the string)."""
-    if isinstance(value, str):
-        return value
-    return _int(value, where)
-
-
-def _headers(value: Any, where: str) -> tuple[tuple[str, str], ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise _DecodeError(f"{where}: expected an array, got {_kind(value)}")
-    out = []
-    for index, item in enumerate(value):
-        fields = _fields(item, f"{where}[{index}]")
-        out.append(
-            (
-                _string(fields.get("name"), f"{where}[{index}].name"),
-                _string(fields.get("value"), f"{where}[{index}].value"),
-            )
-        )
-    return tuple(out)
-
-
-def _check_port(port: int | str, path: str) -> int:
-    if isinstance(port, str):
-        raise ConfigError(f"{_PREFIX}invalid prober config for {path}, the port must be int type")
-    if not 1 <= port <= 65535:  # beyond Istio: a port Go would only fail on at probe time
-        raise ConfigError(f"{_PREFIX}invalid prober config for {path}, port {port} out of range 1-65535")
-    return port
+def _header(node: Node) -> tuple[str, str]:
+    header = node.fields(_HEADER_FIELDS, Keys.GO_JSON)
+    return header["name"].string(), header["value"].string()
 
 
 def _parse_one(path: str, raw: Any) -> AppProber:
     if raw is None:
         raise ConfigError(_PREFIX + _TYPE_ERROR)
-    fields = _fields(raw, path)
-    timeout = _int(fields.get("timeoutseconds"), f"{path}.timeoutSeconds")
-    actions: list[ProberAction] = []
-    http_raw = fields.get("httpget")
-    tcp_raw = fields.get("tcpsocket")
-    grpc_raw = fields.get("grpc")
-    http_port: int | str | None = None
-    tcp_port: int | str | None = None
-    if http_raw is not None:
-        http = _fields(http_raw, f"{path}.httpGet")
-        http_port = _int_or_string_port(http.get("port"), f"{path}.httpGet.port")
-        actions.append(
-            HTTPGetProber(
-                port=0,
-                path=_string(http.get("path"), f"{path}.httpGet.path"),
-                scheme=_string(http.get("scheme"), f"{path}.httpGet.scheme") or "HTTP",
-                host=_string(http.get("host"), f"{path}.httpGet.host"),
-                headers=_headers(http.get("httpheaders"), f"{path}.httpGet.httpHeaders"),
-            )
+    # Decoded as Go's encoding/json decodes it for Istio (keys match case-insensitively, unknown keys
+    # are ignored, null is the zero value); the probe is validated once the whole value has decoded.
+    probe = Node(raw, path, _DECODE_ERRORS).fields(_PROBE_FIELDS, Keys.GO_JSON)
+    timeout = _int32(probe["timeoutSeconds"])
+    decoded: list[tuple[ProberAction, int | str]] = []  # each action given, with its port as decoded
+    if not probe["httpGet"].is_null:
+        http = probe["httpGet"].fields(_HTTP_FIELDS, Keys.GO_JSON)
+        http_get = HTTPGetProber(
+            port=0,
+            path=http["path"].string(),
+            scheme=http["scheme"].string() or "HTTP",
+            host=http["host"].string(),
+            headers=tuple(_header(item) for item in http["httpHeaders"].items()),
         )
-    if tcp_raw is not None:
-        tcp = _fields(tcp_raw, f"{path}.tcpSocket")
-        tcp_port = _int_or_string_port(tcp.get("port"), f"{path}.tcpSocket.port")
-        actions.append(TCPSocketProber(port=0, host=_string(tcp.get("host"), f"{path}.tcpSocket.host")))
-    if grpc_raw is not None:
-        grpc = _fields(grpc_raw, f"{path}.grpc")
-        actions.append(
-            GRPCProber(
-                port=_int(grpc.get("port"), f"{path}.grpc.port"),
-                service=_string(grpc.get("service"), f"{path}.grpc.service"),
-            )
-        )
+        decoded.append((http_get, _int_or_string(http["port"])))
+    if not probe["tcpSocket"].is_null:
+        tcp = probe["tcpSocket"].fields(_TCP_FIELDS, Keys.GO_JSON)
+        decoded.append((TCPSocketProber(port=0, host=tcp["host"].string()), _int_or_string(tcp["port"])))
+    if not probe["grpc"].is_null:
+        rpc = probe["grpc"].fields(_GRPC_FIELDS, Keys.GO_JSON)
+        decoded.append((GRPCProber(port=0, service=rpc["service"].string()), _int32(rpc["port"])))
     # Istio validates the key before the prober type; the caller already checked the key.
-    if len(actions) != 1:
+    if len(decoded) != 1:
         raise ConfigError(_PREFIX + _TYPE_ERROR)
-    action = actions[0]
-    if isinstance(action, HTTPGetProber):
-        assert http_port is not None
-        action = HTTPGetProber(
-            port=_check_port(http_port, path),
-            path=action.path,
-            scheme=action.scheme,
-            host=action.host,
-            headers=action.headers,
-        )
-    elif isinstance(action, TCPSocketProber):
-        assert tcp_port is not None
-        action = TCPSocketProber(port=_check_port(tcp_port, path), host=action.host)
-    elif not 1 <= action.port <= 65535:
-        raise ConfigError(
-            f"{_PREFIX}invalid prober config for {path}, port {action.port} out of range 1-65535"
-        )
+    action, port = decoded[0]
+    if isinstance(port, str):
+        raise ConfigError(f"{_PREFIX}invalid prober config for {path}, the port must be int type")
+    if not 1 <= port <= 65535:  # beyond Istio: a port Go would only fail on at probe time
+        raise ConfigError(f"{_PREFIX}invalid prober config for {path}, port {port} out of range 1-65535")
     if timeout < 0:
         raise ConfigError(f"{_PREFIX}invalid prober config for {path}, timeoutSeconds must not be negative")
-    return AppProber(action=action, timeout_seconds=timeout)
+    return AppProber(action=dataclasses.replace(action, port=port), timeout_seconds=timeout)
 
 
 def parse_app_probers(text: str) -> dict[str, AppProber]:
@@ -215,15 +138,10 @@ def parse_app_probers(text: str) -> dict[str, AppProber]:
         # json.JSONDecodeError's message holds only a position, never the document.
         raise ConfigError(f"{_PREFIX}failed to decode app prober err = {err}") from None
     if not isinstance(document, dict):
-        raise ConfigError(
-            f"{_PREFIX}failed to decode app prober err = expected an object, got {_kind(document)}"
-        )
+        Node(document, "", _DECODE_ERRORS).expect("a map")
     probers: dict[str, AppProber] = {}
     for path, raw in document.items():
         if not isinstance(path, str) or not _PATH.fullmatch(path):
             raise ConfigError(f"{_PREFIX}invalid path: {path}")
-        try:
-            probers[path] = _parse_one(path, raw)
-        except _DecodeError as err:
-            raise ConfigError(f"{_PREFIX}failed to decode app prober err = {err}") from None
+        probers[path] = _parse_one(path, raw)
     return probers

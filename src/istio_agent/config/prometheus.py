@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
 
+from istio_agent.config.document import Keys, Node, config_errors
 from istio_agent.config.env import ConfigError
 
 ENV_NAME = "ISTIO_PROMETHEUS_ANNOTATIONS"
@@ -32,6 +32,8 @@ RESERVED_PORTS: dict[int, str] = {
 }
 
 _DIGITS = re.compile(r"[0-9]+")
+_FIELDS = ("scrape", "port", "path", "targets")
+_TARGET_FIELDS = ("port", "path")
 
 
 @dataclass(frozen=True)
@@ -63,15 +65,6 @@ class PrometheusTargets:
 
 def _error(field: str, problem: str) -> ConfigError:
     return ConfigError(f"{ENV_NAME}: {field}: {problem}")
-
-
-def _string_field(obj: dict[str, Any], key: str, where: str) -> str:
-    value = obj.get(key, "")
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise _error(f"{where}{key}", f"must be a string, got {type(value).__name__}")
-    return value
 
 
 def _check_port(text: str, field: str, status_port: int) -> int:
@@ -108,34 +101,25 @@ def parse_prometheus_annotations(text: str | None, status_port: int) -> Promethe
         raw = json.loads(text)
     except ValueError as exc:
         raise ConfigError(f"{ENV_NAME}: invalid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{ENV_NAME}: expected a JSON object, got {type(raw).__name__}")
-    scrape = _string_field(raw, "scrape", "")
-    port = _string_field(raw, "port", "")
-    path = _string_field(raw, "path", "")
-    raw_targets = raw.get("targets")
-    if raw_targets is None:
-        raw_targets = []
-    if not isinstance(raw_targets, list):
-        raise _error("targets", f"must be a list, got {type(raw_targets).__name__}")
+    # Go's encoding/json into Istio's struct of strings (pkg/istio-agent/metrics: PrometheusScrapeConfiguration).
+    fields = Node(raw, "", config_errors(f"{ENV_NAME}: ")).fields(_FIELDS, Keys.GO_JSON)
+    scrape, port, path = (fields[name].string() for name in ("scrape", "port", "path"))
     pairs: list[tuple[str, str]] = []
-    for index, item in enumerate(raw_targets):
-        if not isinstance(item, dict):
-            raise _error(f"targets[{index}]", f"must be an object, got {type(item).__name__}")
-        where = f"targets[{index}]."
-        pairs.append((_string_field(item, "port", where), _string_field(item, "path", where)))
+    for item in fields["targets"].items():
+        target = item.fields(_TARGET_FIELDS, Keys.GO_JSON)
+        pairs.append((target["port"].string(), target["path"].string()))
     if scrape == "false":
         return None
     if not pairs:
         # Legacy form: a single endpoint from the top-level fields, with Istio's defaults.
         port, path = port or DEFAULT_PORT, path or DEFAULT_PATH
         pairs = [(port, path)]
-        fields = ["port"]
+        port_fields = ["port"]
     else:
         port, path = port or pairs[0][0], path or pairs[0][1]
-        fields = [f"targets[{index}].port" for index in range(len(pairs))]
+        port_fields = [f"targets[{index}].port" for index in range(len(pairs))]
     targets = tuple(
         ScrapeTarget(port=_check_port(p, field, status_port), path=_normalise_path(pa))
-        for (p, pa), field in zip(pairs, fields, strict=True)
+        for (p, pa), field in zip(pairs, port_fields, strict=True)
     )
     return PrometheusTargets(targets=targets, scrape=scrape, port=port, path=path)

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from istio_agent.config.document import Keys, Node, config_errors
 from istio_agent.config.env import ConfigError, Env, parse_go_duration
 from istio_agent.log import scope
 
@@ -129,17 +130,17 @@ class ProxyConfig:
         lenient parse.
         """
         changes: dict[str, Any] = {}
-        for key, value in doc.items():
-            name = self._FIELDS.get(key)
-            if name is None:
-                continue
-            where = f"{source}: {key}"
+        fields = Node(doc, "", config_errors(f"{source}: ")).fields(
+            tuple(self._FIELDS), Keys.PROTOJSON_LENIENT
+        )
+        for key in fields.given():
+            name, node = self._FIELDS[key], fields[key]
             if name == "proxy_metadata":
-                changes[name] = {**self.proxy_metadata, **_string_map(value, where)}
-            elif value is None:  # an explicit null resets the field, as protobuf JSON does
+                changes[name] = {**self.proxy_metadata, **node.string_map()}
+            elif node.is_null:  # an explicit null resets the field, as protobuf JSON does
                 changes[name] = _FIELD_DEFAULTS[name]
             else:
-                changes[name] = _PARSERS[name](value, where)
+                changes[name] = _PARSERS[name](node)
         updated = dataclasses.replace(self, **changes)
         updated.validate(source)
         return updated
@@ -268,157 +269,119 @@ def _is_host_port(address: str) -> bool:
     return True
 
 
-def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{where} must be a string, got {value!r}")
-    return value
+def _string(node: Node) -> str:
+    return node.text()
 
 
-def _port_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).isdigit():
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
-    return int(value)
+def _port_int(node: Node) -> int:
+    """A port-like number: an integer or a numeric string (protojson); ranges are checked by validate()."""
+    return node.integer(minimum=0, lenient=True)
 
 
-def _optional_int(value: Any, where: str) -> int | None:
-    """A protobuf Int32Value: a plain number (or a numeric string) in JSON."""
-    return _port_int(value, where)
+def _bool(node: Node) -> bool:
+    return node.boolean()
 
 
-def _bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    return value
-
-
-def _duration(value: Any, where: str) -> timedelta:
+def _duration(node: Node) -> timedelta:
     """A ProxyConfig duration: Go syntax (``5s``) as in YAML/JSON protobuf form; bare numbers are seconds."""
+    value = node.value
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{where} must be a duration such as 5s, got {value!r}")
+        node.expect("a duration such as 5s")
     try:
         return timedelta(seconds=value) if isinstance(value, int | float) else parse_go_duration(value)
     except ValueError as err:
-        raise ConfigError(f"{where}: {err}") from None
+        node.fail(str(err))
 
 
-def _string_map(value: Any, where: str) -> dict[str, str]:
-    """A ``map<string, string>``; YAML scalars (numbers, booleans) are taken as their text."""
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where} must be a map of strings")
-    result: dict[str, str] = {}
-    for key, item in value.items():
-        if isinstance(item, dict | list) or item is None:
-            raise ConfigError(f"{where}.{key} must be a string, got {item!r}")
-        result[str(key)] = ("true" if item else "false") if isinstance(item, bool) else str(item)
-    return result
+def _string_map(node: Node) -> dict[str, str]:
+    return node.string_map()
 
 
-def _string_list(value: Any, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise ConfigError(f"{where} must be a list of strings, got {value!r}")
-    return tuple(value)
-
-
-def _stat_tags(value: Any, where: str) -> tuple[str, ...]:
-    tags = _string_list(value, where)
+def _stat_tags(node: Node) -> tuple[str, ...]:
+    tags = node.strings()
     for tag in tags:
         if tag and not _STAT_TAG.match(tag):
-            raise ConfigError(f"{where}: {tag!r} is not a valid stat tag name (letters, digits, _ . -)")
+            node.fail(f"{tag!r} is not a valid stat tag name (letters, digits, _ . -)")
     return tags
 
 
-def _map(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where} must be a map, got {value!r}")
-    return value
-
-
-def _stats_matcher(value: Any, where: str) -> StatsMatcher:
-    doc = _map(value, where)
-    lists = {
-        key: _string_list(doc[key], f"{where}.{key}") if doc.get(key) is not None else ()
-        for key in ("inclusionPrefixes", "inclusionSuffixes", "inclusionRegexps")
-    }
-    for pattern in lists["inclusionRegexps"]:
+def _stats_matcher(node: Node) -> StatsMatcher:
+    fields = node.fields(_STATS_MATCHER_FIELDS, Keys.PROTOJSON_LENIENT)
+    prefixes, suffixes, regexps = (fields[name].strings() for name in _STATS_MATCHER_FIELDS)
+    for pattern in regexps:
         try:
             re.compile(pattern)
         except re.error as err:
-            raise ConfigError(f"{where}.inclusionRegexps: {pattern!r} is not a valid regex: {err}") from None
-    return StatsMatcher(lists["inclusionPrefixes"], lists["inclusionSuffixes"], lists["inclusionRegexps"])
+            fields["inclusionRegexps"].fail(f"{pattern!r} is not a valid regex: {err}")
+    return StatsMatcher(prefixes, suffixes, regexps)
 
 
-def _tracing(value: Any, where: str) -> Tracing:
-    doc = _map(value, where)
-    tracers = [key for key in (*SUPPORTED_TRACERS, *IGNORED_TRACERS) if doc.get(key) is not None]
+def _tracing(node: Node) -> Tracing:
+    fields = node.fields(_TRACING_FIELDS, Keys.PROTOJSON_LENIENT)
+    tracers = [name for name in (*SUPPORTED_TRACERS, *IGNORED_TRACERS) if name in fields.set()]
     if len(tracers) > 1:
-        raise ConfigError(f"{where}: only one tracer may be set, got {', '.join(tracers)}")
-    sampling = doc.get("sampling")
-    if sampling is not None:
-        if isinstance(sampling, bool) or not isinstance(sampling, int | float) or not 0 <= sampling <= 100:
-            raise ConfigError(f"{where}.sampling must be a percentage between 0 and 100, got {sampling!r}")
-        sampling = float(sampling)
-    for key in ("customTags", "tlsSettings"):
-        if doc.get(key) is not None:
-            _map(doc[key], f"{where}.{key}")
+        node.fail(f"only one tracer may be set, got {', '.join(tracers)}")
+    sampling: float | None = None
+    if not fields["sampling"].is_null:
+        value = fields["sampling"].value
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
+            fields["sampling"].fail(f"must be a percentage between 0 and 100, got {value!r}")
+        sampling = float(value)
+    for name in ("customTags", "tlsSettings"):
+        if not fields[name].is_null:
+            fields[name].map()  # what is in it is istiod's business
+    doc: dict[str, Any] = node.value
     if not tracers:
         return Tracing(sampling=sampling, raw=doc)
     tracer = tracers[0]
     if tracer in IGNORED_TRACERS:
-        log.warning("%s.%s is not supported by this agent; Envoy gets no tracer", where, tracer)
+        log.warning("%s is not supported by this agent; Envoy gets no tracer", fields[tracer].where)
         return Tracing(sampling=sampling, raw=doc)
-    settings = _map(doc[tracer], f"{where}.{tracer}")
-    address = _string(settings.get("address", ""), f"{where}.{tracer}.address")
+    settings = fields[tracer].fields(("address", "accessToken"), Keys.PROTOJSON_LENIENT)
+    address = settings["address"].string()
     if not address:
-        raise ConfigError(f"{where}.{tracer}.address must be set")
-    token = ""
-    if tracer == "lightstep":
-        token = _string(settings.get("accessToken", ""), f"{where}.lightstep.accessToken")
+        settings["address"].fail("must be set")
+    token = settings["accessToken"].string() if tracer == "lightstep" else ""
     return Tracing(tracer=tracer, address=address, access_token=token, sampling=sampling, raw=doc)
 
 
-def _interception_mode(value: Any, where: str) -> str:
-    mode = _string(value, where)
-    if mode not in INTERCEPTION_MODES:
-        raise ConfigError(f"{where} must be one of {', '.join(INTERCEPTION_MODES)}, got {mode!r}")
-    return mode
+def _interception_mode(node: Node) -> str:
+    return node.choice(INTERCEPTION_MODES)
 
 
-def _connection_limit(value: Any, where: str) -> int | None:
-    doc = _map(value, where)
-    limit = doc.get("globalDownstreamConnectionLimit")
-    if limit is None:
-        return None
-    return _port_int(limit, f"{where}.globalDownstreamConnectionLimit")
+def _connection_limit(node: Node) -> int | None:
+    limit = node.fields(("globalDownstreamConnectionLimit",), Keys.PROTOJSON_LENIENT)[
+        "globalDownstreamConnectionLimit"
+    ]
+    return None if limit.is_null else _port_int(limit)
 
 
-def _readiness_probe(value: Any, where: str) -> dict[str, Any]:
+def _readiness_probe(node: Node) -> dict[str, Any]:
     """Kept as the camelCase document; ``istio_agent.health.config`` interprets it."""
-    return dict(_map(value, where))
+    return dict(node.map())
 
 
-def _string_field(value: Any, where: str) -> str:
-    return _string(value, where)
-
-
-_PARSERS: dict[str, Callable[[Any, str], Any]] = {
-    "discovery_address": _string_field,
-    "config_path": _string_field,
-    "binary_path": _string_field,
-    "custom_config_file": _string_field,
-    "service_cluster": _string_field,
+_STATS_MATCHER_FIELDS = ("inclusionPrefixes", "inclusionSuffixes", "inclusionRegexps")
+_TRACING_FIELDS = (*SUPPORTED_TRACERS, *IGNORED_TRACERS, "sampling", "customTags", "tlsSettings")
+_PARSERS: dict[str, Callable[[Node], Any]] = {
+    "discovery_address": _string,
+    "config_path": _string,
+    "binary_path": _string,
+    "custom_config_file": _string,
+    "service_cluster": _string,
     "proxy_admin_port": _port_int,
     "status_port": _port_int,
-    "control_plane_auth_policy": _string_field,
+    "control_plane_auth_policy": _string,
     "drain_duration": _duration,
     "termination_drain_duration": _duration,
-    "concurrency": _optional_int,
+    "concurrency": _port_int,
     "extra_stat_tags": _stat_tags,
     "proxy_stats_matcher": _stats_matcher,
     "tracing": _tracing,
-    "statsd_udp_address": _string_field,
+    "statsd_udp_address": _string,
     "runtime_values": _string_map,
     "readiness_probe": _readiness_probe,
-    "mesh_id": _string_field,
+    "mesh_id": _string,
     "hold_application_until_proxy_starts": _bool,
     "interception_mode": _interception_mode,
     "global_downstream_connection_limit": _connection_limit,

@@ -16,6 +16,8 @@ from typing import Any, NoReturn
 
 import yaml
 
+from istio_agent.config.document import Keys, Node, kind
+
 DEFAULT_TRUST_DOMAIN = "cluster.local"
 DEFAULT_DOMAIN_SUFFIX = "cluster.local"
 DEFAULT_NAMESPACE = "default"
@@ -201,25 +203,6 @@ def parse_mesh(data: bytes | str, path: Path) -> MeshConfig:
 # -- validation ------------------------------------------------------------------------------------
 
 
-def _kind(value: object) -> str:
-    """How a YAML value reads in an error message."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return type(value).__name__
-
-
 def _ip(value: str) -> str | None:
     """The canonical text of an IPv4/IPv6 address, None when ``value`` is not one."""
     try:
@@ -233,28 +216,30 @@ class _Fields:
 
     def __init__(self, path: Path, where: str, value: object, known: tuple[str, ...]) -> None:
         self.path = path
-        self.where = where
-        if not isinstance(value, dict):
-            self.fail(f"must be a mapping, not {_kind(value)}", sep=" ")
-        unknown = sorted(str(key) for key in value if key not in known)
-        if unknown:
-            listed = ", ".join(f'"{key}"' for key in unknown)
-            noun = "key" if len(unknown) == 1 else "keys"
-            self.fail(f"unknown {noun} {listed} (known: {', '.join(known)})")
-        self.value: dict[Any, Any] = value
+        self.node = Node(value, where, self._error)
+        self.fields = self.node.fields(known, Keys.EXACT)
+        self.value: dict[Any, Any] = self.node.value
 
-    def fail(self, reason: str, sep: str = ": ") -> NoReturn:
-        raise MeshError(self.path, f"{self.where}{sep}{reason}" if self.where else reason)
+    @property
+    def where(self) -> str:
+        return self.node.where
+
+    def rename(self, where: str) -> None:
+        """Name the entry by what it is (``services[0] (b.default)``) once that is known."""
+        self.node = Node(self.node.value, where, self._error)
+        self.fields = self.node.fields(tuple(self.fields.given()), Keys.EXACT)
+
+    def _error(self, where: str, problem: str) -> MeshError:
+        return MeshError(self.path, f"{where}: {problem}" if where else problem)
+
+    def fail(self, reason: str) -> NoReturn:
+        self.node.fail(reason)
 
     def string(self, key: str, default: str | None = None) -> str:
-        value = self.value.get(key)
-        if value is None:
-            if default is None:
-                self.fail(f'missing required key "{key}"')
-            return default
-        if not isinstance(value, str):
-            self.fail(f"{key} must be a string, not {_kind(value)}")
-        return value
+        node = self.fields[key]
+        if node.is_null and default is None:
+            self.fail(f'missing required key "{key}"')
+        return node.string(default or "")
 
     def name(self, key: str, pattern: re.Pattern[str], what: str, default: str | None = None) -> str:
         value = self.string(key, default)
@@ -263,36 +248,19 @@ class _Fields:
         return value
 
     def port(self, key: str) -> int:
-        value = self.value.get(key)
-        if value is None:
+        if self.fields[key].is_null:
             self.fail(f'missing required key "{key}"')
-        return self.port_value(key, value)
+        return self.fields[key].port()
 
     def optional_port(self, key: str) -> int | None:
-        value = self.value.get(key)
-        return None if value is None else self.port_value(key, value)
+        node = self.fields[key]
+        return None if node.is_null else node.port()
 
-    def port_value(self, what: str, value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.fail(f"{what} must be an integer, not {_kind(value)}")
-        if not 1 <= value <= 65535:
-            self.fail(f"{what} {value} is out of range 1..65535")
-        return value
+    def items(self, key: str) -> list[Node]:
+        return self.fields[key].items()
 
-    def items(self, key: str) -> list[Any]:
-        value = self.value.get(key)
-        if value is None:
-            return []
-        if not isinstance(value, list):
-            self.fail(f"{key} must be a list, not {_kind(value)}")
-        return value
-
-    def strings(self, key: str) -> list[str]:
-        values = self.items(key)
-        for index, item in enumerate(values):
-            if not isinstance(item, str):
-                self.fail(f"{key}[{index}] must be a string, not {_kind(item)}")
-        return values
+    def strings(self, key: str) -> tuple[str, ...]:
+        return self.fields[key].strings()
 
     def ips(self, key: str) -> tuple[str, ...]:
         result = []
@@ -330,17 +298,17 @@ class _MeshReader:
             domain_suffix=domain_suffix,
             services=services,
             workloads=workloads,
-            name_table=self._name_table(document.get("nameTable")),
+            name_table=self._name_table(top.fields["nameTable"]),
         )
 
-    def _services(self, items: list[Any], domain_suffix: str) -> tuple[Service, ...]:
+    def _services(self, items: list[Node], domain_suffix: str) -> tuple[Service, ...]:
         services: list[Service] = []
         seen: dict[str, int] = {}
         for index, item in enumerate(items):
-            entry = _Fields(self.path, f"services[{index}]", item, _SERVICE_KEYS)
+            entry = _Fields(self.path, item.where, item.value, _SERVICE_KEYS)
             name = entry.name("name", _LABEL, "DNS-1123 label")
             namespace = entry.name("namespace", _LABEL, "namespace (DNS-1123 label)", DEFAULT_NAMESPACE)
-            entry.where = f"services[{index}] ({name}.{namespace})"
+            entry.rename(f"services[{index}] ({name}.{namespace})")
             port = entry.port("port")
             protocol = entry.string("protocol", "http").lower()
             if protocol not in PROTOCOLS:
@@ -352,7 +320,7 @@ class _MeshReader:
             services.append(service)
         return tuple(services)
 
-    def _workloads(self, items: list[Any], mesh: MeshConfig) -> tuple[Workload, ...]:
+    def _workloads(self, items: list[Node], mesh: MeshConfig) -> tuple[Workload, ...]:
         workloads: list[Workload] = []
         seen: dict[str, int] = {}
         for index, item in enumerate(items):
@@ -366,11 +334,11 @@ class _MeshReader:
             workloads.append(workload)
         return tuple(workloads)
 
-    def _workload(self, index: int, item: object, mesh: MeshConfig) -> Workload:
-        entry = _Fields(self.path, f"workloads[{index}]", item, _WORKLOAD_KEYS)
+    def _workload(self, index: int, item: Node, mesh: MeshConfig) -> Workload:
+        entry = _Fields(self.path, item.where, item.value, _WORKLOAD_KEYS)
         name = entry.name("name", _SUBDOMAIN, "workload name (DNS-1123 subdomain)")
         namespace = entry.name("namespace", _LABEL, "namespace (DNS-1123 label)", DEFAULT_NAMESPACE)
-        entry.where = f"workloads[{index}] ({name}.{namespace})"
+        entry.rename(f"workloads[{index}] ({name}.{namespace})")
         account = entry.name(
             "serviceAccount", _SUBDOMAIN, "service account (DNS-1123 subdomain)", DEFAULT_SERVICE_ACCOUNT
         )
@@ -412,17 +380,16 @@ class _MeshReader:
 
     @staticmethod
     def _labels(entry: _Fields) -> dict[str, str]:
-        value = entry.value.get("labels")
-        if value is None:
+        node = entry.fields["labels"]
+        if node.is_null:
             return {}
-        if not isinstance(value, dict):
-            entry.fail(f"labels must be a mapping, not {_kind(value)}")
-        for key, label in value.items():
+        labels = node.map()
+        for key, label in labels.items():
             if not isinstance(key, str):
-                entry.fail(f"labels key {key!r} must be a string, not {_kind(key)}")
+                node.fail(f"key {key!r}: expected a string, got {kind(key)}")
             if not isinstance(label, str):
-                entry.fail(f'labels["{key}"] must be a string, not {_kind(label)} (quote it)')
-        return dict(sorted(value.items()))
+                node.child(key, label).fail(f"expected a string, got {kind(label)} (quote it)")
+        return dict(sorted(labels.items()))
 
     def _outbound(
         self,
@@ -436,7 +403,7 @@ class _MeshReader:
         ports: dict[int, int] = {}
         for index, item in enumerate(entry.items("outbound")):
             where = f"outbound[{index}]"
-            binding = _Fields(self.path, f"{entry.where}: {where}", item, _OUTBOUND_KEYS)
+            binding = _Fields(self.path, item.where, item.value, _OUTBOUND_KEYS)
             ref = binding.string("service")
             service = mesh.service(ref, namespace)
             if service is None:
@@ -452,11 +419,10 @@ class _MeshReader:
             bindings.append(OutboundBinding(service.ref, port))
         return tuple(bindings)
 
-    def _name_table(self, value: object) -> dict[str, NameEntry]:
-        if value is None:
+    def _name_table(self, node: Node) -> dict[str, NameEntry]:
+        if node.is_null:
             return {}
-        if not isinstance(value, dict):
-            raise MeshError(self.path, f"nameTable must be a mapping, not {_kind(value)}")
+        value = node.map()
         table: dict[str, NameEntry] = {}
         for host in sorted(value, key=str):
             if not isinstance(host, str) or not _HOST.match(host):

@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from istio_agent.config.env import ConfigError
+from istio_agent.config.document import INT32_MAX, Keys, Node, config_errors
 
 DEFAULT_PERIOD_SECONDS = 10
 DEFAULT_TIMEOUT_SECONDS = 1
 DEFAULT_THRESHOLD = 1
-_INT32_MAX = 2**31 - 1
 _ROOT = "readinessProbe"
 
 
@@ -99,137 +98,74 @@ def parse_readiness_probe(doc: dict[str, Any] | None) -> ReadinessProbeConfig | 
     """The probe described by ``doc``, or ``None`` when there is none (health checking stays off)."""
     if doc is None:
         return None
-    fields = _fields(doc, _ROOT, _PROBE_FIELDS)
-    if not fields:
+    root = Node(doc, _ROOT, config_errors())
+    fields = root.fields(_PROBE_FIELDS, Keys.PROTOJSON)
+    if not fields.set():
         return None  # `readinessProbe: {}` is an unset message in protojson
-    present = [name for name in _ACTIONS if fields.get(name) is not None]
+    present = [name for name in _ACTIONS if name in fields.set()]
     if not present:
-        raise ConfigError(f"{_ROOT}: one of httpGet, tcpSocket, grpc or exec is required")
+        root.fail("one of httpGet, tcpSocket, grpc or exec is required")
     if len(present) > 1:
-        raise ConfigError(f"{_ROOT}: only one of httpGet, tcpSocket, grpc or exec may be set, got {present}")
+        root.fail(f"only one of httpGet, tcpSocket, grpc or exec may be set, got {present}")
     action = present[0]
-    where = f"{_ROOT}.{action}"
+    node = fields[action]
     check: HealthCheck
     if action == "httpGet":
-        check = _http_get(fields[action], where)
+        check = _http_get(node)
     elif action == "tcpSocket":
-        tcp = _fields(fields[action], where, _TCP_FIELDS)
-        check = TCPCheck(port=_port(tcp.get("port"), where), host=_string(tcp.get("host"), f"{where}.host"))
+        tcp = node.fields(_TCP_FIELDS, Keys.PROTOJSON)
+        check = TCPCheck(port=tcp["port"].port(lenient=True), host=tcp["host"].string())
     elif action == "grpc":
-        rpc = _fields(fields[action], where, _GRPC_FIELDS)
-        check = GRPCCheck(
-            port=_port(rpc.get("port"), where), service=_string(rpc.get("service"), f"{where}.service")
-        )
+        rpc = node.fields(_GRPC_FIELDS, Keys.PROTOJSON)
+        check = GRPCCheck(port=rpc["port"].port(lenient=True), service=rpc["service"].string())
     else:
-        check = _exec(fields[action], where)
+        check = _exec(node)
     return ReadinessProbeConfig(
         check=check,
-        initial_delay=float(_count(fields, "initialDelaySeconds") or 0),
-        timeout=float(_count(fields, "timeoutSeconds") or DEFAULT_TIMEOUT_SECONDS),
-        period=float(_count(fields, "periodSeconds") or DEFAULT_PERIOD_SECONDS),
-        success_threshold=_count(fields, "successThreshold") or DEFAULT_THRESHOLD,
-        failure_threshold=_count(fields, "failureThreshold") or DEFAULT_THRESHOLD,
+        initial_delay=float(_count(fields["initialDelaySeconds"]) or 0),
+        timeout=float(_count(fields["timeoutSeconds"]) or DEFAULT_TIMEOUT_SECONDS),
+        period=float(_count(fields["periodSeconds"]) or DEFAULT_PERIOD_SECONDS),
+        success_threshold=_count(fields["successThreshold"]) or DEFAULT_THRESHOLD,
+        failure_threshold=_count(fields["failureThreshold"]) or DEFAULT_THRESHOLD,
     )
 
 
-def _fields(value: Any, where: str, names: dict[str, str]) -> dict[str, Any]:
-    """The object's fields keyed by camelCase name; unknown or duplicated fields are errors."""
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected an object, got {type(value).__name__}")
-    aliases = {snake: camel for camel, snake in names.items()}
-    out: dict[str, Any] = {}
-    for key, item in value.items():
-        name = key if key in names else aliases.get(key) if isinstance(key, str) else None
-        if name is None:
-            raise ConfigError(f"{where}.{key}: unknown field")
-        if name in out:
-            raise ConfigError(f"{where}.{name}: set twice (as {name} and {names[name]})")
-        out[name] = item
-    return out
-
-
-def _integer(value: Any, where: str) -> int:
-    """A protojson integer: a JSON number without fraction, or a decimal string."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip(), 10)
-        except ValueError:
-            pass
-    raise ConfigError(f"{where}: expected an integer, got {value!r}")
-
-
-def _count(fields: dict[str, Any], name: str) -> int:
+def _count(node: Node) -> int:
     """A non-negative int32 field (0 or absent means "use the default")."""
-    value = fields.get(name)
-    if value is None:
-        return 0
-    number = _integer(value, f"{_ROOT}.{name}")
-    if not 0 <= number <= _INT32_MAX:
-        raise ConfigError(f"{_ROOT}.{name}: must be between 0 and {_INT32_MAX}, got {number}")
-    return number
+    return 0 if node.is_null else node.integer(minimum=0, maximum=INT32_MAX, lenient=True)
 
 
-def _port(value: Any, where: str) -> int:
-    if value is None:
-        raise ConfigError(f"{where}.port: required")
-    port = _integer(value, f"{where}.port")
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"{where}.port: must be between 1 and 65535, got {port}")
-    return port
-
-
-def _string(value: Any, where: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise ConfigError(f"{where}: expected a string, got {type(value).__name__}")
-    return value
-
-
-def _http_get(value: Any, where: str) -> HTTPGetCheck:
-    http = _fields(value, where, _HTTP_FIELDS)
-    path = _string(http.get("path"), f"{where}.path") or "/"
+def _http_get(node: Node) -> HTTPGetCheck:
+    http = node.fields(_HTTP_FIELDS, Keys.PROTOJSON)
+    path = http["path"].string() or "/"
     if not path.startswith("/"):
         path = "/" + path
     if any(ch in path for ch in " \r\n\t"):
-        raise ConfigError(f"{where}.path: must not contain whitespace, got {path!r}")
-    scheme = (_string(http.get("scheme"), f"{where}.scheme") or "http").lower()
-    if scheme not in ("http", "https"):
-        raise ConfigError(f"{where}.scheme: must be http or https, got {scheme!r}")
+        http["path"].fail(f"must not contain whitespace, got {path!r}")
     headers: list[tuple[str, str]] = []
-    raw_headers = http.get("httpHeaders") or []
-    if not isinstance(raw_headers, list):
-        raise ConfigError(f"{where}.httpHeaders: expected a list, got {type(raw_headers).__name__}")
-    for index, raw in enumerate(raw_headers):
-        at = f"{where}.httpHeaders[{index}]"
-        header = _fields(raw, at, _HEADER_FIELDS)
-        name = _string(header.get("name"), f"{at}.name")
-        header_value = _string(header.get("value"), f"{at}.value")
+    for item in http["httpHeaders"].items():
+        header = item.fields(_HEADER_FIELDS, Keys.PROTOJSON)
+        name, value = header["name"].string(), header["value"].string()
         if not name or any(ch in name for ch in " :\r\n\t"):
-            raise ConfigError(f"{at}.name: not a valid header name: {name!r}")
-        if "\r" in header_value or "\n" in header_value:
-            raise ConfigError(f"{at}.value: must not contain line breaks")
-        headers.append((name, header_value))
-    host = _string(http.get("host"), f"{where}.host")
+            header["name"].fail(f"not a valid header name: {name!r}")
+        if "\r" in value or "\n" in value:
+            header["value"].fail("must not contain line breaks")
+        headers.append((name, value))
+    scheme = http["scheme"]
     return HTTPGetCheck(
-        port=_port(http.get("port"), where), path=path, host=host, scheme=scheme, headers=tuple(headers)
+        port=http["port"].port(lenient=True),
+        path=path,
+        host=http["host"].string(),
+        scheme=scheme.choice(("http", "https"), fold=str.lower) if scheme.string() else "http",
+        headers=tuple(headers),
     )
 
 
-def _exec(value: Any, where: str) -> ExecCheck:
-    fields = _fields(value, where, _EXEC_FIELDS)
-    command = fields.get("command")
-    if not isinstance(command, list) or not command:
-        raise ConfigError(f"{where}.command: expected a non-empty list of strings")
-    for index, arg in enumerate(command):
-        if not isinstance(arg, str):
-            raise ConfigError(f"{where}.command[{index}]: expected a string, got {type(arg).__name__}")
-    if not command[0]:
-        raise ConfigError(f"{where}.command[0]: the program must not be empty")
-    return ExecCheck(command=tuple(command))
+def _exec(node: Node) -> ExecCheck:
+    command = node.fields(_EXEC_FIELDS, Keys.PROTOJSON)["command"]
+    if not isinstance(command.value, list) or not command.value:
+        command.fail("expected a non-empty list of strings")
+    args = command.strings()
+    if not args[0]:
+        command.element(0, args[0]).fail("the program must not be empty")
+    return ExecCheck(command=args)
