@@ -54,6 +54,7 @@ from istio_agent.controlplane.xdsgen import (
     build_snapshot,
 )
 from istio_agent.ctl.localmesh import Workload
+from istio_agent.host import LocalHost
 
 ENVOY_TYPES = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
 BACKENDS = 20  # backend workloads; service i is backed by the two whose index is i mod 10
@@ -173,7 +174,7 @@ def direct_bootstrap(workload: Workload, env: dict[str, str], plane_port: int) -
     proxy_config = ProxyConfig.load(environ)
     security = SecuritySettings.from_env(environ, workload.workdir, proxy_config)
     settings = BootstrapSettings.from_env(
-        environ, workdir=workload.workdir, proxy_config=proxy_config, security=security
+        environ, workdir=workload.workdir, proxy_config=proxy_config, security=security, host=LocalHost()
     )
     bootstrap = build_bootstrap(settings)
     for cluster in bootstrap["static_resources"]["clusters"]:

@@ -19,10 +19,9 @@ from google.protobuf import json_format
 from udpa.type.v1 import typed_struct_pb2  # noqa: F401
 
 from istio_agent.bootstrap.envoy import TEXT_LOG_FORMAT, build_bootstrap, write_bootstrap
-from istio_agent.config import bootstrap as bootstrap_config
 from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.envoy.process import envoy_command
-from tests.bootstrap import make_settings
+from tests.bootstrap import FakeHost, make_settings
 
 
 def by_name(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -191,8 +190,7 @@ def test_write_bootstrap_atomically(short_tmp: Path) -> None:
 
 # -- every variant is a valid Envoy bootstrap --------------------------------------------------------
 def _ipv6_only(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> BootstrapSettings:
-    monkeypatch.setattr(bootstrap_config, "interface_addresses", lambda: [("eth0", "fd00::7")])
-    return make_settings(short_tmp, env={"INSTANCE_IP": "fd00::7"})
+    return make_settings(short_tmp, env={"INSTANCE_IP": "fd00::7"}, host=FakeHost([("eth0", "fd00::7")]))
 
 
 def _with_override(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> BootstrapSettings:

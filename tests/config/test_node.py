@@ -4,9 +4,8 @@ from datetime import timedelta
 
 import pytest
 
-from istio_agent.bootstrap import node
-from istio_agent.bootstrap.node import MetadataSources, build_metadata
-from istio_agent.config import ProxyConfig
+from istio_agent.config import ProxyConfig, node
+from istio_agent.config.node import MetadataSources, build_metadata
 
 
 # -- service node ------------------------------------------------------------------------------------
