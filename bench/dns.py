@@ -47,7 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.startup import answers_200
-from istio_agent.ctl.dnsmasq import (
+from istio_agent.ctl.local import free_port, wait_until
+from istio_agent.ctl.localmesh import LocalMesh, Workload
+from tests.fixtures.dnsmasq import (
     DnsAddress,
     Dnsmasq,
     DnsmasqError,
@@ -57,8 +59,6 @@ from istio_agent.ctl.dnsmasq import (
     start_dnsmasq,
     write_hosts,
 )
-from istio_agent.ctl.local import free_port, wait_until
-from istio_agent.ctl.localmesh import LocalMesh, Workload
 
 NAMESPACE = "bench"
 UPSTREAM_DOMAIN = "upstream.test"

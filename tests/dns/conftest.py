@@ -16,7 +16,8 @@ from typing import Protocol
 
 import pytest
 
-from istio_agent.ctl.dnsmasq import (
+from istio_agent.ctl.local import free_port
+from tests.fixtures.dnsmasq import (
     DnsAddress,
     Dnsmasq,
     DnsmasqNotFound,
@@ -25,7 +26,6 @@ from istio_agent.ctl.dnsmasq import (
     start_dnsmasq,
     write_hosts,
 )
-from istio_agent.ctl.local import free_port
 
 MANY_NAME = "many.upstream.test"
 MANY_COUNT = 60

@@ -8,9 +8,9 @@ import dns.flags
 import dns.message
 import dns.rrset
 
-from istio_agent.ctl.dnsmasq import DnsAddress
 from istio_agent.dns.client import AnswerRecord, decode, lookup
 from istio_agent.dns.records import TYPE_A, TYPE_AAAA, TYPE_CNAME, TYPE_TXT
+from tests.fixtures.dnsmasq import DnsAddress
 
 
 def test_decode_reads_rcode_aa_and_answers() -> None:

@@ -14,7 +14,10 @@ import dns.rdatatype
 import pytest
 
 from bench.dns import parse_dnsperf, run_dnsperf, write_datafile
-from istio_agent.ctl.dnsmasq import (
+from istio_agent.ctl.local import free_port
+from istio_agent.dns.client import build_query
+from tests.dns.conftest import MANY_COUNT, MANY_NAME, StartDnsmasq
+from tests.fixtures.dnsmasq import (
     DnsAddress,
     Dnsmasq,
     DnsmasqError,
@@ -23,9 +26,6 @@ from istio_agent.ctl.dnsmasq import (
     query_rcode,
     write_hosts,
 )
-from istio_agent.ctl.local import free_port
-from istio_agent.dns.client import build_query
-from tests.dns.conftest import MANY_COUNT, MANY_NAME, StartDnsmasq
 
 TIMEOUT = 2.0
 

@@ -8,11 +8,13 @@ Readiness keeps Istio's meaning: it waits for a table from the control plane in 
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from istio_agent.config import ConfigError
 from istio_agent.config.dns import DnsSettings, split_host_port
 from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.resolvconf import ResolvConf, read_resolv_conf
@@ -29,6 +31,31 @@ BUILD_IN_THREAD_FROM = 2000
 """Hosts from which a table is built in a worker thread (10,000 take about 0.3 s of CPU)."""
 SAVED_TABLE = Path("var/lib/istio/dns/name-table.pb")
 """Where the last name table is kept, relative to the agent's working directory."""
+
+
+class CollectorPause:
+    """Keeps Python's cyclic garbage collector off while any name table is being built.
+
+    A table of 10,000 hosts is some 300,000 small acyclic objects; with the collector on, it rescans
+    the growing heap again and again and the build takes more than twice as long. The collector is a
+    process-wide switch, so only the event loop's thread flips it (a build in a worker thread must
+    not), and overlapping builds keep it off until the last one ends.
+    """
+
+    def __init__(self) -> None:
+        self._builds = 0
+        self._collector_was_enabled = False
+
+    def __enter__(self) -> None:
+        if self._builds == 0:
+            self._collector_was_enabled = gc.isenabled()
+            gc.disable()
+        self._builds += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._builds -= 1
+        if self._builds == 0 and self._collector_was_enabled:
+            gc.enable()
 
 
 class DnsStartError(OSError):
@@ -56,7 +83,7 @@ class DnsProxy:
         self._saved = (workdir or Path.cwd()) / SAVED_TABLE
         try:
             self._resolv = read_resolv_conf(settings.resolv_conf)
-        except Exception as err:
+        except ConfigError as err:
             raise DnsStartError(f"failed to start local DNS server: {err}") from None
         cache = AnswerCache() if settings.cache else None
         self._forwarder = Forwarder(
@@ -73,6 +100,7 @@ class DnsProxy:
         self._generation = 0
         self._building: set[asyncio.Task[None]] = set()
         self._saving: set[asyncio.Task[None]] = set()
+        self._collector_pause = CollectorPause()
         self._save_order = asyncio.Lock()
 
     @property
@@ -102,7 +130,9 @@ class DnsProxy:
         self._generation += 1
         generation = self._generation
         if len(name_table.table) < BUILD_IN_THREAD_FROM:
-            self._install(name_table, self._build(name_table), generation)
+            with self._collector_pause:
+                table = self._build(name_table)
+            self._install(name_table, table, generation)
             return None
         task = asyncio.get_running_loop().create_task(self._build_in_thread(name_table, generation))
         self._building.add(task)
@@ -111,7 +141,8 @@ class DnsProxy:
 
     async def _build_in_thread(self, name_table: nds_pb2.NameTable, generation: int) -> None:
         try:
-            table = await asyncio.to_thread(self._build, name_table)
+            with self._collector_pause:
+                table = await asyncio.to_thread(self._build, name_table)
         except Exception:  # the old table keeps answering; the next push tries again
             log.exception("cannot build the DNS name table (%d hosts)", len(name_table.table))
             return
@@ -173,7 +204,8 @@ class DnsProxy:
         saved = nds_pb2.NameTable()
         try:
             saved.ParseFromString(data)
-            self.resolver.table = self._build(saved)
+            with self._collector_pause:
+                self.resolver.table = self._build(saved)
         except (DecodeError, ValueError) as err:
             log.warning("ignoring the saved DNS name table %s: %s", self._saved, err)
             return

@@ -6,7 +6,6 @@ Answers are precomputed wire bytes so that serving a table hit is a dictionary l
 from __future__ import annotations
 
 import struct
-from functools import lru_cache
 from typing import NamedTuple
 
 # Record types and classes (RFC 1035, RFC 3596, RFC 6891).
@@ -78,12 +77,3 @@ class Record(NamedTuple):
             + struct.pack("!HHIH", self.rtype, CLASS_IN, self.ttl, len(self.rdata))
             + self.rdata
         )
-
-    def with_name(self, name: str) -> Record:
-        return self._replace(name=name)
-
-
-@lru_cache(maxsize=65536)
-def _encode_record(record: Record) -> bytes:
-    head = struct.pack("!HHIH", record.rtype, CLASS_IN, record.ttl, len(record.rdata))
-    return encode_name(record.name) + head + record.rdata

@@ -304,7 +304,7 @@ class DnsServer:
             writer.close()
             try:  # a client that stopped reading would keep an orderly close waiting forever
                 await asyncio.wait_for(writer.wait_closed(), TCP_CLOSE_TIMEOUT)
-            except Exception:
+            except (OSError, TimeoutError):
                 writer.transport.abort()
             self._connections.discard(task)
 
@@ -339,8 +339,7 @@ class DnsServer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for server in self._tcp:
-            with contextlib.suppress(Exception):
-                await server.wait_closed()
+            await server.wait_closed()
         self._udp.clear()
         self._tcp.clear()
         with contextlib.suppress(KeyError):

@@ -7,7 +7,6 @@ in the table is a single dictionary lookup that returns a prebuilt ``Answer``. O
 
 from __future__ import annotations
 
-import gc
 import ipaddress
 import random
 import socket
@@ -150,25 +149,11 @@ class LookupTable:
         proxy_domain: str,
         search_domains: Sequence[str],
     ) -> LookupTable:
-        """Build the table as Istio's UpdateLookupTable does (dns.md §3); bad entries are skipped, not fatal."""
-        # Hundreds of thousands of small acyclic objects: left on, the cyclic collector would rescan
-        # the growing heap again and again and more than double the build time.
-        paused = gc.isenabled()
-        gc.disable()
-        try:
-            return cls._build(name_table, proxy_namespace, proxy_domain, search_domains)
-        finally:
-            if paused:
-                gc.enable()
+        """Build the table as Istio's UpdateLookupTable does (pkg/dns/client/dns.go); bad entries are skipped.
 
-    @classmethod
-    def _build(
-        cls,
-        name_table: nds_pb2.NameTable,
-        proxy_namespace: str,
-        proxy_domain: str,
-        search_domains: Sequence[str],
-    ) -> LookupTable:
+        A big table is hundreds of thousands of small acyclic objects: callers that build one should
+        pause the cyclic collector meanwhile (see ``istio_agent.dns.proxy.CollectorPause``).
+        """
         domain_first_label = proxy_domain.split(".", 1)[0]
         # Only the first search domain gets the CNAME shortcut. Lower-cased so the suffix test below
         # is case-insensitive (Istio compares the raw resolv.conf text).

@@ -131,10 +131,6 @@ class SecretManager:
         if self._ca is not None:
             await self._ca.close()
 
-    @property
-    def has_ca(self) -> bool:
-        return self._ca is not None
-
     # -- the SecretProvider API ------------------------------------------------------------------
     async def generate(self, resource_name: str) -> SecretItem:
         """Return the secret for an SDS resource name; raise SecretError with the reason."""
