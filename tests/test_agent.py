@@ -1,4 +1,4 @@
-"""Agent start-up decisions (reference sds.md §1.2) and the agent serving SDS end to end in-process."""
+"""Agent start-up decisions (Istio: pkg/istio-agent/agent.go) and the agent serving SDS end to end in-process."""
 
 from __future__ import annotations
 

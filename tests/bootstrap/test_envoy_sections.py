@@ -1,4 +1,4 @@
-"""The bootstrap sections beyond the basics: stats tags/matcher, runtime, limits, tracing, sinks (§6.6)."""
+"""The bootstrap sections beyond the basics: stats tags/matcher, runtime, limits, tracing, sinks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ISTIO_PROMETHEUS_ANNOTATIONS parsing and validation (lifecycle.md §4.2)."""
+"""ISTIO_PROMETHEUS_ANNOTATIONS parsing and validation."""
 
 from __future__ import annotations
 

@@ -158,7 +158,7 @@ def test_before_the_first_table_queries_get_servfail_or_go_upstream_on_port_53_a
     waiting = DnsResolver(Forwarder([]))
     reply = waiting.answer_now(query, None)
     assert isinstance(reply, bytes) and reply[3] & 0x0F == dns.rcode.SERVFAIL
-    forwarding = DnsResolver(Forwarder([]), respond_before_sync=True)  # dns.md §1: ":53" as root
+    forwarding = DnsResolver(Forwarder([]), respond_before_sync=True)  # ":53" as root
     assert isinstance(forwarding.answer_now(query, None), Query)
 
 

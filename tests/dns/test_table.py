@@ -384,7 +384,7 @@ def test_build_of_10000_hosts_is_fast() -> None:
     assert records(t, "svc51.") == (a("svc51.", "10.0.51.1"),)
 
 
-# --- round robin (dns.md §4 step 8) ---------------------------------------------------------------
+# --- round robin ---------------------------------------------------------------
 
 
 def ids(values: Iterable[int]) -> tuple[Callable[[], int], list[int]]:

@@ -1,4 +1,4 @@
-"""The SDS server over a real Unix socket, driven by a real grpc.aio client (sds.md 2 and 6)."""
+"""The SDS server over a real Unix socket, driven by a real grpc.aio client."""
 
 from __future__ import annotations
 

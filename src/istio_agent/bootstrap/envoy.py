@@ -1,4 +1,4 @@
-"""Envoy's bootstrap (Istio's default template, reference lifecycle.md §6) as a dict, and writing it.
+"""Envoy's bootstrap (Istio's default template, tools/packaging/common/envoy_bootstrap.json) as a dict, and writing it.
 
 The bootstrap gives Envoy its node identity and the static pieces it needs before xDS: the
 ``xds-grpc`` cluster to the agent's xDS proxy (UDS), ``sds-grpc`` to the agent's SDS server, the

@@ -52,7 +52,7 @@ class HostFacts(Protocol):
 
 @dataclass(frozen=True)
 class BootstrapSettings:
-    """What the Envoy bootstrap and command line are made of (reference lifecycle.md §5, §6)."""
+    """What the Envoy bootstrap and command line are made of (Istio: pkg/bootstrap/config.go, pkg/envoy/proxy.go)."""
 
     workdir: Path
     proxy_type: str = "sidecar"

@@ -1,4 +1,4 @@
-"""Settings of the agent's DNS proxy (dns.md §0, §1), from Istio's env names plus a few of our own.
+"""Settings of the agent's DNS proxy (Istio: pkg/istio-agent/agent.go, pkg/dns/client/dns.go), from Istio's env names plus a few of our own.
 
 Ours: ``ISTIO_AGENT_RESOLV_CONF`` (which resolv.conf to read), ``DNS_FORWARD_RETRIES`` and
 ``DNS_CACHE``. Everything else keeps Istio's name, default and meaning.
@@ -71,7 +71,7 @@ class DnsSettings:
     cache: bool = False
     proxy_namespace: str = ""
     proxy_domain: str = ""
-    """Normalised: the proxy namespace label removed from the front (dns.md §0)."""
+    """Normalised: the proxy namespace label removed from the front (as Istio's DNS server does)."""
     respond_before_sync: bool = False
     """Forward instead of SERVFAIL before the first name table (only when root serves port 53)."""
 

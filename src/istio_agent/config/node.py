@@ -2,7 +2,7 @@
 
 istiod reads the node ID and metadata sent on the first xDS request to know who the proxy is (pod,
 namespace, IPs, labels, cluster ID...), so names and shapes follow Istio's ``BootstrapNodeMetadata``
-(reference lifecycle.md §6.1, §6.2).
+(Istio: pkg/bootstrap/config.go, pkg/model/proxy.go).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class DnsStartError(OSError):
 
 
 def listen_addresses(listen: str, resolv: ResolvConf) -> list[tuple[str, int]]:
-    """dns.md §1: ``localhost`` follows the nameservers' address families; anything else is bound as given."""
+    """``localhost`` follows the nameservers' address families; anything else is bound as given."""
     host, port = split_host_port(listen)  # validated with the settings
     if host != "localhost":
         return [(host or "0.0.0.0", port)]
@@ -121,7 +121,7 @@ class DnsProxy:
         log.info("DNS upstreams (%s): %s", mode, upstreams)
 
     def update(self, name_table: nds_pb2.NameTable) -> asyncio.Task[None] | None:
-        """A new table from NDS replaces the old one whole (dns.md §2), and is saved for the next start.
+        """A new table from NDS replaces the old one whole (as in Istio), and is saved for the next start.
 
         A big table is built in a worker thread while the old one keeps answering; the returned task
         ends when the new one answers (None: it already does). A newer table always wins over an

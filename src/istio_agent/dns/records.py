@@ -38,7 +38,7 @@ TYPE_ANY = 255
 CLASS_IN = 1
 
 TTL = 30
-"""Every locally answered record has TTL 30 (dns.md §3)."""
+"""Every locally answered record has TTL 30 (Istio's defaultTTLInSeconds)."""
 
 
 class DnsNameError(ValueError):

@@ -1,4 +1,4 @@
-"""resolv.conf: the upstream nameservers the DNS proxy forwards to and the search list (dns.md §5).
+"""resolv.conf: the upstream nameservers the DNS proxy forwards to and the search list (Istio: pkg/dns/client/dns.go).
 
 Parsed like the resolver library Istio uses (one nameserver per line, port 53, ``domain`` and
 ``search`` each replace the search list, ``options`` ignored), with two deliberate differences that

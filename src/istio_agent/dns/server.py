@@ -1,4 +1,4 @@
-"""The DNS proxy's listeners (dns.md §1, §4): one UDP and one TCP server per listen address.
+"""The DNS proxy's listeners: one UDP and one TCP server per listen address.
 
 A query is answered from the name table when the table knows the name, and forwarded upstream
 otherwise. Table hits are answered synchronously inside the datagram callback (no task, no await),

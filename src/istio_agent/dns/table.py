@@ -1,4 +1,4 @@
-"""The agent's authoritative name table, built from each NDS push (dns.md §3) and queried per request (§4).
+"""The agent's authoritative name table, built from each NDS push (Istio: pkg/dns/client/dns.go, UpdateLookupTable) and queried per request.
 
 Everything that does not depend on the question is computed once in ``build()``: a query for a name
 in the table is a single dictionary lookup that returns a prebuilt ``Answer``. Only wildcard hits
@@ -42,9 +42,9 @@ class _Wildcard:
 
     def answer(self, question: str) -> Answer:
         if not self.addresses:
-            return NODATA  # the CNAME is dropped with the empty answer (dns.md §12)
+            return NODATA  # the CNAME is dropped with the empty answer
         if self.cname is not None:
-            # Owner of the addresses stays the CNAME target, the literal "*.x." name (dns.md §4.5).
+            # Owner of the addresses stays the CNAME target, the literal "*.x." name.
             cn = self.cname
             return Answer((Record(question, cn.rtype, cn.ttl, cn.rdata), *self.addresses))
         return Answer(tuple([Record(question, r.rtype, r.ttl, r.rdata) for r in self.addresses]))
@@ -100,7 +100,7 @@ def _alt_hosts(
     proxy_domain: str,
     domain_first_label: str,
 ) -> list[str]:
-    """The names a table entry answers to (dns.md §3 step 1), in generation order, before lower-casing."""
+    """The names a table entry answers to, in generation order, before lower-casing."""
     if info.registry != KUBERNETES:
         return [hostname if hostname.endswith(".") else hostname + "."]
     if hostname.endswith("."):
@@ -257,7 +257,7 @@ class LookupTable:
     def lookup(self, qname: str, qtype: int) -> Answer | None:
         """Local answer for a lower-case FQDN question, or None when it must be forwarded upstream.
 
-        None covers unknown names and every qtype other than A/AAAA, even for known names (dns.md §4.5).
+        None covers unknown names and every qtype other than A/AAAA, even for known names.
         """
         if qtype == TYPE_A:
             exact, wildcards = self._a, self._wildcard_a
@@ -289,7 +289,7 @@ class LookupTable:
         return qname in self._a
 
     def ndsz(self) -> dict[str, Any]:
-        """The /debug/ndsz view (dns.md §6): the pushed NameTable plus every generated alias not in it.
+        """The /debug/ndsz view: the pushed NameTable plus every generated alias not in it.
 
         Generated aliases are labelled ``registry: Kubernetes`` whatever their source, as Istio does;
         search-expanded CNAME names are not listed.
@@ -326,9 +326,9 @@ def _info_json(
 
 
 def shuffle_by_ids(items: list[_T], next_id: Callable[[], int]) -> None:
-    """In-place shuffle driven by 16-bit message IDs, step for step as miekg/dns does (dns.md §4.8).
+    """In-place shuffle driven by 16-bit message IDs, step for step as miekg/dns does.
 
-    Also orders the upstream nameservers per query (dns.md §5).
+    Also orders the upstream nameservers per query.
     """
     n = len(items)
     if n < 2:

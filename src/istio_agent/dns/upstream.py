@@ -1,4 +1,4 @@
-"""Forwarding of queries the name table cannot answer to the resolv.conf nameservers (dns.md §5).
+"""Forwarding of queries the name table cannot answer to the resolv.conf nameservers (Istio: pkg/dns/client/proxy.go).
 
 The query goes out unchanged over the transport the client used (UDP in, UDP out; TCP in, TCP out),
 on a fresh socket per attempt, as Istio's agent does. Beyond Istio: parallel mode with no servers
@@ -84,7 +84,7 @@ def _upstream(host: str, port: int) -> _Upstream:
 
 
 def shuffled(items: Sequence[_T], next_id: Callable[[], int]) -> list[_T]:
-    """A copy of ``items`` in the order Istio's per-query shuffle gives for the same ID sequence (dns.md §4.8)."""
+    """A copy of ``items`` in the order Istio's per-query shuffle gives for the same ID sequence."""
     out = list(items)
     shuffle_by_ids(out, next_id)
     return out

@@ -157,7 +157,7 @@ def _question_end(data: bytes, n: int) -> tuple[list[bytes], int] | None:
 
 
 def parse_query(data: bytes) -> Query:
-    """Parse a query after the server-library pre-filter (dns.md §1); raises ``Rejected`` only."""
+    """Parse a query after the server-library pre-filter; raises ``Rejected`` only."""
     n = len(data)
     if n < HEADER_SIZE:
         raise Rejected(None, "message shorter than a DNS header")
@@ -295,7 +295,7 @@ def _reply(query: Query, extra_flags: int, answers: Sequence[bytes]) -> bytes:
 
 
 def local_reply(query: Query, answers: Sequence[bytes]) -> bytes:
-    """Authoritative NOERROR answer from the name table (dns.md §4 step 6); OPT(1232) iff the query had EDNS.
+    """Authoritative NOERROR answer from the name table; OPT(1232) iff the query had EDNS.
 
     ``answers`` are pre-encoded records (``Record.wire``). The DO bit is echoed as RFC 3225 requires.
     """
@@ -527,7 +527,7 @@ class _Writer:
 
 
 def truncate(reply: bytes, limit: int) -> bytes:
-    """Fit ``reply`` into ``limit`` bytes (dns.md §4 step 9); limits are clamped to 512..65535.
+    """Fit ``reply`` into ``limit`` bytes (RFC 2181 §9, RFC 6891); limits are clamped to 512..65535.
 
     A reply that fits is returned unchanged. Otherwise it is re-encoded with name compression and the
     longest prefix of answer, then authority, then additional records that fits is kept (the OPT record

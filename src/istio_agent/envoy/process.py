@@ -1,4 +1,4 @@
-"""Supervising the Envoy process: start it, report how it exited, drain and stop it (lifecycle.md §5).
+"""Supervising the Envoy process: start it, report how it exited, drain and stop it (Istio: pkg/envoy/proxy.go, pkg/envoy/agent.go).
 
 One ``EnvoyProcess`` is one run of Envoy; restarting (beyond Istio, ``ENVOY_RESTART_ON_EXIT``) is
 ``istio_agent.envoy.supervisor``'s job. On shutdown the agent never sends SIGTERM; it asks Envoy to
@@ -34,7 +34,7 @@ class EnvoyStartError(OSError):
 
 
 def envoy_command(settings: BootstrapSettings, bootstrap_path: Path) -> list[str]:
-    """Envoy's command line, in Istio's exact order (reference lifecycle.md §5.2)."""
+    """Envoy's command line, in Istio's exact order (Istio: pkg/envoy/proxy.go)."""
     ipv = "v6" if settings.ipv6_only else "v4"
     command = [
         str(envoy_to_run(settings.binary)),

@@ -1,6 +1,6 @@
 """The secret manager: where each SDS secret comes from, caching, rotation and OUTPUT_CERTS.
 
-Sources, in Istio's order (reference sds.md §3.2): mounted files, the in-memory workload
+Sources, in Istio's order (Istio: security/pkg/nodeagent/cache/secretcache.go): mounted files, the in-memory workload
 certificate, then a CSR to the CA. Two deliberate differences from Istio, both in
 docs/compatibility.md:
 
@@ -335,7 +335,7 @@ class SecretManager:
 
     # -- rotation --------------------------------------------------------------------------------
     def rotation_delay(self, created: datetime, expires: datetime) -> timedelta:
-        """When to renew: at ``ratio`` of the lifetime left, the ratio jittered by ±jitter (sds.md §3.4)."""
+        """When to renew: at ``ratio`` of the lifetime left, the ratio jittered by ±jitter (as Istio's secret cache)."""
         settings = self._settings
         jitter = self._rng() * settings.grace_period_ratio_jitter * (1 if self._rng() < 0.5 else -1)
         ratio = min(1.0, max(0.0, settings.grace_period_ratio + jitter))
