@@ -1,4 +1,6 @@
-"""Settings of the agent's DNS proxy (Istio: pkg/istio-agent/agent.go, pkg/dns/client/dns.go), from Istio's env names plus a few of our own.
+"""Settings of the agent's DNS proxy, from Istio's env names plus a few of our own.
+
+Istio reads them in pkg/istio-agent/agent.go and pkg/dns/client/dns.go.
 
 Ours: ``ISTIO_AGENT_RESOLV_CONF`` (which resolv.conf to read), ``DNS_FORWARD_RETRIES`` and
 ``DNS_CACHE``. Everything else keeps Istio's name, default and meaning.

@@ -1,4 +1,6 @@
-"""The agent's authoritative name table, built from each NDS push (Istio: pkg/dns/client/dns.go, UpdateLookupTable) and queried per request.
+"""The agent's authoritative name table, built from each NDS push and queried per request.
+
+The build follows Istio's UpdateLookupTable (pkg/dns/client/dns.go).
 
 Everything that does not depend on the question is computed once in ``build()``: a query for a name
 in the table is a single dictionary lookup that returns a prebuilt ``Answer``. Only wildcard hits

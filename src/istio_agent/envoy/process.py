@@ -1,4 +1,6 @@
-"""Supervising the Envoy process: start it, report how it exited, drain and stop it (Istio: pkg/envoy/proxy.go, pkg/envoy/agent.go).
+"""Supervising the Envoy process: start it, report how it exited, drain and stop it.
+
+As Istio's pkg/envoy/proxy.go and pkg/envoy/agent.go do.
 
 One ``EnvoyProcess`` is one run of Envoy; restarting (beyond Istio, ``ENVOY_RESTART_ON_EXIT``) is
 ``istio_agent.envoy.supervisor``'s job. On shutdown the agent never sends SIGTERM; it asks Envoy to
