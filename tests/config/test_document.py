@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from istio_agent.config import ConfigError
-from istio_agent.config.document import Keys, Node, config_errors
+from istio_agent.config.document import DocumentSyntaxError, Keys, Node, config_errors, load_document
 
 
 def root(value: object) -> Node:
@@ -91,3 +91,11 @@ def test_keys_that_are_not_words_are_quoted_in_the_path() -> None:
     labels = root({"app.kubernetes.io/name": 1})
     with pytest.raises(ConfigError, match=r'doc\["app\.kubernetes\.io/name"\]: expected a string'):
         labels.child("app.kubernetes.io/name", 1).text()
+
+
+def test_documents_are_json_or_yaml() -> None:
+    assert load_document('{"a": [1, 2.5, null]}') == {"a": [1, 2.5, None]}
+    assert load_document("a:\n  - 1\n  - b\n") == {"a": [1, "b"]}
+    assert load_document("") is None
+    with pytest.raises(DocumentSyntaxError, match="line 1"):
+        load_document("{unclosed")

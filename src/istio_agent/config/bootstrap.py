@@ -16,10 +16,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
 from istio_agent import ISTIO_VERSION
 from istio_agent.config import node
+from istio_agent.config.document import DocumentSyntaxError, load_document
 from istio_agent.config.env import ConfigError, Env
 from istio_agent.config.proxy_config import ProxyConfig, resolve_udp_address
 from istio_agent.config.security import SecuritySettings
@@ -391,8 +390,8 @@ def _bootstrap_override(path: str, workdir: Path, host_ip: str) -> str:
         log.warning("failed to read bootstrap override %s: %s", file, err.strerror)
         return ""
     try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as err:
+        doc = load_document(text)
+    except DocumentSyntaxError as err:
         log.warning("failed to convert bootstrap override %s to JSON: %s", file, err)
         return ""
     if not isinstance(doc, dict):

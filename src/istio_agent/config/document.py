@@ -11,6 +11,7 @@ is the decoder Istio uses for each (see :class:`Keys`), not a parser of our own 
 from __future__ import annotations
 
 import enum
+import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,25 @@ class Keys(enum.Enum):
     GO_JSON = "go-json"
     """Go's ``encoding/json``: keys match case-insensitively, the last duplicate wins, unknown keys
     are ignored."""
+
+
+class DocumentSyntaxError(ValueError):
+    """The text is neither JSON nor YAML; the message is the YAML parser's, with line and column."""
+
+
+def load_document(text: str) -> Any:
+    """Parse a JSON or YAML document (JSON first: what Kubernetes and the injector write, and it spares
+    an idle sidecar the YAML parser's memory); raises DocumentSyntaxError."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise DocumentSyntaxError(str(err)) from None
 
 
 def config_errors(prefix: str = "") -> ErrorFactory:

@@ -17,9 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from istio_agent.config.document import Keys, Node, config_errors
+from istio_agent.config.document import DocumentSyntaxError, Keys, Node, config_errors, load_document
 from istio_agent.config.env import ConfigError, Env, parse_go_duration
 from istio_agent.log import scope
 
@@ -392,8 +390,8 @@ _FIELD_DEFAULTS: dict[str, Any] = {
 
 def _parse_document(text: str, source: str) -> dict[str, Any]:
     try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as err:
+        doc = load_document(text)
+    except DocumentSyntaxError as err:
         raise ConfigError(f"{source}: not valid YAML/JSON: {err}") from None
     if doc is None:
         return {}
