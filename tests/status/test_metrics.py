@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge
 
 from istio_agent import metrics
 from istio_agent.config.prometheus import PrometheusTargets, ScrapeTarget
+from istio_agent.metrics import Registry
 from istio_agent.status.metrics import (
     DEFAULT_BODY_CAP,
     DEFAULT_SCRAPE_TIMEOUT,
@@ -93,7 +93,7 @@ class Servers:
         *,
         envoy: int | None,
         app: PrometheusTargets | None,
-        registry: CollectorRegistry | None = None,
+        registry: Registry | None = None,
         body_cap: int = DEFAULT_BODY_CAP,
     ) -> int:
         merger = MetricsMerger(
@@ -147,7 +147,7 @@ def failures(kind: str) -> float:
 
 
 def up(target: str) -> float | None:
-    return metrics.REGISTRY.get_sample_value("istio_agent_scrape_target_up", {"target": target})
+    return metrics.REGISTRY.sample("istio_agent_scrape_target_up", {"target": target})
 
 
 # --- order and content -------------------------------------------------------------------------
@@ -174,8 +174,8 @@ async def test_agent_then_envoy_then_app(servers: Servers) -> None:
 
 
 async def test_agent_registry_rendered_as_text(servers: Servers) -> None:
-    registry = CollectorRegistry()
-    Gauge("istio_agent_startup_duration_seconds", "startup", registry=registry).set(1.5)
+    registry = Registry()
+    registry.gauge("startup_duration_seconds", "startup").set(1.5)
     port = await servers.merged(envoy=None, app=None, registry=registry)
     content_type, body = await scrape(port, headers={"Accept": "application/openmetrics-text;version=1.0.0"})
     assert content_type == TEXT_CT
@@ -739,7 +739,7 @@ async def test_broken_agent_collector_counted(servers: Servers) -> None:
         def collect(self) -> list[object]:
             raise RuntimeError("collector exploded")
 
-    registry = CollectorRegistry()
+    registry = Registry()
     registry.register(Broken())  # type: ignore[arg-type]
     envoy = await servers.static(ENVOY_BODY)
     before = failures("agent")

@@ -12,15 +12,11 @@ connections is bounded, and TCP clients that stall are cut off, so one client ca
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import struct
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import cast
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from istio_agent.dns.records import TYPE_A, TYPE_AAAA, TYPE_MX, Record
 from istio_agent.dns.table import LookupTable, random_id, round_robin
@@ -36,7 +32,7 @@ from istio_agent.dns.wire import (
     truncate,
 )
 from istio_agent.log import scope
-from istio_agent.metrics import PREFIX, REGISTRY
+from istio_agent.metrics import PREFIX, REGISTRY, Family
 
 log = scope("dns")
 
@@ -60,7 +56,7 @@ _TYPE_NAMES = {1: "A", 2: "NS", 5: "CNAME", 6: "SOA", 12: "PTR", 15: "MX", 16: "
 _TYPE_NAMES.update({64: "SVCB", 65: "HTTPS", 255: "ANY"})
 
 
-class DnsStats(Collector):
+class DnsStats:
     """Counters kept as plain ints on the hot path and exported on scrape.
 
     ``dns_requests_total`` is Istio's; ``dns_queries_total{qtype,rcode,source}`` (source: table,
@@ -76,28 +72,25 @@ class DnsStats(Collector):
     def answered(self, qtype: int, rcode: int, source: str) -> None:
         self.queries[(qtype, rcode, source)] += 1
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        yield _untyped_counter("dns_requests_total", "Total number of DNS requests.", self.requests)
-        by_kind = CounterMetricFamily(
+    def collect(self) -> Iterator[Family]:
+        # Istio's agent counters have no _total added (see istio_agent.metrics): a gauge with the exact name.
+        requests = Family(PREFIX + "dns_requests_total", "Total number of DNS requests.", "gauge")
+        requests.add(self.requests)
+        yield requests
+        by_kind = Family(
             PREFIX + "dns_queries",
             "DNS replies by query type, response code and source (table, upstream, cache, local).",
-            labels=["qtype", "rcode", "source"],
+            "counter",
         )
         for (qtype, rcode, source), count in sorted(self.queries.items()):
-            by_kind.add_metric(
-                [_TYPE_NAMES.get(qtype, f"TYPE{qtype}"), _RCODE_NAMES.get(rcode, str(rcode)), source], count
-            )
+            qname, rname = _TYPE_NAMES.get(qtype, f"TYPE{qtype}"), _RCODE_NAMES.get(rcode, str(rcode))
+            by_kind.add(count, (("qtype", qname), ("rcode", rname), ("source", source)), "_total")
         yield by_kind
-        yield GaugeMetricFamily(
-            PREFIX + "dns_name_table_size",
-            "Names the DNS proxy answers from the NDS table.",
-            self.table_size(),
+        size = Family(
+            PREFIX + "dns_name_table_size", "Names the DNS proxy answers from the NDS table.", "gauge"
         )
-
-
-def _untyped_counter(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-    # Istio's agent counters have no _total added (metrics.py): exported as a gauge with the exact name.
-    return GaugeMetricFamily(PREFIX + name, documentation, value)
+        size.add(self.table_size())
+        yield size
 
 
 def _rcode(reply: bytes) -> int:
@@ -342,5 +335,4 @@ class DnsServer:
             await server.wait_closed()
         self._udp.clear()
         self._tcp.clear()
-        with contextlib.suppress(KeyError):
-            REGISTRY.unregister(self.resolver.stats)
+        REGISTRY.unregister(self.resolver.stats)

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import hdrs, web
-from prometheus_client import CollectorRegistry, generate_latest
 from yarl import URL
 
 from istio_agent import metrics
 from istio_agent.config.prometheus import PrometheusTargets, ScrapeTarget
 from istio_agent.log import scope
+from istio_agent.metrics import Registry
 from istio_agent.status.server import negotiate_encoding
 
 log = scope("status")
@@ -225,7 +225,7 @@ class MetricsMerger:
 
     def __init__(
         self,
-        registry: CollectorRegistry,
+        registry: Registry,
         *,
         envoy_port: int | None,
         app: PrometheusTargets | None,
@@ -311,7 +311,7 @@ class MetricsMerger:
 
     async def _write_agent(self, out: _Output) -> None:
         try:
-            body = generate_latest(self._registry)
+            body = self._registry.expose()
         except Exception as exc:  # a broken collector must not cost the Envoy and app metrics
             scrape_failures_total.labels("agent").inc()
             log.warning("failed rendering agent metrics: %s", exc)
