@@ -688,16 +688,3 @@ def test_options_system_root_uses_the_os_store(tmp_path: Path) -> None:
     options = CAClientOptions.from_settings(settings)
     assert options.root_cert_path is None
     assert options.server_name == "ca.example.com"
-
-
-@pytest.mark.parametrize(
-    ("headers", "variable"),
-    [
-        ({"bad name": "x"}, "CA_HEADER_BAD NAME"),
-        ({"grpc-x": "x"}, "CA_HEADER_GRPC-X"),
-        ({"ok": "a\nb"}, "CA_HEADER_OK"),
-    ],
-)
-def test_unusable_headers_are_config_errors(headers: dict[str, str], variable: str) -> None:
-    with pytest.raises(ConfigError, match=variable):
-        CAClientOptions(address="a:1", plaintext=True, root_cert_path=None, server_name="", headers=headers)

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from google.protobuf import struct_pb2
 
 from istio_agent import goformat, metrics
-from istio_agent.config import ConfigError, SecuritySettings
+from istio_agent.config import SecuritySettings
 from istio_agent.config.security import CERT_CHAIN_FILE, KEY_FILE, os_ca_bundle
 from istio_agent.log import scope
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
@@ -63,7 +63,6 @@ OUTGOING_RETRIES = metrics.counter(
     "num_outgoing_retries", "Number of retried requests to the CA.", ["request_type"]
 )
 
-_HEADER_NAME = re.compile(r"^[0-9a-z_.\-]+$")
 _PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.+?\r?\n-----END CERTIFICATE-----", re.DOTALL)
 
 
@@ -91,17 +90,6 @@ class CAClientOptions:
     headers: Mapping[str, str] = field(default_factory=dict)
     cert_signer: str = ""
     prov_cert_dir: Path | None = None
-
-    def __post_init__(self) -> None:
-        # gRPC refuses such metadata at call time with an obscure message; fail at startup instead.
-        for name, value in self.headers.items():
-            env = f"CA_HEADER_{name.upper()}"
-            if not _HEADER_NAME.match(name) or name.startswith("grpc-") or name.endswith("-bin"):
-                raise ConfigError(f"invalid value for {env}: {name!r} cannot be used as a gRPC header name")
-            if not _is_header_value(value):
-                raise ConfigError(f"invalid value for {env}: header values must be printable ASCII")
-        if not _is_header_value(self.cluster_id):
-            raise ConfigError("invalid value for ISTIO_META_CLUSTER_ID: must be printable ASCII")
 
     @classmethod
     def from_settings(cls, settings: SecuritySettings) -> CAClientOptions:
