@@ -8,7 +8,6 @@ gRPC servers with them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -25,40 +24,18 @@ from istio_agent.security.istiod import (
     IstiodCredentials,
     IstiodEndpoint,
 )
-from tests.security.certs import PrivateKey, issue, key_to_pem, make_ca, new_key, to_pem
+from tests.security.certs import MeshCA, key_to_pem, make_ca, new_key, to_pem
 
 ISTIOD = "istiod.istio-system.svc"
 
 
-@dataclass
-class Pki:
-    ca_key: PrivateKey
-    ca: x509.Certificate
-    root: Path
-
-    def client_pair(self, directory: Path, *, not_after: datetime | None = None) -> ClientCertFiles:
-        """A client certificate issued by the mesh CA, written as ``cert-chain.pem`` / ``key.pem``."""
-        key = new_key()
-        cert = issue(
-            self.ca_key,
-            self.ca,
-            uri_sans=["spiffe://cluster.local/ns/default/sa/vm"],
-            public_key=key.public_key(),
-            not_after=not_after,
-            not_before=datetime.now(UTC) - timedelta(days=2) if not_after else None,
-        )
-        files = ClientCertFiles(directory / "cert-chain.pem", directory / "key.pem")
-        files.chain.write_bytes(to_pem(cert) + to_pem(self.ca))
-        files.key.write_bytes(key_to_pem(key))
-        return files
-
-
 @pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    ca_key, ca = make_ca("istiod-root")
-    root = tmp_path / "root-cert.pem"
-    root.write_bytes(to_pem(ca))
-    return Pki(ca_key, ca, root)
+def pki(tmp_path: Path) -> MeshCA:
+    return MeshCA.on_disk(tmp_path)
+
+
+def client_files(pki: MeshCA, directory: Path, *, not_after: datetime | None = None) -> ClientCertFiles:
+    return ClientCertFiles(*pki.client_pair(directory, not_after=not_after))
 
 
 def tls(root: Path | None, **changes: object) -> IstiodEndpoint:
@@ -197,7 +174,7 @@ def test_channel_options() -> None:
     assert plain["grpc.keepalive_timeout_ms"] == 10_000
 
 
-async def test_dial_plaintext_and_tls_channels(pki: Pki) -> None:
+async def test_dial_plaintext_and_tls_channels(pki: MeshCA) -> None:
     plain = credentials(plaintext())
     await plain.dial(plain.material(), [("grpc.max_receive_message_length", 10)]).close()
     secure = credentials(tls(pki.root))
@@ -306,27 +283,31 @@ def test_root_file_without_certificates_is_a_clear_error(tmp_path: Path, content
         credentials(tls(root)).material()
 
 
-def test_root_keeps_its_certificates_and_drops_the_rest(
-    pki: Pki, tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_root_is_read_at_each_use(pki: MeshCA, tmp_path: Path) -> None:
+    creds = credentials(tls(pki.root))
+    first = creds.material()
+    rotated = make_ca("rotated-root")[1]
+    pki.root.write_bytes(to_pem(rotated))
+    assert creds.material() != first  # the CA client re-dials on this difference
+    assert creds.material().root == to_pem(rotated)
+
+
+def test_root_keeps_its_certificates_and_an_unchanged_file_is_parsed_once(
+    pki: MeshCA, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     bundle = tmp_path / "bundle.pem"
     bundle.write_bytes(
         b"-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n" + to_pem(pki.ca)
     )
+    creds = credentials(tls(bundle))
     caplog.set_level(logging.WARNING)
-    assert credentials(tls(bundle)).material().root == to_pem(pki.ca)
-    assert lines(caplog, "ignoring root certificate")
-
-
-def test_root_is_read_at_each_use(pki: Pki, tmp_path: Path) -> None:
-    creds = credentials(tls(pki.root))
-    first = creds.material()
-    pki.root.write_bytes(to_pem(make_ca("rotated-root")[1]))
-    assert creds.material() != first  # the CA client re-dials on this difference
+    for _ in range(3):
+        assert creds.material().root == to_pem(pki.ca)
+    assert len(lines(caplog, "ignoring root certificate")) == 1
 
 
 def test_no_root_configured_means_the_os_bundle(
-    pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pki: MeshCA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(istiod, "os_ca_bundle", lambda: pki.root)
     assert credentials(tls(None)).material().root == to_pem(pki.ca)
@@ -343,10 +324,10 @@ def test_plaintext_reads_no_files(tmp_path: Path) -> None:
 
 
 # -- the client certificate -------------------------------------------------------------------------
-def _spoil(problem: str, pki: Pki, directory: Path) -> ClientCertFiles:
+def _spoil(problem: str, pki: MeshCA, directory: Path) -> ClientCertFiles:
     if problem == "expired":
-        return pki.client_pair(directory, not_after=datetime.now(UTC) - timedelta(hours=1))
-    files = pki.client_pair(directory)
+        return client_files(pki, directory, not_after=datetime.now(UTC) - timedelta(hours=1))
+    files = client_files(pki, directory)
     if problem == "garbage-cert":
         files.chain.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
     elif problem == "garbage-key":
@@ -365,7 +346,7 @@ def _spoil(problem: str, pki: Pki, directory: Path) -> ClientCertFiles:
     "problem", ["expired", "garbage-cert", "garbage-key", "wrong-key", "missing", "unreadable"]
 )
 def test_unusable_client_cert_is_not_presented_and_logged_once(
-    tmp_path: Path, pki: Pki, problem: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, pki: MeshCA, problem: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     files = _spoil(problem, pki, tmp_path)
     creds = credentials(tls(pki.root, client_cert=files))
@@ -377,21 +358,21 @@ def test_unusable_client_cert_is_not_presented_and_logged_once(
     assert "-----BEGIN" not in caplog.text  # no PEM text in the logs
 
 
-async def test_unusable_client_cert_still_dials(tmp_path: Path, pki: Pki) -> None:
+async def test_unusable_client_cert_still_dials(tmp_path: Path, pki: MeshCA) -> None:
     creds = credentials(tls(pki.root, client_cert=_spoil("wrong-key", pki, tmp_path)))
     await creds.dial(creds.material()).close()
 
 
-def test_usable_client_cert_is_read_at_each_use(tmp_path: Path, pki: Pki) -> None:
-    files = pki.client_pair(tmp_path)
+def test_usable_client_cert_is_read_at_each_use(tmp_path: Path, pki: MeshCA) -> None:
+    files = client_files(pki, tmp_path)
     creds = credentials(tls(pki.root, client_cert=files))
     assert creds.client_certificate() == (files.key.read_bytes(), files.chain.read_bytes())
-    pki.client_pair(tmp_path)  # re-provisioned in place
+    client_files(pki, tmp_path)  # re-provisioned in place
     assert creds.client_certificate() == (files.key.read_bytes(), files.chain.read_bytes())
 
 
-def test_client_cert_expires_by_the_injected_clock(tmp_path: Path, pki: Pki) -> None:
-    files = pki.client_pair(tmp_path)
+def test_client_cert_expires_by_the_injected_clock(tmp_path: Path, pki: MeshCA) -> None:
+    files = client_files(pki, tmp_path)
     not_after = x509.load_pem_x509_certificate(files.chain.read_bytes()).not_valid_after_utc
     endpoint = tls(pki.root, client_cert=files)
     assert (
@@ -401,9 +382,9 @@ def test_client_cert_expires_by_the_injected_clock(tmp_path: Path, pki: Pki) -> 
 
 
 def test_a_new_problem_is_logged_again_after_recovery(
-    tmp_path: Path, pki: Pki, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, pki: MeshCA, caplog: pytest.LogCaptureFixture
 ) -> None:
-    files = pki.client_pair(tmp_path)
+    files = client_files(pki, tmp_path)
     creds = credentials(tls(pki.root, client_cert=files))
     caplog.set_level(logging.DEBUG)
     good = files.key.read_bytes()

@@ -141,6 +141,8 @@ class IstiodCredentials:
         self._now = now
         self._log = scope(_LOG_SCOPES[endpoint.purpose])
         self._last_problem: dict[str, str] = {}
+        self._parsed_root: tuple[bytes, bytes] | None = None
+        """The last root file read and its parsed bundle: an unchanged file is not parsed again."""
 
     # -- per call -----------------------------------------------------------------------------------
     def metadata(self) -> list[tuple[str, str]]:
@@ -263,12 +265,16 @@ class IstiodCredentials:
             raise CredentialError(
                 f"cannot read root CA file for {self.endpoint.purpose} {path}: {err.strerror}"
             ) from None
+        if self._parsed_root is not None and self._parsed_root[0] == data:
+            return self._parsed_root[1]  # an OS bundle takes ~30 ms to parse; it rarely changes
         try:
-            return parse_root_bundle(data, str(path))  # logs each block it drops, and why
+            bundle = parse_root_bundle(data, str(path))  # logs each block it drops, and why
         except PemError:
             raise CredentialError(
                 f"failed to create TLS dial option with root certificates: no PEM certificate found in {path}"
             ) from None
+        self._parsed_root = data, bundle
+        return bundle
 
     def _missing_root(self, path: Path) -> str:
         # Istio's own words, which its users search for: the CA client's, and FindRootCAForXDS's.
