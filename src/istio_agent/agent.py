@@ -133,8 +133,6 @@ class Agent:
         ca_client = None
         if plan.uses_ca:
             ca_client = CitadelClient.from_settings(plan.settings)
-            endpoint = ca_client.endpoint
-            log.info("CA client for %s (%s)", endpoint.address, "plaintext" if endpoint.plaintext else "TLS")
         manager = SecretManager(plan.settings, ca_client)
         self.secret_manager = manager
         await manager.start()

@@ -109,6 +109,7 @@ class CitadelClient:
             log.warning(
                 "Debug mode or IP-secure network: connecting to the CA at %s without TLS", endpoint.address
             )
+        log.info("CA client for %s (%s)", endpoint.address, "plaintext" if endpoint.plaintext else "TLS")
         return cls(endpoint, token_source_for(settings), cert_signer=settings.cert_signer)
 
     async def csr_sign(self, csr_pem: bytes, ttl: timedelta) -> list[str]:
