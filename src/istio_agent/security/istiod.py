@@ -30,6 +30,7 @@ from typing import Literal
 import grpc
 
 from istio_agent.config import SecuritySettings, XdsSettings
+from istio_agent.config.headers import is_header_value
 from istio_agent.config.security import CERT_CHAIN_FILE, KEY_FILE, os_ca_bundle
 from istio_agent.config.xds import DEFAULT_KEEPALIVE_INTERVAL, DEFAULT_KEEPALIVE_TIMEOUT
 from istio_agent.log import scope
@@ -122,8 +123,8 @@ def _utc_now() -> datetime:
 
 
 def _fits_bearer_header(token: str) -> bool:
-    # Visible ASCII only: a space or control character would split or corrupt "Bearer <token>".
-    return all(0x21 <= ord(c) < 0x7F for c in token)
+    # A header value with no space in it: a space would split "Bearer <token>" in two.
+    return is_header_value(token) and " " not in token
 
 
 class IstiodCredentials:
