@@ -42,8 +42,7 @@ from istio_agent.controlplane.ca import LocalCA
 from istio_agent.ctl.local import controlplane_command, free_port, port_open, wait_until
 from istio_agent.ctl.static_mtls import mtls_bootstrap
 from istio_agent.envoy.binary import find_envoy
-from istio_agent.security.caclient import CAClientOptions, CitadelClient
-from istio_agent.security.credentials import token_source_for
+from istio_agent.security.caclient import CitadelClient
 from istio_agent.security.keys import KeyOptions, generate_csr
 from istio_agent.security.manager import SecretManager
 from istio_agent.security.sds import SdsServer
@@ -107,7 +106,7 @@ async def fresh_agent(
         Env({"CA_ADDR": f"127.0.0.1:{port}", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "bench", **env}),
         workdir,
     )
-    ca = CitadelClient(CAClientOptions.from_settings(settings), token_source_for(settings))
+    ca = CitadelClient.from_settings(settings)
     manager = SecretManager(settings, ca)
     server = SdsServer(manager, settings.sds_socket_path)
     manager.add_update_callback(server.on_secret_update)
@@ -211,7 +210,7 @@ async def grpc_signing_rate(
     settings = SecuritySettings.from_env(
         Env({"CA_ADDR": f"127.0.0.1:{port}", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "bench"}), workdir
     )
-    client = CitadelClient(CAClientOptions.from_settings(settings), token_source_for(settings))
+    client = CitadelClient.from_settings(settings)
     csrs = [
         generate_csr(settings.spiffe_id, KeyOptions(ecc_signature_algorithm="ECDSA"))[0] for _ in range(32)
     ]

@@ -26,8 +26,7 @@ from istio_agent.envoy.supervisor import EnvoySupervisor
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY
 from istio_agent.protos import nds_pb2
-from istio_agent.security.caclient import CAClientOptions, CitadelClient
-from istio_agent.security.credentials import token_source_for
+from istio_agent.security.caclient import CitadelClient
 from istio_agent.security.manager import SecretManager
 from istio_agent.security.sds import SdsServer
 from istio_agent.security.uds import remove_if_stale
@@ -133,9 +132,7 @@ class Agent:
         plan = await plan_sds(self._settings.security)
         ca_client = None
         if plan.uses_ca:
-            options = CAClientOptions.from_settings(plan.settings)
-            ca_client = CitadelClient(options, token_source_for(plan.settings))
-            log.info("CA client for %s (%s)", options.address, "plaintext" if options.plaintext else "TLS")
+            ca_client = CitadelClient.from_settings(plan.settings)
         manager = SecretManager(plan.settings, ca_client)
         self.secret_manager = manager
         await manager.start()

@@ -74,6 +74,21 @@ def test_invalid_settings_are_clear_startup_errors(tmp_path: Path, env: dict[str
         settings(tmp_path, **env)
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("CA_HEADER_BAD NAME", "x"),
+        ("CA_HEADER_GRPC-X", "x"),
+        ("CA_HEADER_X-BIN", "x"),
+        ("CA_HEADER_OK", "a\nb"),
+        ("ISTIO_META_CLUSTER_ID", "c\u00e9"),
+    ],
+)
+def test_unusable_headers_are_config_errors(tmp_path: Path, name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=name.replace(" ", ".")):
+        settings(tmp_path, **{name: value})
+
+
 def test_ca_root_resolution(tmp_path: Path) -> None:
     s = settings(tmp_path)
     with pytest.raises(ConfigError, match="root CA file for CA does not exist"):

@@ -13,7 +13,9 @@ from __future__ import annotations
 import base64
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -118,6 +120,39 @@ def key_to_pem(key: PrivateKey, pkcs8: bool = False) -> bytes:
     """``RSA/EC PRIVATE KEY`` (traditional) or ``PRIVATE KEY`` (PKCS#8), unencrypted."""
     fmt = serialization.PrivateFormat.PKCS8 if pkcs8 else serialization.PrivateFormat.TraditionalOpenSSL
     return key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption())
+
+
+@dataclass
+class MeshCA:
+    """A mesh CA whose certificate is on disk as the root that verifies istiod."""
+
+    ca_key: PrivateKey
+    ca: x509.Certificate
+    root: Path
+
+    @classmethod
+    def on_disk(cls, directory: Path, common_name: str = "istiod-root") -> MeshCA:
+        ca_key, ca = make_ca(common_name)
+        root = directory / "root-cert.pem"
+        root.write_bytes(to_pem(ca))
+        return cls(ca_key, ca, root)
+
+    def client_pair(self, directory: Path, *, not_after: datetime | None = None) -> tuple[Path, Path]:
+        """A workload certificate (chain with the CA) written as PROV_CERT holds it:
+        ``directory/cert-chain.pem`` and ``directory/key.pem``; returns those two paths."""
+        key = new_key()
+        cert = issue(
+            self.ca_key,
+            self.ca,
+            uri_sans=["spiffe://cluster.local/ns/default/sa/vm"],
+            public_key=key.public_key(),
+            not_after=not_after,
+            not_before=datetime.now(UTC) - timedelta(days=2) if not_after else None,
+        )
+        chain, key_path = directory / "cert-chain.pem", directory / "key.pem"
+        chain.write_bytes(to_pem(cert) + to_pem(self.ca))
+        key_path.write_bytes(key_to_pem(key))
+        return chain, key_path
 
 
 def with_negative_serial(cert: x509.Certificate) -> bytes:

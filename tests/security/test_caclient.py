@@ -19,16 +19,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from istio_agent import goformat, metrics
-from istio_agent.config import ConfigError, SecuritySettings
+from istio_agent.config import SecuritySettings
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 from istio_agent.security import caclient
-from istio_agent.security.caclient import (
-    CAClientOptions,
-    CAError,
-    CitadelClient,
-    load_client_cert,
-)
+from istio_agent.security.caclient import CAError, CitadelClient
 from istio_agent.security.credentials import FileTokenSource, StaticTokenSource, TokenSource
+from istio_agent.security.istiod import ClientCertFiles, IstiodEndpoint
 
 ISTIOD = "istiod.istio-system.svc"
 CHAIN = ["-----LEAF-----\n", "-----INTERMEDIATE-----\n", "-----ROOT-----"]
@@ -200,17 +196,23 @@ def make_client(
     server_name: str = ISTIOD,
     prov_cert_dir: Path | None = None,
     rng: float = 0.5,
+    cert_signer: str = "",
     **extra: object,
 ) -> CitadelClient:
-    options = CAClientOptions(
+    endpoint = IstiodEndpoint(
+        purpose="CA",
         address=address,
         plaintext=pki is None,
-        root_cert_path=pki.root_path if pki else None,
+        root_cert=pki.root_path if pki else None,
         server_name=server_name,
-        prov_cert_dir=prov_cert_dir,
+        client_cert=(
+            ClientCertFiles(prov_cert_dir / "cert-chain.pem", prov_cert_dir / "key.pem")
+            if prov_cert_dir
+            else None
+        ),
         **extra,  # type: ignore[arg-type]
     )
-    return CitadelClient(options, token, sleep=sleeps, rng=lambda: rng)
+    return CitadelClient(endpoint, token, cert_signer=cert_signer, sleep=sleeps, rng=lambda: rng)
 
 
 @contextlib.contextmanager
@@ -449,21 +451,6 @@ async def test_token_file_is_read_for_every_call(sleeps: Sleeps, tmp_path: Path)
     assert [s.metadata["authorization"] for s in fake.seen] == ["Bearer token-1", "Bearer token-2"]
 
 
-async def test_token_that_cannot_be_a_header_fails_without_echoing_it(
-    sleeps: Sleeps, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.DEBUG, logger="istio")
-    fake = FakeCA()
-    async with serve(fake) as address:
-        client = make_client(address, sleeps, token=StaticTokenSource("secret\x01value"))
-        with pytest.raises(CAError, match="fetch platform credential") as info:
-            await client.csr_sign(CSR, TTL)
-        await client.close()
-    assert "secret" not in str(info.value)
-    assert "secret" not in caplog.text
-    assert fake.seen == []
-
-
 async def test_token_is_never_logged(sleeps: Sleeps, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="istio")
     fake = FakeCA(failures=[(grpc.StatusCode.UNAVAILABLE, "x"), (grpc.StatusCode.PERMISSION_DENIED, "no")])
@@ -609,7 +596,6 @@ async def test_rotated_prov_cert_is_presented_without_a_failure(
 async def test_expired_prov_cert_is_not_presented(sleeps: Sleeps, pki: Pki, tmp_path: Path) -> None:
     prov = tmp_path / "prov"
     write_prov_cert(prov, pki.client(expired=True))
-    assert load_client_cert(prov) is None
     fake = FakeCA(token="t")
     async with serve(fake, server_cert=pki.server) as address:
         client = make_client(address, sleeps, pki=pki, prov_cert_dir=prov, token=StaticTokenSource("t"))
@@ -617,87 +603,33 @@ async def test_expired_prov_cert_is_not_presented(sleeps: Sleeps, pki: Pki, tmp_
         await client.close()
 
 
-def test_load_client_cert_accepts_only_a_usable_pair(pki: Pki, tmp_path: Path) -> None:
-    prov = tmp_path / "prov"
-    assert load_client_cert(prov) is None  # missing
-    good = pki.client()
-    write_prov_cert(prov, good)
-    assert load_client_cert(prov) == (good.key_pem, good.cert_pem)
-    not_after = good.cert.not_valid_after_utc
-    assert load_client_cert(prov, now=not_after + timedelta(seconds=1)) is None  # expired by then
-    write_prov_cert(prov, good, key=pki.client().key_pem)
-    assert load_client_cert(prov) is None  # key of another certificate
-    write_prov_cert(prov, good, key=b"garbage")
-    assert load_client_cert(prov) is None
-    (prov / "cert-chain.pem").write_bytes(b"garbage")
-    assert load_client_cert(prov) is None
+# -- from settings -----------------------------------------------------------------------------------
+async def test_from_settings_brings_the_endpoint_token_source_and_cert_signer(
+    sleeps: Sleeps, pki: Pki, tmp_path: Path
+) -> None:
+    fake = FakeCA(token="test_token")
+    async with serve(fake, server_cert=pki.server) as address:
+        settings = SecuritySettings(
+            workdir=tmp_path,
+            ca_addr=address.replace("127.0.0.1", "localhost"),  # verified as istiod.istio-system.svc
+            ca_addr_defaulted=False,
+            ca_root_ca=str(pki.root_path),
+            credential_fetcher_type="Mock",
+            cluster_id="c1",
+            cert_signer="signer",
+        )
+        client = CitadelClient.from_settings(settings)
+        assert client.endpoint == IstiodEndpoint.for_ca(settings)
+        assert await client.csr_sign(CSR, TTL) == CHAIN
+        await client.close()
+    (seen,) = fake.seen
+    assert seen.metadata["authorization"] == "Bearer test_token"
+    assert seen.metadata["clusterid"] == "c1"
+    assert dict(seen.request.metadata) == {"CertSigner": "signer"}
 
 
-# -- options ----------------------------------------------------------------------------------------
-def test_options_from_settings_tls(tmp_path: Path) -> None:
-    root = tmp_path / "var/run/secrets/istio/root-cert.pem"
-    root.parent.mkdir(parents=True)
-    root.write_text("x")
-    settings = SecuritySettings(
-        workdir=tmp_path,
-        ca_addr="istiod.istio-system.svc:15012",
-        ca_addr_defaulted=False,
-        cluster_id="c1",
-        ca_headers={"foo": "bar"},
-        cert_signer="signer",
-    )
-    options = CAClientOptions.from_settings(settings)
-    assert options == CAClientOptions(
-        address="istiod.istio-system.svc:15012",
-        plaintext=False,
-        root_cert_path=root,
-        server_name="istiod.istio-system.svc",
-        cluster_id="c1",
-        headers={"foo": "bar"},
-        cert_signer="signer",
-        prov_cert_dir=None,
-    )
-
-
-def test_options_from_settings_prov_cert_brings_its_root(tmp_path: Path) -> None:
-    prov = tmp_path / "prov"
-    settings = SecuritySettings(workdir=tmp_path, ca_addr="ca:15012", ca_addr_defaulted=False, prov_cert=prov)
-    options = CAClientOptions.from_settings(settings)
-    assert options.prov_cert_dir == prov
-    assert options.root_cert_path == prov / "root-cert.pem"  # checked when dialling, as in Istio
-
-
-def test_options_from_settings_plaintext_needs_no_root(tmp_path: Path) -> None:
-    options = CAClientOptions.from_settings(
-        SecuritySettings(workdir=tmp_path, ca_addr="localhost:15010", ca_addr_defaulted=False)
-    )
-    assert options.plaintext
-    assert options.root_cert_path is None
-
-
-def test_options_from_settings_missing_root_is_a_config_error(tmp_path: Path) -> None:
-    settings = SecuritySettings(workdir=tmp_path, ca_addr="istiod:15012", ca_addr_defaulted=False)
-    with pytest.raises(ConfigError, match="root CA file for CA does not exist"):
-        CAClientOptions.from_settings(settings)
-
-
-def test_options_system_root_uses_the_os_store(tmp_path: Path) -> None:
-    settings = SecuritySettings(
-        workdir=tmp_path, ca_addr="ca.example.com:443", ca_addr_defaulted=False, ca_root_ca="SYSTEM"
-    )
-    options = CAClientOptions.from_settings(settings)
-    assert options.root_cert_path is None
-    assert options.server_name == "ca.example.com"
-
-
-@pytest.mark.parametrize(
-    ("headers", "variable"),
-    [
-        ({"bad name": "x"}, "CA_HEADER_BAD NAME"),
-        ({"grpc-x": "x"}, "CA_HEADER_GRPC-X"),
-        ({"ok": "a\nb"}, "CA_HEADER_OK"),
-    ],
-)
-def test_unusable_headers_are_config_errors(headers: dict[str, str], variable: str) -> None:
-    with pytest.raises(ConfigError, match=variable):
-        CAClientOptions(address="a:1", plaintext=True, root_cert_path=None, server_name="", headers=headers)
+def test_from_settings_warns_about_plaintext(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="istio")
+    settings = SecuritySettings(workdir=tmp_path, ca_addr="localhost:15010", ca_addr_defaulted=False)
+    assert CitadelClient.from_settings(settings).endpoint.plaintext
+    assert "connecting to the CA at localhost:15010 without TLS" in caplog.text

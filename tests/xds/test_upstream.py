@@ -1,11 +1,12 @@
-"""The upstream dialer: channel options, credentials read at each dial, per-stream metadata (real TLS on loopback)."""
+"""The upstream dialer against a fake istiod on loopback: its options, and the shared credentials at work.
+
+The credential rules themselves (token, root, client certificate) are tested in tests/security/test_istiod.py.
+"""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
@@ -15,44 +16,18 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from istio_agent.config import XdsSettings
 from istio_agent.xds import DialError, UpstreamDialer
-from tests.security.certs import PrivateKey, issue, key_to_pem, make_ca, new_key, to_pem
+from tests.security.certs import MeshCA, issue, key_to_pem, make_ca, new_key, to_pem
 from tests.xds import CDS, WAIT, FakeIstiod, FakeUpstreamStream
 
 ISTIOD_NAME = "istiod.istio-system.svc"
 
 
-@dataclass
-class Pki:
-    ca_key: PrivateKey
-    ca: x509.Certificate
-    root: Path
-    """The CA certificate on disk (what XDS_ROOT_CA would point at)."""
-
-    def client_pair(self, directory: Path, *, not_after: datetime | None = None) -> tuple[Path, Path]:
-        key = new_key()
-        cert = issue(
-            self.ca_key,
-            self.ca,
-            uri_sans=["spiffe://cluster.local/ns/default/sa/vm"],
-            public_key=key.public_key(),
-            not_after=not_after,
-            not_before=datetime.now(UTC) - timedelta(days=2) if not_after else None,
-        )
-        chain, key_path = directory / "cert-chain.pem", directory / "key.pem"
-        chain.write_bytes(to_pem(cert) + to_pem(self.ca))
-        key_path.write_bytes(key_to_pem(key))
-        return chain, key_path
-
-
 @pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    ca_key, ca = make_ca("istiod-root")
-    root = tmp_path / "root-cert.pem"
-    root.write_bytes(to_pem(ca))
-    return Pki(ca_key, ca, root)
+def pki(tmp_path: Path) -> MeshCA:
+    return MeshCA.on_disk(tmp_path)
 
 
-async def start_istiod(pki: Pki, *, require_client_cert: bool) -> FakeIstiod:
+async def start_istiod(pki: MeshCA, *, require_client_cert: bool) -> FakeIstiod:
     server_key = new_key()
     cert = issue(pki.ca_key, pki.ca, dns_sans=[ISTIOD_NAME], public_key=server_key.public_key())
     fake = FakeIstiod(
@@ -65,7 +40,7 @@ async def start_istiod(pki: Pki, *, require_client_cert: bool) -> FakeIstiod:
 
 
 @pytest.fixture
-async def tls_istiod(pki: Pki) -> AsyncIterator[FakeIstiod]:
+async def tls_istiod(pki: MeshCA) -> AsyncIterator[FakeIstiod]:
     """istiod with TLS that does not ask for a client certificate (the token authenticates)."""
     fake = await start_istiod(pki, require_client_cert=False)
     yield fake
@@ -73,7 +48,7 @@ async def tls_istiod(pki: Pki) -> AsyncIterator[FakeIstiod]:
 
 
 @pytest.fixture
-async def mtls_istiod(pki: Pki) -> AsyncIterator[FakeIstiod]:
+async def mtls_istiod(pki: MeshCA) -> AsyncIterator[FakeIstiod]:
     """istiod that requires a client certificate issued by the mesh CA."""
     fake = await start_istiod(pki, require_client_cert=True)
     yield fake
@@ -131,61 +106,22 @@ def test_describe_names_address_and_server_name() -> None:
     )
 
 
-# -- metadata -------------------------------------------------------------------------------------
-def test_metadata_has_cluster_id_headers_and_fresh_token(tmp_path: Path) -> None:
-    token = tmp_path / "istio-token"
-    token.write_text(" first-token\n")
-    settings = XdsSettings(
-        Path("/x"), "a:15010", plaintext=True, token_path=token, cluster_id="c1", headers={"x-a": "1"}
-    )
-    dialer = UpstreamDialer(settings)
-    assert dialer.metadata() == [("clusterid", "c1"), ("x-a", "1"), ("authorization", "Bearer first-token")]
-    token.write_text("second-token")
-    assert ("authorization", "Bearer second-token") in dialer.metadata()
-
-
-def test_cluster_id_header_is_sent_even_when_empty() -> None:
-    assert UpstreamDialer(XdsSettings(Path("/x"), "a:15010", plaintext=True)).metadata() == [
-        ("clusterid", "")
-    ]
-
-
-def test_missing_token_warns_once_and_sends_no_header(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    settings = XdsSettings(Path("/x"), "a:15010", plaintext=True, token_path=tmp_path / "absent")
-    dialer = UpstreamDialer(settings)
-    caplog.set_level(logging.WARNING)
-    for _ in range(3):
-        assert [name for name, _ in dialer.metadata()] == ["clusterid"]
-    assert len([r for r in caplog.records if "absent" in r.getMessage()]) == 1
-
-
-def test_token_unfit_for_a_header_is_not_sent_nor_logged(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    token = tmp_path / "istio-token"
-    token.write_text("secret-part\x01more secret")
-    dialer = UpstreamDialer(XdsSettings(Path("/x"), "a:15010", plaintext=True, token_path=token))
-    caplog.set_level(logging.DEBUG)
-    assert [name for name, _ in dialer.metadata()] == ["clusterid"]
-    assert "secret" not in caplog.text
-    assert str(token) in caplog.text
-
-
 # -- TLS ------------------------------------------------------------------------------------------
-async def test_plaintext_dial_works() -> None:
+async def test_plaintext_dial_works(tmp_path: Path) -> None:
+    token = tmp_path / "istio-token"
+    token.write_text("jwt\n")
     istiod = await FakeIstiod(auto_reply=True).start()
     try:
-        dialer = UpstreamDialer(XdsSettings(Path("/x"), istiod.address, plaintext=True, cluster_id="k"))
-        stream = await roundtrip(dialer, istiod)
+        settings = XdsSettings(Path("/x"), istiod.address, plaintext=True, cluster_id="k", token_path=token)
+        stream = await roundtrip(UpstreamDialer(settings), istiod)
         assert stream.metadata["clusterid"] == "k"
+        assert stream.metadata["authorization"] == "Bearer jwt"
     finally:
         await istiod.stop()
 
 
 async def test_tls_verifies_istiod_and_presents_client_cert(
-    tmp_path: Path, pki: Pki, mtls_istiod: FakeIstiod
+    tmp_path: Path, pki: MeshCA, mtls_istiod: FakeIstiod
 ) -> None:
     chain, key = pki.client_pair(tmp_path)
     dialer = UpstreamDialer(tls_settings(mtls_istiod.address, pki.root, client_cert=chain, client_key=key))
@@ -196,45 +132,25 @@ async def test_tls_verifies_istiod_and_presents_client_cert(
     )
 
 
-async def test_without_client_cert_mtls_istiod_refuses(pki: Pki, mtls_istiod: FakeIstiod) -> None:
+async def test_without_client_cert_mtls_istiod_refuses(pki: MeshCA, mtls_istiod: FakeIstiod) -> None:
     """The counterpart of the test above: the certificate is what makes the handshake succeed."""
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await roundtrip(UpstreamDialer(tls_settings(mtls_istiod.address, pki.root)), mtls_istiod)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def _spoil(problem: str, pki: Pki, directory: Path) -> tuple[Path, Path]:
-    if problem == "expired":
-        return pki.client_pair(directory, not_after=datetime.now(UTC) - timedelta(hours=1))
+def _spoil(problem: str, pki: MeshCA, directory: Path) -> tuple[Path, Path]:
     chain, key = pki.client_pair(directory)
     if problem == "garbage":
         chain.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
     elif problem == "wrong-key":
         key.write_bytes(key_to_pem(new_key()))
-    elif problem == "missing":
-        chain.unlink()
     return chain, key
-
-
-@pytest.mark.parametrize("problem", ["expired", "garbage", "wrong-key", "missing"])
-async def test_unusable_client_cert_is_not_presented(tmp_path: Path, pki: Pki, problem: str) -> None:
-    chain, key = _spoil(problem, pki, tmp_path)
-    dialer = UpstreamDialer(tls_settings("istiod:15012", pki.root, client_cert=chain, client_key=key))
-    assert dialer.client_certificate() is None
-    await dialer.dial().close()  # still dials, without a certificate
-
-
-def test_usable_client_cert_is_read_at_each_dial(tmp_path: Path, pki: Pki) -> None:
-    chain, key = pki.client_pair(tmp_path)
-    dialer = UpstreamDialer(tls_settings("istiod:15012", pki.root, client_cert=chain, client_key=key))
-    assert dialer.client_certificate() == (key.read_bytes(), chain.read_bytes())
-    chain, key = pki.client_pair(tmp_path)  # re-provisioned in place
-    assert dialer.client_certificate() == (key.read_bytes(), chain.read_bytes())
 
 
 @pytest.mark.parametrize("problem", ["garbage", "wrong-key"])
 async def test_broken_client_cert_does_not_break_the_stream(
-    tmp_path: Path, pki: Pki, tls_istiod: FakeIstiod, problem: str
+    tmp_path: Path, pki: MeshCA, tls_istiod: FakeIstiod, problem: str
 ) -> None:
     """Handed to gRPC, such a pair would fail every connection; skipped, the token can still authenticate."""
     chain, key = _spoil(problem, pki, tmp_path)
@@ -242,7 +158,7 @@ async def test_broken_client_cert_does_not_break_the_stream(
     await roundtrip(dialer, tls_istiod)
 
 
-async def test_root_is_read_at_each_dial(tmp_path: Path, pki: Pki, tls_istiod: FakeIstiod) -> None:
+async def test_root_is_read_at_each_dial(tmp_path: Path, pki: MeshCA, tls_istiod: FakeIstiod) -> None:
     root = tmp_path / "xds-root.pem"
     root.write_bytes(to_pem(make_ca("some-other-root")[1]))
     dialer = UpstreamDialer(tls_settings(tls_istiod.address, root))

@@ -11,6 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from istio_agent.config.env import ConfigError, Env
+from istio_agent.config.headers import header_value_from_env, headers_from_env
 from istio_agent.config.proxy_config import ProxyConfig
 
 SDS_SOCKET_DIR = "var/run/secrets/workload-spiffe-uds"
@@ -212,7 +213,7 @@ class SecuritySettings:
             ca_addr_defaulted=not ca_addr,
             ca_provider=provider,
             ca_root_ca=env.text("CA_ROOT_CA"),
-            ca_headers={k.lower(): v for k, v in env.with_prefix("CA_HEADER_").items()},
+            ca_headers=headers_from_env(env, "CA_HEADER_"),
             istiod_san=env.text("ISTIOD_SAN"),
             pilot_cert_provider=env.text("PILOT_CERT_PROVIDER", "istiod") or "istiod",
             prov_cert=resolve(prov_cert) if prov_cert else None,
@@ -220,7 +221,7 @@ class SecuritySettings:
             file_mounted_certs=file_mounted,
             jwt_policy=env.text("JWT_POLICY", "third-party-jwt"),
             credential_fetcher_type=fetcher,
-            cluster_id=env.text("ISTIO_META_CLUSTER_ID"),
+            cluster_id=header_value_from_env(env, "ISTIO_META_CLUSTER_ID"),
             cert_signer=env.text("ISTIO_META_CERT_SIGNER"),
             workload_identity_socket_file=socket_file,
             file_debounce=env.duration("FILE_DEBOUNCE_DURATION", timedelta(milliseconds=100)),

@@ -6,13 +6,13 @@ absolute against ``SecuritySettings.workdir``, as everywhere else in the agent.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 from istio_agent.config.env import ConfigError, Env
+from istio_agent.config.headers import headers_from_env
 from istio_agent.config.proxy_config import ProxyConfig
 from istio_agent.config.security import (
     CERT_CHAIN_FILE,
@@ -34,12 +34,6 @@ FILE_JWT_POLICIES = ("third-party-jwt", "first-party-jwt")
 TLS_CLIENT_ROOT_CERT = "ISTIO_META_TLS_CLIENT_ROOT_CERT"
 TLS_CLIENT_CERT_CHAIN = "ISTIO_META_TLS_CLIENT_CERT_CHAIN"
 TLS_CLIENT_KEY = "ISTIO_META_TLS_CLIENT_KEY"
-
-_HEADER_NAME = re.compile(r"^[0-9a-z_.\-]+$")
-
-
-def _printable_ascii(value: str) -> bool:
-    return all(0x20 <= ord(c) < 0x7F for c in value)
 
 
 @dataclass(frozen=True)
@@ -107,8 +101,8 @@ class XdsSettings:
             client_cert=client_cert,
             client_key=client_key,
             token_path=token_path,
-            cluster_id=_cluster_id(security.cluster_id),
-            headers=_headers(env),
+            cluster_id=security.cluster_id,  # checked as a header value by SecuritySettings.from_env
+            headers=headers_from_env(env, "XDS_HEADER_"),
             keepalive_interval=_positive_duration(env, "GRPC_KEEPALIVE_INTERVAL", DEFAULT_KEEPALIVE_INTERVAL),
             keepalive_timeout=_positive_duration(env, "GRPC_KEEPALIVE_TIMEOUT", DEFAULT_KEEPALIVE_TIMEOUT),
             max_streams=_positive_int(env, "ISTIO_GPRC_MAXSTREAMS", DEFAULT_MAX_STREAMS),
@@ -162,26 +156,6 @@ def _server_name(address: str, istiod_san: str) -> str:
         return istiod_san
     host = address.rpartition(":")[0].strip("[]")
     return ISTIOD_HOST if "localhost" in host else host
-
-
-def _cluster_id(value: str) -> str:
-    if not _printable_ascii(value):
-        raise ConfigError("invalid value for ISTIO_META_CLUSTER_ID: must be printable ASCII")
-    return value
-
-
-def _headers(env: Env) -> dict[str, str]:
-    """XDS_HEADER_<NAME>=v -> gRPC metadata ``<name>: v``, refused at startup when gRPC would refuse it."""
-    headers: dict[str, str] = {}
-    for raw_name, value in sorted(env.with_prefix("XDS_HEADER_").items()):
-        variable = f"XDS_HEADER_{raw_name}"
-        name = raw_name.lower()
-        if not _HEADER_NAME.match(name) or name.startswith("grpc-") or name.endswith("-bin"):
-            raise ConfigError(f"invalid value for {variable}: {name!r} cannot be used as a gRPC header name")
-        if not _printable_ascii(value):
-            raise ConfigError(f"invalid value for {variable}: header values must be printable ASCII")
-        headers[name] = value
-    return headers
 
 
 def _positive_duration(env: Env, name: str, default: timedelta) -> timedelta:

@@ -20,7 +20,11 @@ FILE_JWT_POLICIES = ("third-party-jwt", "first-party-jwt")
 
 
 class TokenSource(Protocol):
-    """Produces the current bearer token; ``""`` means "send no token"."""
+    """Produces the current bearer token; ``""`` means "send no token".
+
+    ``token()`` may raise OSError when the credential cannot be fetched; ``str(source)`` names the
+    source in logs (a file path, never the token).
+    """
 
     def token(self) -> str: ...
 
@@ -50,6 +54,9 @@ class FileTokenSource:
             self._last_error = message
             log.warning("%s; continuing without a token", message)
 
+    def __str__(self) -> str:
+        return f"token file {self.path}"
+
     def __repr__(self) -> str:
         return f"FileTokenSource({str(self.path)!r})"
 
@@ -62,6 +69,9 @@ class StaticTokenSource:
 
     def token(self) -> str:
         return self._value
+
+    def __str__(self) -> str:
+        return "the static token"
 
     def __repr__(self) -> str:
         # Never show the value: even a static token is a credential.
