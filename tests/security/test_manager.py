@@ -17,7 +17,7 @@ from cryptography.x509.oid import NameOID
 from istio_agent import metrics
 from istio_agent.config import Env, SecuritySettings
 from istio_agent.security.manager import SecretManager
-from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretError
+from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, CAError, SecretError
 
 IDENTITY = "spiffe://cluster.local/ns/ns1/sa/sa1"
 
@@ -57,7 +57,7 @@ class FakeCA:
         self.calls += 1
         if self.fail_next:
             self.fail_next -= 1
-            raise RuntimeError("create certificate: rpc error: code = Unavailable desc = CA is down")
+            raise CAError("create certificate: rpc error: code = Unavailable desc = CA is down")
         if self.answer_override is not None:
             return self.answer_override
         csr = x509.load_pem_x509_csr(csr_pem)
@@ -227,6 +227,19 @@ async def test_bad_ca_answers_are_refused(tmp_path: Path, ca: FakeCA, setup: obj
             await manager.generate(WORKLOAD_KEY_CERT)
         assert metrics.sample("ca_response_rejected") == refused_before + 1
         assert recorder.names == []
+    finally:
+        await manager.stop()
+
+
+async def test_a_bug_in_the_ca_client_is_not_taken_for_a_ca_failure(tmp_path: Path, ca: FakeCA) -> None:
+    async def broken(csr_pem: bytes, ttl: object) -> list[str]:
+        raise TypeError("a bug")
+
+    ca.csr_sign = broken  # type: ignore[method-assign]
+    manager, _ = await started(make_settings(tmp_path), ca)
+    try:
+        with pytest.raises(TypeError, match="a bug"):  # not retried for ever as "CA unavailable"
+            await manager.generate(WORKLOAD_KEY_CERT)
     finally:
         await manager.stop()
 

@@ -25,6 +25,7 @@ from istio_agent.log import scope
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 from istio_agent.security.credentials import TokenSource, token_source_for
 from istio_agent.security.istiod import CredentialError, DialMaterial, IstiodCredentials, IstiodEndpoint
+from istio_agent.security.model import CAError
 
 log = scope("citadelclient")
 
@@ -56,14 +57,6 @@ OUTGOING_LATENCY = metrics.counter(
 OUTGOING_RETRIES = metrics.counter(
     "num_outgoing_retries", "Number of retried requests to the CA.", ["request_type"]
 )
-
-
-class CAError(Exception):
-    """The CA did not sign the CSR; ``code`` is the gRPC status when the call itself failed."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _status_of(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:

@@ -28,7 +28,7 @@ from istio_agent.config.security import SecuritySettings, os_ca_bundle
 from istio_agent.log import scope
 from istio_agent.security.filewatch import FileWatcher
 from istio_agent.security.keys import KeyOptions, generate_csr
-from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretError, SecretItem
+from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, CAError, SecretError, SecretItem
 from istio_agent.security.output import write_output_certs
 from istio_agent.security.pem import (
     PemError,
@@ -60,7 +60,10 @@ ROTATION_FAILURES = metrics.counter(
 
 
 class CAClient(Protocol):
-    """What the manager needs from a CA: sign a CSR, get the PEM chain (leaf first, root last)."""
+    """What the manager needs from a CA: sign a CSR, get the PEM chain (leaf first, root last).
+
+    ``csr_sign`` raises CAError when the CA cannot sign (unreachable, refused, a bad answer).
+    """
 
     async def csr_sign(self, csr_pem: bytes, ttl: timedelta) -> list[str]: ...
 
@@ -295,7 +298,7 @@ class SecretManager:
             raise SecretError(f"failed to generate workload certificate: {err}") from None
         try:
             chain = await self._ca.csr_sign(csr, self._settings.secret_ttl)
-        except Exception as err:  # the CA client's errors carry the gRPC status and reason
+        except CAError as err:  # carries the gRPC status and reason; anything else is a bug and propagates
             raise SecretError(f"failed to generate workload certificate: {err}") from None
         try:
             validate_signed_chain(chain, key, identity, now=self._now())

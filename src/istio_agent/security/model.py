@@ -33,6 +33,17 @@ class SecretError(Exception):
     """A secret could not be produced; the message says why (never contains key material)."""
 
 
+class CAError(Exception):
+    """The CA did not sign the CSR; ``code`` is the gRPC status (a ``grpc.StatusCode``) when the call failed.
+
+    The one failure a CA client reports: the secret manager retries on it, anything else is a bug.
+    """
+
+    def __init__(self, message: str, code: object = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class SecretProvider(Protocol):
     """What the SDS server needs: produce a secret by resource name (cached, from files or the CA)."""
 
