@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import warnings
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -14,7 +15,9 @@ T = TypeVar("T")
 
 
 def prepare_process() -> None:
-    """Turn grpcio's fork handlers off unless the operator chose otherwise; call before grpc is imported.
+    """Process-wide settings every command makes first; call before grpc is imported.
+
+    grpcio's fork handlers are turned off unless the operator chose otherwise.
 
     When a process forks while gRPC's threads are busy, the handlers skip their work ("Other threads
     are currently calling into gRPC, skipping fork() handlers") and the child can die of SIGSEGV before
@@ -23,6 +26,9 @@ def prepare_process() -> None:
     gRPC in a child, so it needs none of what the handlers do. grpc reads the variable when it loads.
     """
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    # Some roots in the OS trust store (SYSTEM roots, file-root:system) have serial number 0, which
+    # RFC 5280 forbids; cryptography warns once per process. They are the OS's roots, not ours to fix.
+    warnings.filterwarnings("ignore", message="Parsed a serial number which wasn't positive")
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
