@@ -25,10 +25,10 @@ from istio_agent.config.app_probers import (
     TCPSocketProber,
     parse_app_probers,
 )
-from istio_agent.status import h2client
+from istio_agent.http import h2client
 from istio_agent.status.probes import AppProbes, decode_health_status
+from tests.http.h2server import H2Server, Reply, Seen, tls_server_context
 from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
-from tests.status.h2server import H2Server, Reply, Seen, tls_server_context
 
 pytestmark = pytest.mark.timeout(20)
 

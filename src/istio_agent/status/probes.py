@@ -25,8 +25,8 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from istio_agent.config.app_probers import AppProber, GRPCProber, HTTPGetProber, TCPSocketProber
+from istio_agent.http import dial, h2client
 from istio_agent.log import scope
-from istio_agent.status import h2client
 
 log = scope("healthcheck")
 
@@ -367,7 +367,7 @@ class AppProbes:
 
     async def _tcp(self, prober: TCPSocketProber) -> None:
         sock = await self._from_source(
-            self._pod_ip, lambda: h2client.dial(self._pod_ip, prober.port, self._source.open_socket)
+            self._pod_ip, lambda: dial.connect(self._pod_ip, prober.port, self._source.open_socket)
         )
         sock.close()
 
