@@ -7,6 +7,7 @@ Values are text decoded as Latin-1, so any byte sequence survives a round trip t
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import overload
 
 Fields = Iterable[tuple[str, str]] | Mapping[str, str]
 
@@ -38,6 +39,15 @@ class Headers:
 
     def raw(self) -> list[tuple[bytes, bytes]]:
         return [(encode_text(name), encode_text(value)) for name, value in self._items]
+
+    @overload
+    def get(self, name: str) -> str | None: ...
+
+    @overload
+    def get(self, name: str, default: str) -> str: ...
+
+    @overload
+    def get(self, name: str, default: str | None) -> str | None: ...
 
     def get(self, name: str, default: str | None = None) -> str | None:
         """The first value of ``name``."""

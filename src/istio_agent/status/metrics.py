@@ -28,12 +28,13 @@ import zlib
 from dataclasses import dataclass
 
 import aiohttp
-from aiohttp import hdrs, web
+from aiohttp import hdrs
 from prometheus_client import CollectorRegistry, generate_latest
 from yarl import URL
 
 from istio_agent import metrics
 from istio_agent.config.prometheus import PrometheusTargets, ScrapeTarget
+from istio_agent.http.messages import Request, StreamResponse
 from istio_agent.log import scope
 from istio_agent.status.server import negotiate_encoding
 
@@ -182,7 +183,7 @@ class _Output:
     level 6, which made a 7 MB scrape cost ~5x the CPU of an uncompressed one for 25 % less output.
     """
 
-    def __init__(self, response: web.StreamResponse, *, gzip: bool = False) -> None:
+    def __init__(self, response: StreamResponse, *, gzip: bool = False) -> None:
         self.response = response
         self.at_line_start = True
         self._compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS) if gzip else None
@@ -251,7 +252,7 @@ class MetricsMerger:
             )
         return self._session
 
-    def _headers(self, request: web.Request, *, openmetrics: bool) -> dict[str, str]:
+    def _headers(self, request: Request, *, openmetrics: bool) -> dict[str, str]:
         headers: dict[str, str] = {
             hdrs.ACCEPT: negotiate_accept(request.headers.get(hdrs.ACCEPT), openmetrics=openmetrics),
             hdrs.ACCEPT_ENCODING: "identity",  # the body is relayed as text; the status server compresses
@@ -265,7 +266,7 @@ class MetricsMerger:
     def _app_url(self, target: ScrapeTarget) -> URL:
         return URL(f"http://{self._host}:{target.port}{target.path}", encoded=True)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: Request) -> StreamResponse:
         scrapes_total.inc()
         timeout = scrape_timeout(request.headers.get(SCRAPE_TIMEOUT_HEADER))
         targets = self._app.targets if self._app is not None else ()
@@ -287,8 +288,7 @@ class MetricsMerger:
                 )
                 fmt = self._merged_format(buffered)
 
-            response = web.StreamResponse(status=200)
-            response.headers[hdrs.CONTENT_TYPE] = fmt.content_type
+            response = StreamResponse(200, content_type=fmt.content_type)
             gzip = negotiate_encoding(request.headers.get(hdrs.ACCEPT_ENCODING, ""), zstd=False) == "gzip"
             response.headers.add(hdrs.VARY, hdrs.ACCEPT_ENCODING)
             if gzip:
@@ -318,9 +318,9 @@ class MetricsMerger:
             return
         await out.write(body)
 
-    async def _relay_envoy(self, request: web.Request, out: _Output, timeout: float) -> None:
+    async def _relay_envoy(self, request: Request, out: _Output, timeout: float) -> None:
         url = f"http://{self._host}:{self._envoy_port}/stats/prometheus"
-        query = request.rel_url.raw_query_string  # appended as received, as Istio does
+        query = request.query_string  # appended as received, as Istio does
         if query:
             url += "?" + query
         deadline = asyncio.get_running_loop().time() + timeout

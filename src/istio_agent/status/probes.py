@@ -20,12 +20,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
-from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
 from istio_agent.config.app_probers import AppProber, GRPCProber, HTTPGetProber, TCPSocketProber
 from istio_agent.http import dial, h2client
+from istio_agent.http.messages import Request, Response
 from istio_agent.log import scope
 
 log = scope("healthcheck")
@@ -203,10 +203,10 @@ class AppProbes:
             session, self._session = self._session, None
             await session.close()
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: Request) -> Response:
         prober = self._probers.get(request.path)
         if prober is None:
-            return web.Response(status=400, text=f"app prober config does not exists for {request.path}")
+            return Response(400, text=f"app prober config does not exists for {request.path}")
         action = prober.action
         try:
             async with asyncio.timeout(_timeout(prober)) as deadline:
@@ -214,9 +214,9 @@ class AppProbes:
                     return await self._http_get(request, action)
                 if isinstance(action, TCPSocketProber):
                     await self._tcp(action)
-                    return web.Response(status=200)
+                    return Response(200)
                 await self._grpc(request, action, deadline)
-                return web.Response(status=200)
+                return Response(200)
         except TimeoutError:
             log.info("app probe %s timed out after %ss", request.path, _timeout(prober))
         except h2client.GrpcError as err:
@@ -231,7 +231,7 @@ class AppProbes:
                 log.info("app probe %s failed: grpc probe failed: %s", request.path, err)
         except (ProbeError, OSError, aiohttp.ClientError, h2client.H2Error, ValueError) as err:
             log.info("app probe %s failed: %s", request.path, err or type(err).__name__)
-        return web.Response(status=500)
+        return Response(500)
 
     async def _from_source(self, host: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
         """Run a dialling ``attempt``; again from the default source if the probe source cannot
@@ -272,7 +272,7 @@ class AppProbes:
             )
         return self._session
 
-    def _host_header(self, request: web.Request, app_port: int) -> str | None:
+    def _host_header(self, request: Request, app_port: int) -> str | None:
         """Incoming Host, with the status port replaced by the application port."""
         host = request.headers.get("Host")
         if not host:
@@ -284,7 +284,7 @@ class AppProbes:
             return f"{name}:{app_port}"
         return host
 
-    async def _http_get(self, request: web.Request, prober: HTTPGetProber) -> web.Response:
+    async def _http_get(self, request: Request, prober: HTTPGetProber) -> Response:
         scheme = "https" if prober.https else "http"
         path = prober.path if prober.path.startswith("/") else "/" + prober.path
         origin = URL(f"{scheme}://{_url_host(self._pod_ip)}:{prober.port}{path}", encoded=True)
@@ -307,7 +307,7 @@ class AppProbes:
                 except ValueError as err:
                     raise ProbeError(f"bad redirect location: {err}") from None
                 if target.host != origin.host:
-                    return web.Response(status=200)  # another host: the 3xx itself is the answer
+                    return Response(200)  # another host: the 3xx itself is the answer
                 if hop == MAX_REDIRECTS:
                     raise ProbeError(f"stopped after {MAX_REDIRECTS} redirects")
                 if URL(location).is_absolute():
@@ -315,8 +315,8 @@ class AppProbes:
                 url = target
                 continue
             if 300 <= status < 400:
-                return web.Response(status=200)
-            return web.Response(status=status, body=body)
+                return Response(200)
+            return Response(status, body=body)
         raise ProbeError("unreachable")  # pragma: no cover
 
     async def _fetch(self, url: URL, headers: CIMultiDict[str]) -> tuple[int, str | None, bytes]:
@@ -373,7 +373,7 @@ class AppProbes:
 
     # --- grpc ------------------------------------------------------------------------------------
 
-    async def _grpc(self, request: web.Request, prober: GRPCProber, deadline: asyncio.Timeout) -> None:
+    async def _grpc(self, request: Request, prober: GRPCProber, deadline: asyncio.Timeout) -> None:
         """``grpc.health.v1.Health/Check`` over plaintext HTTP/2; only SERVING passes."""
         conn = await self._from_source(self._pod_ip, lambda: self._dial(self._pod_ip, prober.port))
         when = deadline.when()
