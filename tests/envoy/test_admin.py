@@ -1,4 +1,4 @@
-"""The small admin client: real HTTP/1.1 answers from a loopback server, in every framing Envoy uses."""
+"""The admin client: real HTTP/1.1 answers from a loopback server, in every framing Envoy uses."""
 
 from __future__ import annotations
 
@@ -61,12 +61,21 @@ async def test_body_until_close_and_error_status(serve: Serve) -> None:
 @pytest.mark.parametrize(
     ("answer", "message"),
     [
-        (b"garbage\r\n\r\n", "malformed status line"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed chunk size"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1), "bad Content-Length"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "bytes read on a total of 10"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\nabc\r\n", "malformed chunk size"),
-        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000 + b"\r\n\r\n", "longer than limit"),
+        (b"garbage\r\n\r\n", "malformed response: illegal status line"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            "malformed response: illegal chunk header",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1),
+            f"body of {MAX_BODY + 1} bytes exceeds the {MAX_BODY} byte cap",
+        ),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "received 5 bytes, expected 10"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\nabc\r\n",
+            "malformed response: illegal chunk header",
+        ),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70000 + b"\r\n\r\n", "response head larger than 65536 bytes"),
     ],
 )
 async def test_malformed_answers_are_admin_errors(serve: Serve, answer: bytes, message: str) -> None:
