@@ -29,7 +29,7 @@ from istio_agent.http.headers import Fields, Headers
 
 MAX_HEAD = 64 * 1024
 DEFAULT_MAX_BODY = 16 * 2**20
-READ_SIZE = 65536
+READ_SIZE = 256 * 1024  # what an asyncio transport reads at once: one h11 event per socket read
 IDLE_TIMEOUT = 60.0
 """A pooled connection idle longer than this is not reused (servers close theirs at about this age)."""
 MAX_IDLE_PER_ORIGIN = 2
@@ -232,8 +232,8 @@ class ClientResponse:
         value = self.headers.get("Content-Length")
         return int(value) if value is not None and value.strip().isdigit() else None
 
-    async def read_chunk(self) -> bytes:
-        """The next piece of the body as it arrives; ``b""`` at its end."""
+    async def read_chunk(self) -> bytes | bytearray:
+        """The next piece of the body as it arrives (the caller's to keep or change); ``b""`` at its end."""
         while self._connection is not None:
             connection = self._connection
             try:
@@ -243,7 +243,7 @@ class ClientResponse:
                 raise
             if isinstance(event, h11.Data):
                 if event.data:
-                    return bytes(event.data)
+                    return event.data  # h11's own bytearray: no copy
                 continue
             self._connection = None  # EndOfMessage
             await connection.finished()

@@ -31,7 +31,7 @@ class Channel(Protocol):
         """Send the head, and with ``body`` also that body and the end of the response."""
         ...
 
-    async def send_body(self, data: bytes) -> None: ...
+    async def send_body(self, data: bytes | bytearray | memoryview) -> None: ...
 
     async def end_response(self) -> None: ...
 
@@ -130,8 +130,11 @@ class StreamResponse:
         self._channel = self._bind(request)
         await self._channel.start_response(self, None)
 
-    async def write(self, data: bytes) -> None:
-        """Send a piece of the body; returns once the transport has taken it (back-pressure)."""
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send a piece of the body; returns once the transport has taken it (back-pressure).
+
+        The data is copied before this returns: the caller may change its buffer afterwards.
+        """
         if self._channel is None:
             raise RuntimeError("write() before prepare()")
         if data:
@@ -184,7 +187,7 @@ class Response(StreamResponse):
         self._ended = True
         await self._channel.start_response(self, self.body)
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
         raise RuntimeError("a whole Response is sent with its body; use StreamResponse to stream")
 
 

@@ -238,11 +238,12 @@ class _Connection:
             self._ended = True
         await self._write(parts)
 
-    async def send_body(self, data: bytes) -> None:
+    async def send_body(self, data: bytes | bytearray | memoryview) -> None:
         if not self._started or self._ended:
             raise RuntimeError("send_body() outside a started response")
         if _has_body(self._method, self._status):
-            await self._write(self._h11.send_with_data_passthrough(h11.Data(data=data)) or [])
+            event = h11.Data(data=data)  # type: ignore[arg-type]  # h11 takes any bytes-like object
+            await self._write(self._h11.send_with_data_passthrough(event) or [])
 
     async def end_response(self) -> None:
         if not self._started or self._ended:
@@ -253,7 +254,8 @@ class _Connection:
     async def _write(self, parts: list[bytes]) -> None:
         if self._writer.is_closing():
             raise ClientDisconnected("the client disconnected")
-        self._writer.writelines(parts)
+        # One write of one joined copy: the transport keeps no reference to the caller's buffers.
+        self._writer.write(b"".join(parts))
         try:
             await self._writer.drain()
         except ConnectionError as err:

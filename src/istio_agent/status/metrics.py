@@ -193,11 +193,11 @@ class _Output:
             return
         with memoryview(data) as view:
             for start in range(0, end, WRITE_PIECE):
-                piece = bytes(view[start : min(start + WRITE_PIECE, end)])
+                piece: bytes | memoryview = view[start : min(start + WRITE_PIECE, end)]
                 if self._compressor is not None:
                     piece = self._compressor.compress(piece)
                 if piece:
-                    await self.response.write(piece)
+                    await self.response.write(piece)  # copied by the server before it returns
             self.at_line_start = view[end - 1] == ord("\n")
 
     async def finish(self) -> None:
@@ -398,19 +398,27 @@ class MetricsMerger:
             over = cap is not None and total > cap
             if cap is not None and over:
                 chunk = chunk[: len(chunk) - (total - cap)]
-            held += chunk
-            cut = held.rfind(b"\n") + 1
+            data: bytes | bytearray
+            if held:
+                held += chunk
+                data = held
+            else:
+                data = chunk  # nothing held back: relayed from the chunk itself, not copied first
+            cut = data.rfind(b"\n") + 1
             if over:
-                await out.write(held, cut)  # the complete lines within the cap
+                await out.write(data, cut)  # the complete lines within the cap
                 return f"body exceeds the {cap} byte cap"
-            if cut == 0 and len(held) < HOLD_MAX:
+            if cut == 0 and len(data) < HOLD_MAX:
+                if data is chunk:
+                    held += chunk
                 continue
-            if cut == 0:
-                cut = len(
-                    held
-                )  # no line structure: not text exposition, passed through for the scraper to judge
-            await out.write(held, cut)
-            del held[:cut]
+            if cut == 0:  # no line structure: not text exposition, passed through for the scraper to judge
+                cut = len(data)
+            await out.write(data, cut)
+            if data is held:
+                del held[:cut]
+            else:
+                held += memoryview(chunk)[cut:]
         await out.write(held)
         return None
 
