@@ -22,6 +22,7 @@ from istio_agent.http.client import (
     fetch,
 )
 from tests.http.h2server import tls_server_context
+from tests.http.scripted import Scripted, scripted_fixture  # noqa: F401  (the "scripted" fixture)
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -46,29 +47,6 @@ async def aio() -> AsyncIterator[Serve]:
     yield start
     for runner in runners:
         await runner.cleanup()
-
-
-@pytest.fixture
-async def scripted() -> AsyncIterator[Callable[[bytes], Awaitable[tuple[int, list[bytes]]]]]:
-    """A server answering each connection with fixed bytes, then closing; records request heads."""
-    servers: list[asyncio.Server] = []
-
-    async def start(answer: bytes) -> tuple[int, list[bytes]]:
-        heads: list[bytes] = []
-
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            heads.append(await reader.readuntil(b"\r\n\r\n"))
-            writer.write(answer)
-            await writer.drain()
-            writer.close()
-
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        servers.append(server)
-        return server.sockets[0].getsockname()[1], heads
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 def closed_port() -> int:
@@ -123,7 +101,7 @@ async def test_get_and_post_against_aiohttp(aio: Serve) -> None:
 
 
 async def test_host_header_first_and_not_doubled(
-    scripted: Callable[[bytes], Awaitable[tuple[int, list[bytes]]]],
+    scripted: Scripted,
 ) -> None:
     port, heads = await scripted(b"HTTP/1.1 204 No Content\r\n\r\n")
     await fetch("GET", f"http://127.0.0.1:{port}/a", timeout=5)
@@ -168,7 +146,7 @@ async def test_body_caps(aio: Serve) -> None:
 
 
 async def test_body_until_close_and_informational_answers(
-    scripted: Callable[[bytes], Awaitable[tuple[int, list[bytes]]]],
+    scripted: Scripted,
 ) -> None:
     port, _ = await scripted(
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 503 Service Unavailable\r\n\r\n" + b"y" * 200_000
@@ -187,9 +165,7 @@ async def test_body_until_close_and_informational_answers(
         (b"", "malformed response"),
     ],
 )
-async def test_malformed_answers_are_protocol_errors(
-    scripted: Callable[[bytes], Awaitable[tuple[int, list[bytes]]]], answer: bytes, message: str
-) -> None:
+async def test_malformed_answers_are_protocol_errors(scripted: Scripted, answer: bytes, message: str) -> None:
     port, _ = await scripted(answer)
     with pytest.raises(ProtocolError, match=message):
         await fetch("GET", f"http://127.0.0.1:{port}/", timeout=5)

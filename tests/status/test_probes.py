@@ -30,7 +30,6 @@ from istio_agent.http.messages import Request, StreamResponse
 from istio_agent.http.server import ServerRunner, TCPSite
 from istio_agent.status.probes import AppProbes, decode_health_status
 from tests.http.h2server import H2Server, Reply, Seen, tls_server_context
-from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -299,19 +298,6 @@ async def test_connection_refused_is_500(status_server: Prober) -> None:
 # --- HTTPS -----------------------------------------------------------------------------------------
 
 
-def server_tls(tmp_path: Path, alpn: list[str] | None = None) -> ssl.SSLContext:
-    ca_key, ca = make_ca()
-    key = new_key()
-    cert = issue(ca_key, ca, public_key=key.public_key(), dns_sans=["app.example"])
-    (tmp_path / "cert.pem").write_bytes(to_pem(cert))
-    (tmp_path / "key.pem").write_bytes(key_to_pem(key))
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
-    if alpn:
-        context.set_alpn_protocols(alpn)
-    return context
-
-
 @pytest.mark.parametrize(
     ("alpn", "http2"),
     [
@@ -325,7 +311,7 @@ async def test_https_http1(
 ) -> None:
     # aiohttp's server speaks only HTTP/1.1 (it would fail an h2 connection it advertised).
     state = App()
-    runner = await serve(make_app(state), tls=server_tls(tmp_path, alpn))
+    runner = await serve(make_app(state), tls=tls_server_context(tmp_path, alpn))
     try:
         client = await status_server(
             {"/app-health/web/readyz": http("/echo", port_of(runner), scheme="HTTPS")}, http2=http2
