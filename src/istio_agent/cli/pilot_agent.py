@@ -8,7 +8,7 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import urlsplit
 
 import click
@@ -22,9 +22,11 @@ from istio_agent.config.dns import DnsSettings
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyStartError
 from istio_agent.health.config import parse_readiness_probe
-from istio_agent.http.client import Client, HTTPError, fetch
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 from istio_agent.memory import pin_mmap_threshold
+
+if TYPE_CHECKING:
+    from istio_agent.http.client import Client
 
 log = scope("default")
 PROXY_TYPES = ("sidecar", "router", "waypoint", "ztunnel", "agentgateway")
@@ -267,6 +269,8 @@ def _describe(err: BaseException, timeout: float) -> str:
 
 async def check_ready(client: Client, url: str, timeout: float) -> str | None:
     """GET ``url`` and read the whole body; None when the status is 200, else why not."""
+    from istio_agent.http.client import HTTPError
+
     try:
         async with asyncio.timeout(timeout):
             answer = await client.fetch("GET", url)
@@ -283,6 +287,8 @@ async def wait_until_ready(url: str, *, timeout: float, period: float, request_t
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     last_error = "<nil>"  # what Go prints when no attempt was made before the deadline
+    from istio_agent.http.client import Client  # `proxy` does not need it before Envoy starts
+
     client = Client(keepalive=True)  # as Go's default client: one connection, reused
     try:
         while True:
@@ -381,6 +387,8 @@ async def admin_request(
 
     Raises CommandError for transport failures and for statuses above 399 other than 404 (as Istio's).
     """
+    from istio_agent.http.client import HTTPError, fetch
+
     url = f"http://{host}:{port}/{path.removeprefix('/')}"
     try:
         answer = await fetch(method, url, body=body.encode(), timeout=timeout, max_body=None)
