@@ -184,6 +184,13 @@ class Agent:
 
         A bind failure is only logged (the agent runs on without a status server).
         """
+        from istio_agent.http.listen import listening_socket
+
+        try:  # the port first: connections wait in its backlog while the server loads
+            sock = listening_socket(settings.host, settings.port)
+        except OSError as err:
+            log.error("status server %s; continuing without the status server", err)
+            return
         from istio_agent.status.lazy import LazyHandler
         from istio_agent.status.readiness import DnsReadiness, EnvoyReadiness, Prober, Readiness
         from istio_agent.status.server import StatusServer
@@ -215,8 +222,9 @@ class Agent:
             metrics_localhost_only=settings.metrics_localhost_only,
         )
         try:
-            await server.start()
+            await server.start(sock)
         except OSError as err:
+            sock.close()
             log.error("%s; continuing without the status server", err)
             return
         self._closers.extend(handler for handler in (metrics, probes) if handler is not None)

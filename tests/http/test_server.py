@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 
+from istio_agent.http.listen import listening_socket
 from istio_agent.http.messages import Request, Response, StreamResponse
 from istio_agent.http.server import ClientDisconnected, Limits, ServerRunner, SockSite, TCPSite
 
@@ -460,3 +461,26 @@ async def test_sock_site_serves_an_existing_socket() -> None:
     finally:
         await runner.cleanup()
     assert site.port == 0 and runner.sites == []
+
+
+async def test_a_listening_socket_queues_connections_until_served() -> None:
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)  # accepted by the kernel already
+    writer.write(b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+    runner = ServerRunner(hello)
+    await SockSite(runner, sock).start()  # served later: the request waited in the backlog
+    try:
+        assert (await asyncio.wait_for(reader.read(), 5)).endswith(b"hello 127.0.0.1")
+    finally:
+        writer.close()
+        await runner.cleanup()
+
+
+def test_a_port_in_use_is_named() -> None:
+    taken = listening_socket("127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1:\d+: Address already in use"):
+            listening_socket("127.0.0.1", taken.getsockname()[1])
+    finally:
+        taken.close()

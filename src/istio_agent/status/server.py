@@ -24,13 +24,14 @@ import asyncio
 import functools
 import ipaddress
 import json
+import socket
 import zlib
 from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
 from istio_agent.http.messages import Handler, Request, Response, StreamResponse
-from istio_agent.http.server import ServerRunner, TCPSite
+from istio_agent.http.server import BaseSite, ServerRunner, SockSite, TCPSite
 from istio_agent.log import scope
 from istio_agent.status.readiness import Readiness
 
@@ -156,7 +157,7 @@ class StatusServer:
         self._on_drain = on_drain
         self._metrics_localhost_only = metrics_localhost_only
         self._runner: ServerRunner | None = None
-        self._site: TCPSite | None = None
+        self._site: BaseSite | None = None
         self._port = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -165,12 +166,17 @@ class StatusServer:
         """The bound port (the requested one, or the one picked for port 0); 0 before start()."""
         return self._port
 
-    async def start(self) -> None:
-        """Bind and serve; raise OSError naming the address if binding fails."""
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Bind (or serve ``sock``, already listening: see ``http/listen.py``) and serve.
+
+        Raises OSError naming the address if binding fails.
+        """
         if self._runner is not None:
             raise RuntimeError("status server already started")
         runner = ServerRunner(self._handle, shutdown_timeout=SHUTDOWN_TIMEOUT)
-        site = TCPSite(runner, self._host, self._requested_port)
+        site: BaseSite = (
+            SockSite(runner, sock) if sock is not None else TCPSite(runner, self._host, self._requested_port)
+        )
         try:
             await site.start()
         except OSError as err:
