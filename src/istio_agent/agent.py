@@ -63,7 +63,7 @@ class AgentSettings:
 
 @dataclass(frozen=True)
 class SdsPlan:
-    """Where the SDS server listens and where certificates come from (reference sds.md §1.2)."""
+    """Where the SDS server listens and where certificates come from (as Istio decides in pkg/istio-agent/agent.go)."""
 
     socket_path: Path
     serve_only_files: bool

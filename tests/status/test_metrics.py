@@ -1,4 +1,4 @@
-"""Merged metrics (lifecycle.md §4.2) against fake Envoy and app servers on 127.0.0.1."""
+"""Merged metrics (docs/status.md) against fake Envoy and app servers on 127.0.0.1."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Workload health probers for VM readiness checks (lifecycle.md §7).
+"""Workload health probers for VM readiness checks (Istio: pkg/istio-agent/health/health_probers.go).
 
 Each prober answers one probe with a ``ProbeOutcome``. Error strings follow Istio's so that the
 message istiod puts on the WorkloadEntry's ``Healthy`` condition reads the same. HTTP probes come
@@ -96,7 +96,7 @@ def _dial_error(address: str, host: str, err: OSError) -> str:
 
 
 class EnvoyProber:
-    """Envoy has its config and is LIVE (§4.1 without the termination check)."""
+    """Envoy has its config and is LIVE (the readiness check of status/readiness.py, without the termination check)."""
 
     def __init__(self, readiness: EnvoyReadiness) -> None:
         self._readiness = readiness

@@ -1,4 +1,4 @@
-"""Merged Prometheus metrics (lifecycle.md §4.2): the agent's registry, Envoy's 15090 listener, app targets.
+"""Merged Prometheus metrics (docs/status.md): the agent's registry, Envoy's 15090 listener, app targets.
 
 One scrape of ``/stats/prometheus`` returns, in order, the agent's own metrics (text 0.0.4), Envoy's
 metrics and the application's. It always answers 200: a failing upstream is logged, counted in
