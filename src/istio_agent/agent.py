@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,20 +32,17 @@ from istio_agent.security.uds import remove_if_stale
 from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
 from istio_agent.xds.proxy import TypeHandler, XdsProxy
 
-if TYPE_CHECKING:  # imported when used: they load aiohttp, which is not needed to start Envoy
+if TYPE_CHECKING:  # imported when used: not needed to start Envoy
     from istio_agent.dns.proxy import DnsProxy
     from istio_agent.health.checker import HealthChecker
     from istio_agent.health.config import ReadinessProbeConfig
-    from istio_agent.status.early import EarlyStatusServer
+    from istio_agent.status.lazy import LazyHandler
     from istio_agent.status.metrics import MetricsMerger
     from istio_agent.status.probes import AppProbes
     from istio_agent.status.readiness import Readiness
     from istio_agent.status.server import StatusServer
 
 log = scope("agent")
-
-FULL_STATUS_DELAY = 2.0
-"""Longest the full status server (metrics, app probes, quit/drain) waits for the workload to be ready."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,7 @@ class AgentSettings:
 
 @dataclass(frozen=True)
 class SdsPlan:
-    """Where the SDS server listens and where certificates come from (reference sds.md §1.2)."""
+    """Where the SDS server listens and where certificates come from (as Istio decides in pkg/istio-agent/agent.go)."""
 
     socket_path: Path
     serve_only_files: bool
@@ -120,11 +116,9 @@ class Agent:
         """Set by ``/quitquitquit``: whoever runs the agent should stop it."""
         self._started_at = time.monotonic()
         self._skip_drain = False
-        self._closers: list[MetricsMerger | AppProbes] = []
+        self._closers: list[LazyHandler] = []
         self._prewarm: asyncio.Task[None] | None = None
         self._health: tuple[HealthChecker, asyncio.Task[None]] | None = None
-        self._status_starting: asyncio.Task[None] | None = None
-        self._status_socket: socket.socket | None = None
 
     async def start(self) -> None:
         if self._settings.dns is not None and self._settings.dns.enabled:
@@ -146,7 +140,7 @@ class Agent:
         if self._settings.xds is not None:
             await self._start_xds_proxy(self._settings.xds, manager)
         # Envoy first: it retries the agent's sockets on its own, and its start-up overlaps with the
-        # status server's (which loads aiohttp); kubelet sees 503 through 15021 until both are up.
+        # status server's; kubelet sees 503 through 15021 until both are up.
         if self._settings.bootstrap is not None:
             await self._start_envoy(self._settings.bootstrap)
         if self._settings.status is not None and self._settings.status.enabled:
@@ -183,12 +177,20 @@ class Agent:
         log.info("workload health checks started (every %gs)", config.period)
 
     async def _start_status_server(self, settings: StatusSettings) -> None:
-        """Bind statusPort and answer readiness at once; the full server follows once the workload is ready.
+        """Bind statusPort and serve: readiness at once, metrics and app probes built on first use.
 
         A bind failure is only logged (the agent runs on without a status server).
         """
-        from istio_agent.status.early import EarlyStatusServer, bind_status_socket
+        from istio_agent.http.listen import listening_socket
+
+        try:  # the port first: connections wait in its backlog while the server loads
+            sock = listening_socket(settings.host, settings.port)
+        except OSError as err:
+            log.error("status server %s; continuing without the status server", err)
+            return
+        from istio_agent.status.lazy import LazyHandler
         from istio_agent.status.readiness import DnsReadiness, EnvoyReadiness, Prober, Readiness
+        from istio_agent.status.server import StatusServer
 
         bootstrap = self._settings.bootstrap
         probers: list[Prober] = []
@@ -203,59 +205,14 @@ class Agent:
             probers.append(DnsReadiness(lambda: name_table.ready))
         readiness = Readiness(probers)
         self.readiness = readiness
-        try:
-            sock = bind_status_socket(settings.host, settings.port)
-        except OSError as err:
-            log.error("%s; continuing without the status server", err)
-            return
-        self._status_socket = sock
-        early = EarlyStatusServer(sock, readiness)
-        await early.start()
-        self._status_starting = asyncio.get_running_loop().create_task(
-            self._start_full_status_server(settings, sock, early), name="status-server"
-        )
-        self._status_starting.add_done_callback(_report_status_start_failure)
-
-    async def _start_full_status_server(
-        self, settings: StatusSettings, sock: socket.socket, early: EarlyStatusServer
-    ) -> None:
-        """Load the full status server (aiohttp) once ready or after FULL_STATUS_DELAY, on the same socket."""
-        assert self.readiness is not None
-        waits = [
-            asyncio.ensure_future(self.readiness.became_ready.wait()),
-            asyncio.ensure_future(early.full_server_wanted.wait()),
-        ]
-        try:
-            await asyncio.wait(waits, timeout=FULL_STATUS_DELAY, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waits:
-                waiter.cancel()
-        from istio_agent.status.metrics import MetricsMerger
-        from istio_agent.status.probes import AppProbes
-        from istio_agent.status.server import StatusServer
-
-        envoy_port = None
-        bootstrap = self._settings.bootstrap
-        if bootstrap is not None and settings.merge_envoy_stats:
-            envoy_port = bootstrap.envoy_prometheus_port
-        merger = MetricsMerger(REGISTRY, envoy_port=envoy_port, app=settings.prometheus)
-        self._closers.append(merger)
-        probes = None
-        if settings.app_probers:
-            probes = AppProbes(
-                settings.app_probers,
-                pod_ip=settings.pod_ip,
-                status_port=settings.port,
-                keepalive=settings.probe_keepalive,
-                http2=settings.http2_probing,
-            )
-            self._closers.append(probes)
+        metrics = LazyHandler(lambda: _metrics_merger(settings, bootstrap))
+        probes = LazyHandler(lambda: _app_probes(settings)) if settings.app_probers else None
         server = StatusServer(
             settings.host,
             settings.port,
-            self.readiness,
-            metrics=merger.handle,
-            app_probes=probes.handle if probes else None,
+            readiness,
+            metrics=metrics,
+            app_probes=probes,
             ndsz=self.dns.ndsz if self.dns is not None else None,
             on_quit=self._quit,
             on_drain=self._drain,
@@ -263,26 +220,12 @@ class Agent:
         )
         try:
             await server.start(sock)
-            early.hand_over(server.protocol_factory)
         except OSError as err:
-            log.error("%s; continuing without the status server", err)
             sock.close()
+            log.error("%s; continuing without the status server", err)
             return
-        finally:
-            await early.close()
+        self._closers.extend(handler for handler in (metrics, probes) if handler is not None)
         self.status_server = server
-        log.info("status server on %s:%d", settings.host, server.port)
-
-    async def _stop_status_start(self) -> None:
-        """Cancel a full status server still waiting to load (its early server closes with it)."""
-        task, self._status_starting = self._status_starting, None
-        if task is None:
-            return
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, return_exceptions=True)  # a failure was logged when it happened
-        if self.status_server is None and self._status_socket is not None:
-            self._status_socket.close()  # never handed to the full server: 15020 must refuse from now on
 
     def _quit(self) -> None:
         """``/quitquitquit``: stop now, killing Envoy without a drain."""
@@ -340,7 +283,6 @@ class Agent:
             await asyncio.gather(task, return_exceptions=True)
         if self.readiness is not None:
             self.readiness.terminate(cause)  # readiness fails at once
-        await self._stop_status_start()
         if self.status_server is not None:
             await self.status_server.close_listener()  # as Istio: 15020 refuses during the drain
         if self.envoy is not None:  # also ends a restart backoff (ENVOY_RESTART_ON_EXIT)
@@ -370,9 +312,27 @@ class Agent:
         await self.stop()
 
 
-def _report_status_start_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("the status server failed to start: %s", task.exception())
+def _metrics_merger(settings: StatusSettings, bootstrap: BootstrapSettings | None) -> MetricsMerger:
+    """The merged-metrics handler (built on the first scrape)."""
+    from istio_agent.status.metrics import MetricsMerger
+
+    envoy_port = None
+    if bootstrap is not None and settings.merge_envoy_stats:
+        envoy_port = bootstrap.envoy_prometheus_port
+    return MetricsMerger(REGISTRY, envoy_port=envoy_port, app=settings.prometheus)
+
+
+def _app_probes(settings: StatusSettings) -> AppProbes:
+    """The app-probe handler (built on the first probe)."""
+    from istio_agent.status.probes import AppProbes
+
+    return AppProbes(
+        settings.app_probers,
+        pod_ip=settings.pod_ip,
+        status_port=settings.port,
+        keepalive=settings.probe_keepalive,
+        http2=settings.http2_probing,
+    )
 
 
 def _log_name_table(table: nds_pb2.NameTable) -> None:

@@ -106,7 +106,5 @@ def configure(
     root.setLevel(default)
     logging.getLogger(ROOT).setLevel(default)
     for name, level in levels.items():
-        # Third-party loggers (grpc, aiohttp) are addressed by their own names.
-        logging.getLogger(name if name in ("grpc", "aiohttp", "asyncio") else f"{ROOT}.{name}").setLevel(
-            level
-        )
+        # Third-party loggers (grpc, asyncio) are addressed by their own names.
+        logging.getLogger(name if name in ("grpc", "asyncio") else f"{ROOT}.{name}").setLevel(level)

@@ -1,4 +1,4 @@
-"""Merged metrics against fake Envoy and app servers on 127.0.0.1."""
+"""Merged metrics (docs/status.md) against fake Envoy and app servers on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from aiohttp import web
 
 from istio_agent import metrics
 from istio_agent.config.prometheus import PrometheusTargets, ScrapeTarget
+from istio_agent.http.messages import Handler
+from istio_agent.http.server import ServerRunner, TCPSite
 from istio_agent.metrics import Registry
 from istio_agent.status.metrics import (
     DEFAULT_BODY_CAP,
@@ -51,12 +53,20 @@ class Fake:
 
 
 class Servers:
-    """Starts fakes and the merged endpoint; everything is torn down after the test."""
+    """Starts fakes (aiohttp, an independent peer) and the merged endpoint (the agent's HTTP server)."""
 
     def __init__(self) -> None:
         self.runners: list[web.AppRunner] = []
+        self.ours: list[ServerRunner] = []
         self.release = asyncio.Event()  # lets hanging fakes finish at teardown
         self.mergers: list[MetricsMerger] = []
+
+    async def serve_merger(self, handler: Handler) -> int:
+        runner = ServerRunner(handler, shutdown_timeout=0.5)
+        site = TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.ours.append(runner)
+        return site.port
 
     async def _serve(self, handler: FakeHandler) -> int:
         app = web.Application()
@@ -103,12 +113,14 @@ class Servers:
             body_cap=body_cap,
         )
         self.mergers.append(merger)
-        return await self._serve(merger.handle)
+        return await self.serve_merger(merger.handle)
 
     async def close(self) -> None:
         self.release.set()
         for merger in self.mergers:
             await merger.close()
+        for ours in self.ours:
+            await ours.cleanup()
         for runner in reversed(self.runners):
             await runner.cleanup()
 
@@ -770,7 +782,7 @@ async def test_close_is_idempotent_and_merger_reusable(servers: Servers) -> None
     envoy = await servers.static(ENVOY_BODY)
     merger = MetricsMerger(metrics.REGISTRY, envoy_port=envoy.port, app=None)
     await merger.close()  # never used: nothing to close
-    port = await servers._serve(merger.handle)
+    port = await servers.serve_merger(merger.handle)
     await scrape(port)
     await merger.close()
     _, out = await scrape(port)  # a new session is made on demand

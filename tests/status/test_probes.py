@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
 from istio_agent.config.app_probers import (
     AppProber,
@@ -25,10 +25,11 @@ from istio_agent.config.app_probers import (
     TCPSocketProber,
     parse_app_probers,
 )
-from istio_agent.status import h2client
+from istio_agent.http import h2client
+from istio_agent.http.messages import Request, StreamResponse
+from istio_agent.http.server import ServerRunner, TCPSite
 from istio_agent.status.probes import AppProbes, decode_health_status
-from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
-from tests.status.h2server import H2Server, Reply, Seen, tls_server_context
+from tests.http.h2server import H2Server, Reply, Seen, tls_server_context
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -117,31 +118,43 @@ async def app() -> AsyncIterator[App]:
     await runner.cleanup()
 
 
-Prober = Callable[..., Awaitable[TestClient]]
+@dataclass
+class ProbeClient:
+    """Kubelet's side: GETs to the status-server stand-in (aiohttp's client, an independent peer)."""
+
+    session: aiohttp.ClientSession
+    port: int
+
+    async def get(self, path: str, **kwargs: object) -> aiohttp.ClientResponse:
+        return await self.session.get(f"http://127.0.0.1:{self.port}{path}", **kwargs)  # type: ignore[arg-type]
+
+
+Prober = Callable[..., Awaitable[ProbeClient]]
 
 
 @pytest.fixture
 async def status_server() -> AsyncIterator[Prober]:
-    """Builds a status-server stand-in mounting AppProbes.handle; returns a test client."""
+    """Builds a status-server stand-in (the agent's HTTP server) mounting AppProbes.handle."""
     cleanups: list[Callable[[], Awaitable[None]]] = []
 
-    async def build(probers: dict[str, AppProber], pod_ip: str = "127.0.0.1", **kwargs: object) -> TestClient:
+    async def build(
+        probers: dict[str, AppProber], pod_ip: str = "127.0.0.1", **kwargs: object
+    ) -> ProbeClient:
         holder: dict[str, AppProbes] = {}
 
-        async def handle(request: web.Request) -> web.StreamResponse:
+        async def handle(request: Request) -> StreamResponse:
             return await holder["probes"].handle(request)
 
-        web_app = web.Application()
-        web_app.router.add_route("*", "/app-health/{tail:.*}", handle)
-        web_app.router.add_route("*", "/app-lifecycle/{tail:.*}", handle)
-        server = TestServer(web_app, host="127.0.0.1")
-        client = TestClient(server)
-        await client.start_server()
-        probes = AppProbes(probers, pod_ip=pod_ip, status_port=server.port or 0, **kwargs)  # type: ignore[arg-type]
+        runner = ServerRunner(handle, shutdown_timeout=0.5)
+        site = TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        session = aiohttp.ClientSession()
+        probes = AppProbes(probers, pod_ip=pod_ip, status_port=site.port, **kwargs)  # type: ignore[arg-type]
         holder["probes"] = probes
-        cleanups.append(client.close)
+        cleanups.append(runner.cleanup)
+        cleanups.append(session.close)
         cleanups.append(probes.close)
-        return client
+        return ProbeClient(session, site.port)
 
     yield build
     for cleanup in reversed(cleanups):
@@ -198,7 +211,7 @@ async def test_headers_copied_host_rewritten_connection_close(app: App, status_s
     # The prober's own httpHeaders are kubelet's business: the agent must not add them.
     prober = AppProber(HTTPGetProber(port=app.port, path="/echo", headers=(("X-Config", "nope"),)))
     client = await status_server({"/app-health/web/readyz": prober})
-    status_port = client.server.port
+    status_port = client.port
     response = await client.get(
         "/app-health/web/readyz",
         headers=[("X-Custom", "a"), ("X-Multi", "1"), ("X-Multi", "2"), ("User-Agent", "kube-probe/1.30")],
@@ -285,19 +298,6 @@ async def test_connection_refused_is_500(status_server: Prober) -> None:
 # --- HTTPS -----------------------------------------------------------------------------------------
 
 
-def server_tls(tmp_path: Path, alpn: list[str] | None = None) -> ssl.SSLContext:
-    ca_key, ca = make_ca()
-    key = new_key()
-    cert = issue(ca_key, ca, public_key=key.public_key(), dns_sans=["app.example"])
-    (tmp_path / "cert.pem").write_bytes(to_pem(cert))
-    (tmp_path / "key.pem").write_bytes(key_to_pem(key))
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
-    if alpn:
-        context.set_alpn_protocols(alpn)
-    return context
-
-
 @pytest.mark.parametrize(
     ("alpn", "http2"),
     [
@@ -311,7 +311,7 @@ async def test_https_http1(
 ) -> None:
     # aiohttp's server speaks only HTTP/1.1 (it would fail an h2 connection it advertised).
     state = App()
-    runner = await serve(make_app(state), tls=server_tls(tmp_path, alpn))
+    runner = await serve(make_app(state), tls=tls_server_context(tmp_path, alpn))
     try:
         client = await status_server(
             {"/app-health/web/readyz": http("/echo", port_of(runner), scheme="HTTPS")}, http2=http2

@@ -12,8 +12,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
+from istio_agent.http.messages import Request, Response, StreamResponse
 from istio_agent.status.readiness import Readiness
 from istio_agent.status.server import (
     StatusServer,
@@ -45,13 +45,13 @@ class Calls:
 
 
 def build(calls: Calls, host: str = "127.0.0.1", **kwargs: object) -> StatusServer:
-    async def metrics(request: web.Request) -> web.StreamResponse:
+    async def metrics(request: Request) -> StreamResponse:
         calls.metrics.append(request.path)
-        return web.Response(text=calls.metrics_body, content_type="text/plain")
+        return Response(text=calls.metrics_body, content_type="text/plain")
 
-    async def probes(request: web.Request) -> web.StreamResponse:
+    async def probes(request: Request) -> StreamResponse:
         calls.probes.append(request.path)
-        return web.Response(text="probed")
+        return Response(text="probed")
 
     def on_quit() -> None:
         calls.quit += 1
@@ -433,8 +433,8 @@ async def test_zstd_only_when_available(server: StatusServer, calls: Calls) -> N
 
 
 async def test_streamed_metrics_keep_working(calls: Calls) -> None:
-    async def streamed(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+    async def streamed(request: Request) -> StreamResponse:
+        response = StreamResponse(headers={"Content-Type": "text/plain"})
         await response.prepare(request)
         for _ in range(5):
             await response.write(BIG.encode())
@@ -445,7 +445,7 @@ async def test_streamed_metrics_keep_working(calls: Calls) -> None:
     await status_server.start()
     try:
         status, body, encoding = await raw_get(status_server, "/stats/prometheus", "gzip")
-        assert (status, body.decode(), encoding) == (200, BIG * 5, None)  # the middleware leaves it alone
+        assert (status, body.decode(), encoding) == (200, BIG * 5, None)  # compression leaves it alone
     finally:
         await status_server.stop()
 
@@ -479,3 +479,71 @@ async def test_bind_failure_names_the_address(calls: Calls) -> None:
 async def test_start_twice_is_an_error(server: StatusServer) -> None:
     with pytest.raises(RuntimeError):
         await server.start()
+
+
+# -- from the first moment (what the start-up server used to do, now the one server's job) -----------
+async def exchange(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    return answer
+
+
+@pytest.mark.both_loops
+async def test_readiness_is_answered_from_start_with_the_reason(calls: Calls) -> None:
+    calls.prober.error = "config not received from XDS server (is Istiod running?)"
+    status_server = build(calls)
+    await status_server.start()
+    try:
+        port = status_server.port
+        answer = await exchange(port, b"GET /healthz/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 503 ")
+        assert answer.endswith(b"\r\n\r\nconfig not received from XDS server (is Istiod running?)\n")
+        assert not status_server._readiness.became_ready.is_set()
+        calls.prober.error = None
+        answer = await exchange(
+            port, b"HEAD /healthz/ready?x=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"Content-Length: 0" in answer
+        assert status_server._readiness.became_ready.is_set()
+    finally:
+        await status_server.stop()
+
+
+@pytest.mark.both_loops
+async def test_requests_in_pieces_are_answered_with_the_real_peer(calls: Calls) -> None:
+    async def metrics(request: Request) -> StreamResponse:
+        return Response(text=f"metrics for {request.remote}\n")
+
+    quits: list[int] = []
+    status_server = build(calls, metrics=metrics, on_quit=lambda: quits.append(1))
+    await status_server.start()
+    try:
+        port = status_server.port
+        # Sent in two pieces: the head is only complete with the second one.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /stats/prometheus HTTP/1.1\r\nHost: x\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"Accept: text/plain\r\nConnection: close\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b"metrics for 127.0.0.1\n")
+        quit_request = (
+            b"POST /quitquitquit HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        assert (await exchange(port, quit_request)).startswith(b"HTTP/1.1 200 OK") and quits == [1]
+    finally:
+        await status_server.stop()
+
+
+@pytest.mark.both_loops
+async def test_an_endless_request_head_is_cut_off(calls: Calls) -> None:
+    status_server = build(calls)
+    await status_server.start()
+    try:
+        answer = await exchange(status_server.port, b"GET /healthz/ready HTTP/1.1\r\nX: " + b"a" * 100_000)
+        assert answer.startswith(b"HTTP/1.1 431 ")  # refused and closed, not waited for
+    finally:
+        await status_server.stop()

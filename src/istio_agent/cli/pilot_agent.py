@@ -8,7 +8,7 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import urlsplit
 
 import click
@@ -27,7 +27,7 @@ from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 from istio_agent.memory import pin_mmap_threshold
 
 if TYPE_CHECKING:
-    import aiohttp
+    from istio_agent.http.client import Client
 
 log = scope("default")
 PROXY_TYPES = ("sidecar", "router", "waypoint", "ztunnel", "agentgateway")
@@ -223,7 +223,7 @@ def version(short: bool, output: str) -> None:
         click.echo(f'version.BuildInfo{{Version:"{__version__}", PythonVersion:"{sys.version.split()[0]}"}}')
 
 
-# --- `wait` and `request` (reference/lifecycle.md §1.3, §1.4) --------------------------------------------------
+# --- `wait` and `request` (docs/status.md; Istio: pilot/cmd/pilot-agent/app/wait.go, request.go) -------
 
 DEFAULT_READY_URL = "http://localhost:15021/healthz/ready"
 ALLOWED_DEBUG_PORTS = (15000, 15004, 15020, 15021)
@@ -269,17 +269,16 @@ def _describe(err: BaseException, timeout: float) -> str:
     return text if text else type(err).__name__
 
 
-async def check_ready(session: aiohttp.ClientSession, url: str, timeout: float) -> str | None:
+async def check_ready(client: Client, url: str, timeout: float) -> str | None:
     """GET ``url`` and read the whole body; None when the status is 200, else why not."""
-    import aiohttp
+    from istio_agent.http.client import HTTPError
 
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            await response.read()
-            status = response.status
-    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as err:
+        async with asyncio.timeout(timeout):
+            answer = await client.fetch("GET", url)
+    except (TimeoutError, HTTPError) as err:
         return f'Get "{url}": {_describe(err, timeout)}'
-    return None if status == 200 else f"HTTP status code {status}"
+    return None if answer.status == 200 else f"HTTP status code {answer.status}"
 
 
 async def wait_until_ready(url: str, *, timeout: float, period: float, request_timeout: float) -> None:
@@ -290,9 +289,10 @@ async def wait_until_ready(url: str, *, timeout: float, period: float, request_t
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     last_error = "<nil>"  # what Go prints when no attempt was made before the deadline
-    import aiohttp  # only the commands that make HTTP calls pay for importing it
+    from istio_agent.http.client import Client  # `proxy` does not need it before Envoy starts
 
-    async with aiohttp.ClientSession() as session:
+    client = Client(keepalive=True)  # as Go's default client: one connection, reused
+    try:
         while True:
             if loop.time() + period > deadline:
                 await asyncio.sleep(max(0.0, deadline - loop.time()))
@@ -300,11 +300,13 @@ async def wait_until_ready(url: str, *, timeout: float, period: float, request_t
                     f"timeout waiting for Envoy proxy to become ready. Last error: {last_error}"
                 )
             await asyncio.sleep(period)
-            error = await check_ready(session, url, request_timeout)
+            error = await check_ready(client, url, request_timeout)
             if error is None:
                 return
             last_error = error
             log.debug("Not ready yet: %s", error)
+    finally:
+        await client.aclose()
 
 
 @main.command(cls=_StrictCommand)
@@ -387,23 +389,16 @@ async def admin_request(
 
     Raises CommandError for transport failures and for statuses above 399 other than 404 (as Istio's).
     """
-    import aiohttp
+    from istio_agent.http.client import HTTPError, fetch
 
     url = f"http://{host}:{port}/{path.removeprefix('/')}"
-    data: Any = body.encode() if body else None
     try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.request(method, url, data=data) as response,
-        ):
-            content = await response.read()
-            status = response.status
-    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as err:
+        answer = await fetch(method, url, body=body.encode(), timeout=timeout, max_body=None)
+    except (TimeoutError, HTTPError) as err:
         raise CommandError(f'{_go_op(method)} "{url}": {_describe(err, timeout)}') from None
-    if status > 399 and status != 404:
-        text = content.decode("utf-8", errors="replace")
-        raise CommandError(f"received unsuccessful status code {status}: {text}")
-    return content
+    if answer.status > 399 and answer.status != 404:
+        raise CommandError(f"received unsuccessful status code {answer.status}: {answer.text()}")
+    return answer.body
 
 
 @main.command(cls=_StrictCommand)

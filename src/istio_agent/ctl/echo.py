@@ -12,47 +12,42 @@ import argparse
 import asyncio
 import signal
 
-from aiohttp import web
+from istio_agent.http.messages import Handler, Request, Response, StreamResponse
+from istio_agent.http.server import ServerRunner, TCPSite
 
 
-def make_app(name: str) -> web.Application:
+def make_handler(name: str) -> Handler:
     """The echo application: ``/metrics`` is Prometheus text, every other path a JSON echo of the request."""
     served = 0
 
-    async def metrics(_request: web.Request) -> web.Response:
-        text = (
-            "# HELP echo_requests_total Requests the echo app answered.\n"
-            "# TYPE echo_requests_total counter\n"
-            f'echo_requests_total{{app="{name}"}} {served}\n'
-        )
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
-
-    async def echo(request: web.Request) -> web.Response:
+    async def handle(request: Request) -> StreamResponse:
         nonlocal served
+        if request.path == "/metrics" and request.method in ("GET", "HEAD"):
+            text = (
+                "# HELP echo_requests_total Requests the echo app answered.\n"
+                "# TYPE echo_requests_total counter\n"
+                f'echo_requests_total{{app="{name}"}} {served}\n'
+            )
+            return Response(text=text, content_type="text/plain")
         served += 1
         body = await request.read()
-        return web.json_response(
+        return Response.json(
             {
                 "app": name,
                 "method": request.method,
-                "path": request.path_qs,
-                "headers": dict(request.headers),
+                "path": request.target,
+                "headers": dict(request.headers.items()),
                 "body_bytes": len(body),
             }
         )
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_route("*", "/{tail:.*}", echo)
-    return app
+    return handle
 
 
 async def serve(name: str, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM; prints one line once the port accepts connections."""
-    runner = web.AppRunner(make_app(name), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    runner = ServerRunner(make_handler(name))
+    await TCPSite(runner, host, port).start()
     print(f"echo app {name!r} listening on {host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

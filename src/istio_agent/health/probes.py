@@ -1,4 +1,4 @@
-"""Workload health probers for VM readiness checks (lifecycle.md §7).
+"""Workload health probers for VM readiness checks (Istio: pkg/istio-agent/health/health_probers.go).
 
 Each prober answers one probe with a ``ProbeOutcome``. Error strings follow Istio's so that the
 message istiod puts on the WorkloadEntry's ``Healthy`` condition reads the same. HTTP probes come
@@ -19,10 +19,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import grpc
-from multidict import CIMultiDict
-from yarl import URL
 
 from istio_agent import goformat
 from istio_agent.health.config import (
@@ -33,6 +30,8 @@ from istio_agent.health.config import (
     ReadinessProbeConfig,
     TCPCheck,
 )
+from istio_agent.http.client import URL, Client, ConnectError, HTTPError
+from istio_agent.http.headers import Headers
 from istio_agent.log import scope
 from istio_agent.status.probes import ProbeSource, decode_health_status, encode_health_request
 from istio_agent.status.readiness import EnvoyReadiness
@@ -44,6 +43,7 @@ GRPC_CONFIG_NIL = "grpc health check config is nil"
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 _SERVING = 1
 _MAX_REDIRECTS = 10
+_REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 
 
 # Go's names for the signals a probe command typically dies of (`signal: killed`).
@@ -96,7 +96,7 @@ def _dial_error(address: str, host: str, err: OSError) -> str:
 
 
 class EnvoyProber:
-    """Envoy has its config and is LIVE (§4.1 without the termination check)."""
+    """Envoy has its config and is LIVE (the readiness check of status/readiness.py, without the termination check)."""
 
     def __init__(self, readiness: EnvoyReadiness) -> None:
         self._readiness = readiness
@@ -112,17 +112,16 @@ class HTTPProber:
 
     def __init__(self, check: HTTPGetCheck, default_host: str) -> None:
         host = check.host or default_host
-        self._url = URL(f"{check.scheme}://{_host_port(host, check.port)}{check.path}", encoded=True)
-        self._headers: CIMultiDict[str] = CIMultiDict()
-        for name, value in check.headers:
-            self._headers.add(name, value)  # a `Host` header becomes the request's host
+        self._url = URL.parse(f"{check.scheme}://{_host_port(host, check.port)}{check.path}")
+        self._headers = Headers(check.headers)  # a `Host` header becomes the request's host
         if "User-Agent" not in self._headers:
             self._headers["User-Agent"] = USER_AGENT
         self._headers["Connection"] = "close"
         self._source = ProbeSource()
-        self._tls = ssl.create_default_context()
-        self._tls.check_hostname = False
-        self._tls.verify_mode = ssl.CERT_NONE  # as Istio: health probes do not verify certificates
+        tls = ssl.create_default_context()
+        tls.check_hostname = False
+        tls.verify_mode = ssl.CERT_NONE  # as Istio: health probes do not verify certificates
+        self._client = Client(tls=tls, socket_factory=self._source.open_socket)
 
     @property
     def url(self) -> URL:
@@ -136,12 +135,11 @@ class HTTPProber:
             return _unhealthy(
                 f'Get "{self._url}": context deadline exceeded (Client.Timeout exceeded while awaiting headers)'
             )
-        except aiohttp.ClientConnectorError as err:
-            address = _host_port(self._url.host or "", self._url.port or 0)
+        except ConnectError as err:
             return _unhealthy(
-                f'Get "{self._url}": {_dial_error(address, self._url.host or "", err.os_error)}'
+                f'Get "{self._url}": {_dial_error(self._url.address, self._url.host, err.os_error)}'
             )
-        except (aiohttp.ClientError, OSError, ValueError) as err:
+        except (HTTPError, OSError) as err:
             return _unhealthy(f'Get "{self._url}": {_error_text(err)}')
         if 200 <= status < 400:
             return HEALTHY
@@ -150,7 +148,7 @@ class HTTPProber:
     async def _get(self) -> int:
         try:
             return await self._get_once()
-        except aiohttp.ClientConnectorError as err:
+        except ConnectError as err:
             # 127.0.0.6 cannot reach a non-local destination: retry from the default source.
             if not _source_unusable(err.os_error) or not self._source.active(_family(self._url)):
                 raise
@@ -158,27 +156,18 @@ class HTTPProber:
         return await self._get_once()
 
     async def _get_once(self) -> int:
-        connector = aiohttp.TCPConnector(
-            force_close=True, socket_factory=self._source.factory, use_dns_cache=False
-        )
-        async with (
-            aiohttp.ClientSession(
-                connector=connector,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=None),
-            ) as session,
-            session.get(
-                self._url,
-                headers=self._headers,
-                max_redirects=_MAX_REDIRECTS,
-                ssl=self._tls if self._url.scheme == "https" else False,
-            ) as response,
-        ):
-            return response.status
+        url = self._url
+        for _ in range(_MAX_REDIRECTS + 1):
+            async with self._client.stream("GET", url, headers=self._headers) as response:
+                status, location = response.status, response.headers.get("Location")
+            if status not in _REDIRECT_CODES or location is None:
+                return status
+            url = url.join(location)
+        raise HTTPError(f"stopped after {_MAX_REDIRECTS} redirects")
 
 
 def _family(url: URL) -> int:
-    return socket.AF_INET6 if url.host and ":" in url.host else socket.AF_INET
+    return socket.AF_INET6 if ":" in url.host else socket.AF_INET
 
 
 def _source_unusable(err: OSError) -> bool:

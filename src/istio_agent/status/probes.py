@@ -4,8 +4,9 @@ With mTLS (or traffic capture) kubelet cannot probe the application directly, so
 points the probes at the agent, which replays the original probe (``ISTIO_KUBE_APP_PROBERS``)
 against the pod IP. Probes come from 127.0.0.6 (``::6``), the address Envoy's inbound passthrough
 also uses, so the traffic is recognisable and not captured again by the sidecar's iptables rules.
-HTTP/1.1 goes through aiohttp; HTTPS apps that pick h2 via ALPN and gRPC health checks go through
-``h2client``, which (unlike grpcio) lets gRPC probes come from the probe source address too.
+HTTP/1.1 goes through ``istio_agent.http.client``; HTTPS apps that pick h2 via ALPN and gRPC health
+checks go through ``h2client``, which (unlike grpcio) lets gRPC probes come from the probe source
+address too. Both dial through ``istio_agent.http.dial`` with this module's source-address sockets.
 """
 
 from __future__ import annotations
@@ -17,16 +18,15 @@ import socket
 import ssl
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
-
-import aiohttp
-from aiohttp import web
-from multidict import CIMultiDict
-from yarl import URL
+from typing import TypeVar
+from urllib.parse import urljoin, urlsplit
 
 from istio_agent.config.app_probers import AppProber, GRPCProber, HTTPGetProber, TCPSocketProber
+from istio_agent.http import dial, h2client
+from istio_agent.http.client import URL, Client, ConnectError, HTTPError
+from istio_agent.http.headers import Headers
+from istio_agent.http.messages import Request, Response
 from istio_agent.log import scope
-from istio_agent.status import h2client
 
 log = scope("healthcheck")
 
@@ -89,11 +89,6 @@ class ProbeSource:
             sock.close()
             raise
         return sock
-
-    def factory(self, addr_info: tuple[Any, ...]) -> socket.socket:
-        """aiohttp's ``socket_factory`` hook."""
-        family, kind, proto = addr_info[0], addr_info[1], addr_info[2]
-        return self.open_socket(family, kind, proto)
 
 
 def _families(host: str) -> list[int]:
@@ -193,20 +188,19 @@ class AppProbes:
         self._keepalive = keepalive
         self._http2 = http2  # ISTIO_ENABLE_HTTP2_PROBING: offer h2 to HTTPS apps
         self._source = ProbeSource()
-        self._session: aiohttp.ClientSession | None = None
-        self._tls_h1 = _probe_tls(["http/1.1"])  # aiohttp: HTTP/1.1 only
         self._tls_alpn = _probe_tls(["h2", "http/1.1"])
+        self._h1 = Client(  # connections pooled only with keep-alive
+            tls=_probe_tls(["http/1.1"]), socket_factory=self._source.open_socket, keepalive=keepalive
+        )
 
     async def close(self) -> None:
         """Close pooled connections (only pooled with keep-alive)."""
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
+        await self._h1.aclose()
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: Request) -> Response:
         prober = self._probers.get(request.path)
         if prober is None:
-            return web.Response(status=400, text=f"app prober config does not exists for {request.path}")
+            return Response(400, text=f"app prober config does not exists for {request.path}")
         action = prober.action
         try:
             async with asyncio.timeout(_timeout(prober)) as deadline:
@@ -214,9 +208,9 @@ class AppProbes:
                     return await self._http_get(request, action)
                 if isinstance(action, TCPSocketProber):
                     await self._tcp(action)
-                    return web.Response(status=200)
+                    return Response(200)
                 await self._grpc(request, action, deadline)
-                return web.Response(status=200)
+                return Response(200)
         except TimeoutError:
             log.info("app probe %s timed out after %ss", request.path, _timeout(prober))
         except h2client.GrpcError as err:
@@ -229,9 +223,9 @@ class AppProbes:
                 )
             else:
                 log.info("app probe %s failed: grpc probe failed: %s", request.path, err)
-        except (ProbeError, OSError, aiohttp.ClientError, h2client.H2Error, ValueError) as err:
+        except (ProbeError, OSError, HTTPError, h2client.H2Error, ValueError) as err:
             log.info("app probe %s failed: %s", request.path, err or type(err).__name__)
-        return web.Response(status=500)
+        return Response(500)
 
     async def _from_source(self, host: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
         """Run a dialling ``attempt``; again from the default source if the probe source cannot
@@ -239,8 +233,8 @@ class AppProbes:
         families = _families(host)
         try:
             return await attempt()
-        except OSError as err:
-            cause = err.os_error if isinstance(err, aiohttp.ClientConnectorError) else err
+        except (OSError, ConnectError) as err:
+            cause = err.os_error if isinstance(err, ConnectError) else err
             if (
                 isinstance(cause, ssl.SSLError)
                 or cause.errno not in _SOURCE_ERRNOS
@@ -258,21 +252,7 @@ class AppProbes:
 
     # --- httpGet ---------------------------------------------------------------------------------
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(
-                force_close=not self._keepalive,
-                socket_factory=self._source.factory,
-                use_dns_cache=False,
-            )
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=None),
-            )
-        return self._session
-
-    def _host_header(self, request: web.Request, app_port: int) -> str | None:
+    def _host_header(self, request: Request, app_port: int) -> str | None:
         """Incoming Host, with the status port replaced by the application port."""
         host = request.headers.get("Host")
         if not host:
@@ -284,11 +264,11 @@ class AppProbes:
             return f"{name}:{app_port}"
         return host
 
-    async def _http_get(self, request: web.Request, prober: HTTPGetProber) -> web.Response:
+    async def _http_get(self, request: Request, prober: HTTPGetProber) -> Response:
         scheme = "https" if prober.https else "http"
         path = prober.path if prober.path.startswith("/") else "/" + prober.path
-        origin = URL(f"{scheme}://{_url_host(self._pod_ip)}:{prober.port}{path}", encoded=True)
-        headers: CIMultiDict[str] = CIMultiDict()
+        origin = URL.parse(f"{scheme}://{_url_host(self._pod_ip)}:{prober.port}{path}")
+        headers = Headers()
         for name, value in request.headers.items():
             if name.lower() not in _NOT_COPIED:
                 headers.add(name, value)
@@ -303,77 +283,67 @@ class AppProbes:
             status, location, body = await self._fetch(url, sent)
             if status in _REDIRECT_CODES and location is not None:
                 try:
-                    target = url.join(URL(location))
-                except ValueError as err:
+                    joined = urljoin(str(url), location)
+                    if urlsplit(joined).hostname != origin.host:
+                        return Response(200)  # another host: the 3xx itself is the answer
+                    target = URL.parse(joined)
+                except (ValueError, HTTPError) as err:
                     raise ProbeError(f"bad redirect location: {err}") from None
-                if target.host != origin.host:
-                    return web.Response(status=200)  # another host: the 3xx itself is the answer
                 if hop == MAX_REDIRECTS:
                     raise ProbeError(f"stopped after {MAX_REDIRECTS} redirects")
-                if URL(location).is_absolute():
+                if urlsplit(location).netloc:
                     host = None  # Host follows an absolute redirect; kept for a relative one
                 url = target
                 continue
             if 300 <= status < 400:
-                return web.Response(status=200)
-            return web.Response(status=status, body=body)
+                return Response(200)
+            return Response(status, body=body)
         raise ProbeError("unreachable")  # pragma: no cover
 
-    async def _fetch(self, url: URL, headers: CIMultiDict[str]) -> tuple[int, str | None, bytes]:
+    async def _fetch(self, url: URL, headers: Headers) -> tuple[int, str | None, bytes]:
         """One GET; over HTTP/2 when an HTTPS app picks h2, else HTTP/1.1."""
         if url.scheme == "https" and self._http2:
-            answer = await self._from_source(url.host or "", lambda: self._fetch_h2(url, headers))
+            answer = await self._from_source(url.host, lambda: self._fetch_h2(url, headers))
             if answer is not None:
                 return answer
-        return await self._from_source(url.host or "", lambda: self._fetch_h1(url, headers))
+        return await self._from_source(url.host, lambda: self._fetch_h1(url, headers))
 
-    async def _fetch_h2(self, url: URL, headers: CIMultiDict[str]) -> tuple[int, str | None, bytes] | None:
+    async def _fetch_h2(self, url: URL, headers: Headers) -> tuple[int, str | None, bytes] | None:
         """GET over HTTP/2 if the app picks h2 via ALPN; ``None`` when it picks HTTP/1.1.
 
-        The HTTP/1.1 answer costs a second TLS connection (aiohttp dials its own): the price of
-        keeping a single HTTP/1.1 client.
+        The HTTP/1.1 answer then comes over a second connection, the HTTP/1.1 client's own.
         """
-        async with await self._dial(url.host or "", url.port or 443, self._tls_alpn) as conn:
+        async with await self._dial(url.host, url.port, self._tls_alpn) as conn:
             protocol = conn.alpn
             if protocol is None or protocol == "http/1.1":
                 return None
             if protocol != "h2":
                 raise ProbeError(f"unsupported ALPN protocol {protocol!r}")
-            authority = headers.get("Host") or f"{_url_host(url.host or '')}:{url.port}"
+            authority = headers.get("Host") or f"{_url_host(url.host)}:{url.port}"
             response = await conn.request(
-                "GET", url.raw_path_qs, authority=authority, headers=list(headers.items()), max_body=MAX_BODY
+                "GET", url.target, authority=authority, headers=headers.items(), max_body=MAX_BODY
             )
         body = b"" if 300 <= response.status < 400 else response.body
         return response.status, response.header("location"), body
 
-    async def _fetch_h1(self, url: URL, headers: CIMultiDict[str]) -> tuple[int, str | None, bytes]:
-        tls: ssl.SSLContext | bool = self._tls_h1 if url.scheme == "https" else False
-        session = self._get_session()
-        async with session.get(url, headers=headers, allow_redirects=False, ssl=tls) as response:
+    async def _fetch_h1(self, url: URL, headers: Headers) -> tuple[int, str | None, bytes]:
+        async with self._h1.stream("GET", url, headers=headers) as response:
             body = b""
             if not (300 <= response.status < 400):
-                chunks: list[bytes] = []
-                size = 0
-                while size < MAX_BODY:
-                    chunk = await response.content.read(MAX_BODY - size)
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    size += len(chunk)
-                body = b"".join(chunks)
+                body = await response.read(MAX_BODY, truncate=True)
             return response.status, response.headers.get("Location"), body
 
     # --- tcpSocket -------------------------------------------------------------------------------
 
     async def _tcp(self, prober: TCPSocketProber) -> None:
         sock = await self._from_source(
-            self._pod_ip, lambda: h2client.dial(self._pod_ip, prober.port, self._source.open_socket)
+            self._pod_ip, lambda: dial.connect(self._pod_ip, prober.port, self._source.open_socket)
         )
         sock.close()
 
     # --- grpc ------------------------------------------------------------------------------------
 
-    async def _grpc(self, request: web.Request, prober: GRPCProber, deadline: asyncio.Timeout) -> None:
+    async def _grpc(self, request: Request, prober: GRPCProber, deadline: asyncio.Timeout) -> None:
         """``grpc.health.v1.Health/Check`` over plaintext HTTP/2; only SERVING passes."""
         conn = await self._from_source(self._pod_ip, lambda: self._dial(self._pod_ip, prober.port))
         when = deadline.when()

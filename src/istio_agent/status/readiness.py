@@ -1,4 +1,7 @@
-"""Readiness of the workload (``/healthz/ready``, lifecycle.md §4.1): a chain of probers, first failure wins.
+"""Readiness of the workload (``/healthz/ready``, docs/status.md): a chain of probers, first failure wins.
+
+Istio's are ``pilot/cmd/pilot-agent/status/ready/probe.go`` and, for proxyless gRPC,
+``pilot/cmd/pilot-agent/status/grpcready/probe.go``.
 
 Kubelet probes Envoy's 15021 listener, which forwards to the agent, so the answer here is the pod's
 readiness. Stages that have passed once (config received, Envoy LIVE) are cached forever, as in
@@ -71,7 +74,7 @@ def parse_stats(body: str, names: Sequence[str]) -> dict[str, int]:
 
 
 class EnvoyReadiness:
-    """Envoy has received its first CDS and LDS updates and is LIVE with workers started (§4.1 item 1)."""
+    """Envoy has received its first CDS and LDS updates and is LIVE with workers started."""
 
     def __init__(self, admin_host: str, admin_port: int, *, started_at: float) -> None:
         self._host, self._port = admin_host, admin_port
@@ -147,7 +150,7 @@ class EnvoyReadiness:
 
 
 class DnsReadiness:
-    """The DNS proxy is on, so its name table must have arrived over NDS (§4.1 item 3)."""
+    """The DNS proxy is on, so its name table must have arrived over NDS."""
 
     def __init__(self, table_ready: Callable[[], bool]) -> None:
         self._table_ready = table_ready
@@ -157,7 +160,7 @@ class DnsReadiness:
 
 
 class GrpcBootstrapReadiness:
-    """The proxyless gRPC bootstrap file loads and its file_watcher certificates exist (§4.1 item 2).
+    """The proxyless gRPC bootstrap file loads and its file_watcher certificates exist.
 
     Loading is cached after the first success (the file is written once by the agent); the
     certificate files are checked every time because they may appear later.

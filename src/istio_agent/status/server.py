@@ -1,36 +1,44 @@
-"""The agent's status server (port 15020, lifecycle.md §4): readiness, metrics, app probes, quit/drain, ndsz.
+"""The agent's status server (port 15020): readiness, merged metrics, app probes, quit/drain, ndsz.
 
-Routing is one dispatch function rather than aiohttp's router so that every path answers exactly as
-Istio's Go mux does (``404 page not found``, ``405 Method Not Allowed``, ``403`` for remote callers
-of loopback-only endpoints). Metrics and app-probe handlers come from their own modules.
+One server binds the port at start-up and answers ``/healthz/ready`` from that moment on; there is
+no second server and no hand-over. It loads only the HTTP server and readiness: the merged-metrics
+and app-probe handlers are passed in as ``LazyHandler`` s (``status/lazy.py``) and built on first
+use, so nothing they import (the HTTP/2 client, ...) is on the start-up path, where it would hold
+up the SDS and xDS answers Envoy is waiting for. Behaviour: ``docs/status.md``; Istio's own is
+``pilot/cmd/pilot-agent/status/server.go``.
 
-Compression: responses the handler returns whole (``web.Response``) are compressed here per
+Routing is one dispatch function so that every path answers exactly as Istio's Go mux does
+(``404 page not found``, ``405 Method Not Allowed``, ``403`` for remote callers of loopback-only
+endpoints), checked against the connection's real peer address.
+
+Compression: responses a handler returns whole (``Response``) are compressed here per
 ``Accept-Encoding`` (gzip; zstd when a zstd module is importable) when the body is at least 1 KiB.
-A streamed response (one the handler prepared itself) is never touched by the middleware — its
-headers are already on the wire; a streaming handler compresses by itself (the metrics merger
-streams gzip at zlib level 1, using :func:`negotiate_encoding`).
+A streamed response (``StreamResponse``) is never touched — its headers are already on the wire;
+a streaming handler compresses by itself (the metrics merger streams gzip at zlib level 1, using
+:func:`negotiate_encoding`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import json
 import socket
+import zlib
 from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
-from aiohttp import hdrs, web
-
+from istio_agent.http.messages import Handler, Request, Response, StreamResponse
+from istio_agent.http.server import BaseSite, ServerRunner, SockSite, TCPSite
 from istio_agent.log import scope
 from istio_agent.status.readiness import Readiness
 
 log = scope("status")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 MIN_COMPRESS_SIZE = 1024
+GZIP_LEVEL = 6
 SHUTDOWN_TIMEOUT = 2.0
 NOT_FOUND = "404 page not found\n"
 FORBIDDEN = "Only requests from localhost are allowed\n"
@@ -38,17 +46,15 @@ METHOD_NOT_ALLOWED = "Method Not Allowed\n"
 TEXT = "text/plain"
 
 
-def _load_zstd() -> ModuleType | None:
-    # zstd is optional (not a dependency): the stdlib module from 3.14, else the zstandard package.
+@functools.cache
+def _zstd() -> ModuleType | None:
+    """zstd is optional (not a dependency): the stdlib module from 3.14, else the zstandard package."""
     for name in ("compression.zstd", "zstandard"):
         try:
             return __import__(name, fromlist=["compress"])
         except ImportError:
             continue
     return None
-
-
-_ZSTD = _load_zstd()
 
 
 def is_loopback(address: str | None) -> bool:
@@ -71,7 +77,7 @@ def negotiate_encoding(accept_encoding: str, *, zstd: bool | None = None) -> str
     (br, lz4, deflate, ...) are ignored. ``zstd`` defaults to whether a zstd module is available.
     """
     offered = {"gzip"}
-    if zstd if zstd is not None else _ZSTD is not None:
+    if zstd if zstd is not None else _zstd() is not None:
         offered.add("zstd")
     best: tuple[float, int, str] | None = None
     for part in accept_encoding.split(","):
@@ -95,34 +101,34 @@ def negotiate_encoding(accept_encoding: str, *, zstd: bool | None = None) -> str
     return best[2] if best else None
 
 
-@web.middleware
-async def compression_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    response = await handler(request)
-    if response.prepared or not isinstance(response, web.Response):
-        return response  # streamed: already on the wire (see module docstring)
+def compress(request: Request, response: StreamResponse) -> None:
+    """Compress a whole response in place when it is big enough and the client accepts a coding."""
+    if response.prepared or not isinstance(response, Response):
+        return  # streamed, or already on the wire (see module docstring)
     body = response.body
     if (
-        request.method == hdrs.METH_HEAD
+        request.method == "HEAD"
         or response.status < 200
         or response.status in (204, 304)
-        or hdrs.CONTENT_ENCODING in response.headers
-        or not isinstance(body, bytes | bytearray)
+        or "Content-Encoding" in response.headers
+        or len(body) < MIN_COMPRESS_SIZE
     ):
-        return response
-    if len(body) < MIN_COMPRESS_SIZE:
-        return response
-    response.headers.add(hdrs.VARY, hdrs.ACCEPT_ENCODING)
-    coding = negotiate_encoding(request.headers.get(hdrs.ACCEPT_ENCODING, ""))
+        return
+    response.headers.add("Vary", "Accept-Encoding")
+    coding = negotiate_encoding(request.headers.get("Accept-Encoding", ""))
+    zstd = _zstd()
     if coding == "gzip":
-        response.enable_compression(web.ContentCoding.gzip)
-    elif coding == "zstd" and _ZSTD is not None:
-        response.body = _ZSTD.compress(bytes(body))
-        response.headers[hdrs.CONTENT_ENCODING] = "zstd"
-    return response
+        compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        response.body = compressor.compress(body) + compressor.flush()
+    elif coding == "zstd" and zstd is not None:
+        response.body = zstd.compress(bytes(body))
+    else:
+        return
+    response.headers["Content-Encoding"] = coding
 
 
-def _text(status: int, text: str) -> web.Response:
-    return web.Response(status=status, text=text, content_type=TEXT)
+def _text(status: int, text: str) -> Response:
+    return Response(status, text=text, content_type=TEXT)
 
 
 class StatusServer:
@@ -150,8 +156,8 @@ class StatusServer:
         self._on_quit = on_quit
         self._on_drain = on_drain
         self._metrics_localhost_only = metrics_localhost_only
-        self._runner: web.AppRunner | None = None
-        self._site: web.BaseSite | None = None
+        self._runner: ServerRunner | None = None
+        self._site: BaseSite | None = None
         self._port = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -161,38 +167,26 @@ class StatusServer:
         return self._port
 
     async def start(self, sock: socket.socket | None = None) -> None:
-        """Bind (or serve on ``sock``, already listening); raise OSError naming the address if binding fails."""
+        """Bind (or serve ``sock``, already listening: see ``http/listen.py``) and serve.
+
+        Raises OSError naming the address if binding fails.
+        """
         if self._runner is not None:
             raise RuntimeError("status server already started")
-        app = web.Application(middlewares=[compression_middleware])
-        app.router.add_route("*", "/{tail:.*}", self._dispatch)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT)
-        await runner.setup()
-        site: web.BaseSite
-        if sock is not None:
-            site = web.SockSite(runner, sock)
-        else:
-            site = web.TCPSite(runner, self._host, self._requested_port)
+        runner = ServerRunner(self._handle, shutdown_timeout=SHUTDOWN_TIMEOUT)
+        site: BaseSite = (
+            SockSite(runner, sock) if sock is not None else TCPSite(runner, self._host, self._requested_port)
+        )
         try:
             await site.start()
         except OSError as err:
-            await runner.cleanup()
             raise OSError(
                 err.errno,
                 f"status server cannot listen on {self._host}:{self._requested_port}: {err.strerror}",
             ) from None
         self._runner, self._site = runner, site
-        addresses: list[Any] = runner.addresses
-        self._port = int(addresses[0][1]) if addresses else self._requested_port
+        self._port = site.port
         log.info("status server listening on %s:%d", self._host, self._port)
-
-    @property
-    def protocol_factory(self) -> Callable[[], asyncio.Protocol]:
-        """aiohttp's protocol factory, for connections accepted before this server started (status/early.py)."""
-        if self._runner is None or self._runner.server is None:
-            raise RuntimeError("status server not started")
-        server = self._runner.server
-        return lambda: server()
 
     async def close_listener(self) -> None:
         """Stop accepting connections at once (on SIGTERM 15020 refuses during the drain)."""
@@ -212,10 +206,15 @@ class StatusServer:
             await runner.cleanup()
 
     # -- routing ---------------------------------------------------------------------------------------
-    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+    async def _handle(self, request: Request) -> StreamResponse:
+        response = await self._dispatch(request)
+        compress(request, response)
+        return response
+
+    async def _dispatch(self, request: Request) -> StreamResponse:
         path = request.path
         if path == "/healthz/ready":
-            return await self._ready(request)
+            return await self._ready()
         if path in ("/stats/prometheus", "/metrics"):
             if self._metrics_localhost_only and not is_loopback(request.remote):
                 return _text(403, FORBIDDEN)
@@ -234,28 +233,27 @@ class StatusServer:
             return self._ndsz(request)
         return _text(404, NOT_FOUND)
 
-    async def _ready(self, request: web.Request) -> web.Response:
+    async def _ready(self) -> Response:
         error = await self._readiness.check()
         if error is None:
-            return web.Response(status=200)
+            return Response(200)
         # Istio answers 503 with an empty body; the reason is what users look for, so we send it.
         return _text(503, error + "\n")
 
-    def _local_post_error(self, request: web.Request) -> web.Response | None:
+    def _local_post_error(self, request: Request) -> Response | None:
         if not is_loopback(request.remote):
             return _text(403, FORBIDDEN)
-        if request.method != hdrs.METH_POST:
+        if request.method != "POST":
             return _text(405, METHOD_NOT_ALLOWED)
         return None
 
-    async def _send_ok(self, request: web.Request) -> web.Response:
+    async def _send_ok(self, request: Request) -> Response:
         """Write ``200 OK`` completely before acting, so the caller sees the answer even if we exit."""
         response = _text(200, "OK")
         await response.prepare(request)
-        await response.write_eof()
         return response
 
-    async def _quit(self, request: web.Request) -> web.StreamResponse:
+    async def _quit(self, request: Request) -> StreamResponse:
         error = self._local_post_error(request)
         if error is not None:
             return error
@@ -264,11 +262,11 @@ class StatusServer:
         if self._on_quit is not None:
             try:
                 self._on_quit()
-            except Exception:
+            except Exception:  # the answer is sent; a failing callback is logged, not re-raised
                 log.exception("/quitquitquit callback failed")
         return response
 
-    async def _drain(self, request: web.Request) -> web.StreamResponse:
+    async def _drain(self, request: Request) -> StreamResponse:
         error = self._local_post_error(request)
         if error is not None:
             return error
@@ -286,13 +284,13 @@ class StatusServer:
     async def _run_drain(on_drain: Callable[[], Awaitable[None]]) -> None:
         try:
             await on_drain()
-        except Exception:
+        except Exception:  # runs detached: nobody else would see it
             log.exception("/drain callback failed")
 
-    def _ndsz(self, request: web.Request) -> web.Response:
+    def _ndsz(self, request: Request) -> Response:
         if not is_loopback(request.remote):
             return _text(403, FORBIDDEN)
         view = self._ndsz_view() if self._ndsz_view is not None else None
         if view is None:  # DNS proxy off, or no table yet
-            return web.Response(status=404, text="{}", content_type="application/json")
-        return web.Response(text=json.dumps(view, indent=2), content_type="application/json")
+            return Response(404, text="{}", content_type="application/json")
+        return Response(text=json.dumps(view, indent=2), content_type="application/json")

@@ -17,9 +17,9 @@ import h2.connection
 import h2.events
 import pytest
 
-from istio_agent.status import h2client
-from istio_agent.status.h2client import GrpcError, H2Error
-from tests.status.h2server import H2Server, Handler, Reply, Seen, ok, tls_server_context
+from istio_agent.http import dial, h2client
+from istio_agent.http.h2client import GrpcError, H2Error
+from tests.http.h2server import H2Server, Handler, Reply, Seen, ok, tls_server_context
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -221,7 +221,7 @@ async def test_timeout_aborts_connection(servers: Callable[..., Awaitable[H2Serv
         async with asyncio.timeout(0.3), conn:
             await conn.request("GET", "/", authority="a")
     assert len(server.seen) == 1
-    assert conn._writer.transport.is_closing()  # aborted, not left open
+    assert conn.stream.writer.transport.is_closing()  # aborted, not left open
 
 
 async def test_dial_tries_every_address() -> None:
@@ -229,7 +229,7 @@ async def test_dial_tries_every_address() -> None:
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     try:
         port = server.sockets[0].getsockname()[1]
-        sock = await h2client.dial("localhost", port, from_source)
+        sock = await dial.connect("localhost", port, from_source)
         with contextlib.closing(sock):
             assert sock.getpeername()[:2] == ("127.0.0.1", port)
             assert sock.getsockname()[0] == SOURCE

@@ -1,18 +1,16 @@
 """A minimal asyncio HTTP/2 client for app probes: one request per connection.
 
-aiohttp only speaks HTTP/1.1 and grpcio cannot bind a source address, yet Istio probes HTTPS apps
-over h2 when they negotiate it and sends every probe from 127.0.0.6. This client does just what a
-probe needs: dial (with a caller-supplied socket factory, so the caller decides the source
-address), optional TLS with ALPN, one request, a capped response, and a gRPC unary call on top.
+grpcio cannot bind a source address, yet Istio probes HTTPS apps over h2 when they negotiate it
+and sends every probe from 127.0.0.6. This client does just what a probe needs: dial through
+``dial`` (the caller's socket factory decides the source address; optional TLS with ALPN), one
+request, a capped response, and a gRPC unary call on top.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import socket
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from urllib.parse import unquote
@@ -23,12 +21,9 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-SocketFactory = Callable[[int, int, int], socket.socket]
-"""Makes an unconnected socket for ``(family, type, proto)``; may bind it to a source address."""
+from istio_agent.http.dial import SocketFactory, Stream, open_stream
 
 _READ_SIZE = 65536
-CLOSE_TIMEOUT = 0.1
-"""How long close() lets the transport flush before dropping it."""
 _DEFAULT_MAX_GRPC_MESSAGE = 4 * 1024 * 1024  # gRPC's default maximum receive size
 # Request headers that are connection-specific in HTTP/1.1 and forbidden in HTTP/2 (RFC 9113 8.2.2).
 _CONNECTION_HEADERS = frozenset(
@@ -72,28 +67,6 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-async def dial(host: str, port: int, socket_factory: SocketFactory | None = None) -> socket.socket:
-    """A connected non-blocking socket to the first address of ``host`` that accepts."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    last: OSError | None = None
-    for family, kind, proto, _, address in infos:
-        make = socket_factory or socket.socket
-        sock = make(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            await loop.sock_connect(sock, address)
-        except OSError as err:
-            sock.close()
-            last = err
-            continue
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-    raise last or OSError(f"no address for {host}")
-
-
 async def open_connection(
     host: str,
     port: int,
@@ -106,37 +79,25 @@ async def open_connection(
     Connect errors are the socket's ``OSError`` (of the last address tried); a failed handshake
     is an ``ssl.SSLError`` or, when the server just drops the connection, a ``ConnectionError``.
     """
-    sock = await dial(host, port, socket_factory)
-    try:
-        # SNI is the dialled name; the ssl module leaves it out for IP literals.
-        reader, writer = await asyncio.open_connection(
-            sock=sock, ssl=tls, server_hostname=host if tls is not None else None
-        )
-    except BaseException:
-        sock.close()
-        raise
-    return Connection(reader, writer, scheme="https" if tls is not None else "http")
+    return Connection(await open_stream(host, port, tls=tls, socket_factory=socket_factory))
 
 
 class Connection:
     """One client connection carrying exactly one HTTP/2 request; use as an async context manager."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, scheme: str) -> None:
-        self._reader = reader
-        self._writer = writer
-        self.scheme = scheme
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.scheme = "https" if stream.tls else "http"
         self._h2: h2.connection.H2Connection | None = None
 
     @property
     def alpn(self) -> str | None:
         """The protocol the server picked via ALPN (``None``: plaintext or no ALPN)."""
-        ssl_object = self._writer.get_extra_info("ssl_object")
-        return ssl_object.selected_alpn_protocol() if ssl_object is not None else None
+        return self.stream.alpn
 
     @property
     def peer(self) -> tuple[str, int]:
-        name = self._writer.get_extra_info("peername")
-        return (str(name[0]), int(name[1]))
+        return self.stream.peer
 
     async def __aenter__(self) -> Connection:
         return self
@@ -151,23 +112,15 @@ class Connection:
 
     def abort(self) -> None:
         """Drop the connection at once (after a failure or cancellation)."""
-        self._writer.transport.abort()
+        self.stream.abort()
 
     async def close(self) -> None:
-        """Say GOAWAY (when HTTP/2 was started) and close, without waiting for the peer's TLS close_notify.
-
-        The answer is already in: an app that never completes the TLS shutdown must not turn a
-        successful probe into a timeout (Go's client does not wait either).
-        """
+        """Say GOAWAY (when HTTP/2 was started) and close without waiting for the peer's TLS close_notify."""
         with contextlib.suppress(OSError, h2.exceptions.H2Error):
             if self._h2 is not None:
                 self._h2.close_connection()
-                self._writer.write(self._h2.data_to_send())
-        self._writer.close()
-        try:
-            await asyncio.wait_for(self._writer.wait_closed(), CLOSE_TIMEOUT)
-        except (OSError, TimeoutError):
-            self.abort()
+                self.stream.writer.write(self._h2.data_to_send())
+        await self.stream.close()
 
     async def request(
         self,
@@ -218,8 +171,8 @@ class Connection:
         assert self._h2 is not None
         data = self._h2.data_to_send()
         if data:
-            self._writer.write(data)
-            await self._writer.drain()
+            self.stream.writer.write(data)
+            await self.stream.writer.drain()
 
     async def _read_response(self, stream_id: int, max_body: int | None) -> Response:
         assert self._h2 is not None
@@ -230,7 +183,7 @@ class Connection:
         body = bytearray()
         while True:
             try:
-                data = await self._reader.read(_READ_SIZE)
+                data = await self.stream.reader.read(_READ_SIZE)
             except ConnectionError as err:
                 raise H2Error(f"connection lost before the response was complete: {err}") from None
             if not data:
