@@ -16,9 +16,12 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 from istio_agent.agent import Agent, AgentSettings, plan_sds
 from istio_agent.config import ConfigError, Env, SecuritySettings, XdsSettings
 from istio_agent.health.config import parse_readiness_probe
+from istio_agent.security.manager import SecretManager
 from istio_agent.security.sds import SdsServer
+from istio_agent.xds.proxy import XdsProxy
 from istio_agent.xds.types import HEALTH_INFO
 from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
+from tests.security.fakes import FakeCA
 from tests.xds import CDS, LDS, EnvoyStream, FakeIstiod
 
 
@@ -141,5 +144,104 @@ async def test_vm_health_checks_reach_istiod_over_the_xds_proxy(short_tmp: Path)
                 await envoy.close()
         finally:
             await agent.stop()
+    finally:
+        await istiod.stop()
+
+
+# -- lifecycle: a stack of started subsystems -----------------------------------------------------------
+def fake_ca_for(settings: SecuritySettings) -> FakeCA:
+    ca = FakeCA()
+    ca.identity_override = settings.spiffe_id
+    return ca
+
+
+async def test_a_fake_ca_can_be_swapped_in(short_tmp: Path) -> None:
+    cas: list[FakeCA] = []
+
+    def factory(settings: SecuritySettings) -> FakeCA:
+        cas.append(fake_ca_for(settings))
+        return cas[-1]
+
+    settings = settings_for(short_tmp, CA_ADDR="127.0.0.1:1")  # never dialled: the fake answers
+    async with Agent(AgentSettings(security=settings), ca_client=factory):
+        secrets = await fetch(settings.sds_socket_path, ["default"])
+    assert b"BEGIN CERTIFICATE" in secrets["default"].tls_certificate.certificate_chain.inline_bytes
+    assert cas[0].calls >= 1 and cas[0].closed  # stopping the agent closed the CA client
+
+
+async def test_stop_is_the_reverse_of_start_and_every_step_runs(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stopped: list[str] = []
+    original = {"sds": SdsServer.stop, "manager": SecretManager.stop, "xds": XdsProxy.stop}
+
+    async def sds_stop(self: SdsServer, *args: object) -> None:
+        stopped.append("sds")
+        await original["sds"](self)
+        raise RuntimeError("SDS stop broke")
+
+    async def manager_stop(self: SecretManager) -> None:
+        stopped.append("manager")
+        await original["manager"](self)
+
+    async def xds_stop(self: XdsProxy) -> None:
+        stopped.append("xds")
+        await original["xds"](self)
+
+    monkeypatch.setattr(SdsServer, "stop", sds_stop)
+    monkeypatch.setattr(SecretManager, "stop", manager_stop)
+    monkeypatch.setattr(XdsProxy, "stop", xds_stop)
+    settings = settings_for(short_tmp, CA_ADDR="127.0.0.1:1")
+    xds = XdsSettings(
+        socket_path=short_tmp / "etc/istio/proxy/XDS", discovery_address="127.0.0.1:1", plaintext=True
+    )
+    agent = Agent(AgentSettings(security=settings, xds=xds), ca_client=fake_ca_for)
+    await agent.start()
+    await agent.stop()
+    assert stopped == ["xds", "sds", "manager"]  # started manager, sds, xds; the SDS failure did not stop it
+    assert "stopping the SDS server failed" in caplog.text and "SDS stop broke" in caplog.text
+
+
+async def test_a_start_that_fails_stops_what_had_started(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def refuse(self: XdsProxy) -> None:
+        raise OSError("xDS proxy could not listen")
+
+    monkeypatch.setattr(XdsProxy, "start", refuse)
+    cas: list[FakeCA] = []
+
+    def factory(settings: SecuritySettings) -> FakeCA:
+        cas.append(fake_ca_for(settings))
+        return cas[-1]
+
+    settings = settings_for(short_tmp, CA_ADDR="127.0.0.1:1")
+    xds = XdsSettings(
+        socket_path=short_tmp / "etc/istio/proxy/XDS", discovery_address="127.0.0.1:1", plaintext=True
+    )
+    agent = Agent(AgentSettings(security=settings, xds=xds), ca_client=factory)
+    with pytest.raises(OSError, match="could not listen"):
+        await agent.start()
+    assert cas[0].closed  # the secret manager was stopped (it closes the CA client)
+    with pytest.raises(grpc.aio.AioRpcError):  # and so was the SDS server
+        await asyncio.wait_for(fetch(settings.sds_socket_path, ["default"]), 5)
+
+
+async def test_the_mock_credential_fetcher_authenticates_xds_too(short_tmp: Path) -> None:
+    istiod = await FakeIstiod().start()
+    try:
+        settings = settings_for(short_tmp, CA_ADDR="127.0.0.1:1", CREDENTIAL_FETCHER_TYPE="Mock")
+        xds = XdsSettings(
+            socket_path=short_tmp / "etc/istio/proxy/XDS", discovery_address=istiod.address, plaintext=True
+        )
+        async with (
+            Agent(AgentSettings(security=settings, xds=xds), ca_client=fake_ca_for),
+            grpc.aio.insecure_channel(f"unix:{xds.socket_path}") as channel,
+        ):
+            envoy = EnvoyStream(channel)
+            await envoy.send(CDS)
+            upstream = await istiod.next_stream()
+            assert upstream.metadata.get("authorization") == "Bearer test_token"  # as the CA gets it
+            await envoy.close()
     finally:
         await istiod.stop()

@@ -1,18 +1,23 @@
 """The Agent: builds the subsystems from settings, runs them, and stops them in reverse order.
 
-Start order follows Istio's agent: secrets and the SDS server, then the xDS proxy on
-``./etc/istio/proxy/XDS``, then Envoy on a generated bootstrap (so everything Envoy needs is
-listening before it starts). Stop order is the reverse, with Envoy drained first.
+Start order follows Istio's agent (pkg/istio-agent/agent.go): the status port is bound, the DNS
+proxy, secrets and the SDS server, the xDS proxy on ``./etc/istio/proxy/XDS``, then Envoy on a
+generated bootstrap (everything Envoy needs is listening before it starts), then the status server
+and VM health checks. Stopping is the exact reverse, after readiness fails and the status port
+closes; Envoy's drain is its step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import time
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from istio_agent.bootstrap.envoy import write_bootstrap
 from istio_agent.config import ConfigError, ProxyConfig, SecuritySettings, XdsSettings
@@ -23,20 +28,20 @@ from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyProcess
 from istio_agent.envoy.supervisor import EnvoySupervisor
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY
+from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import nds_pb2
 from istio_agent.security.caclient import CitadelClient
-from istio_agent.security.manager import SecretManager
+from istio_agent.security.credentials import TokenSource, token_source_for
+from istio_agent.security.manager import CAClient, SecretManager
 from istio_agent.security.sds import SdsServer
 from istio_agent.security.uds import remove_if_stale
 from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
 from istio_agent.xds.proxy import TypeHandler, XdsProxy
+from istio_agent.xds.upstream import UpstreamDialer
 
 if TYPE_CHECKING:  # imported when used: not needed to start Envoy
     from istio_agent.dns.proxy import DnsProxy
-    from istio_agent.health.checker import HealthChecker
     from istio_agent.health.config import ReadinessProbeConfig
-    from istio_agent.status.lazy import LazyHandler
     from istio_agent.status.metrics import MetricsMerger
     from istio_agent.status.probes import AppProbes
     from istio_agent.status.readiness import Readiness
@@ -99,11 +104,36 @@ async def plan_sds(settings: SecuritySettings) -> SdsPlan:
     return SdsPlan(configured, serve_only_files=False, settings=settings)
 
 
-class Agent:
-    """One workload's agent. ``start()`` brings everything up; ``stop()`` tears it down."""
+CAClientFactory = Callable[[SecuritySettings], CAClient]
+"""Builds the CA client for the certificate settings (tests swap in a fake CA)."""
+DialerFactory = Callable[[XdsSettings, TokenSource | None], UpstreamDialer]
+"""Builds the xDS proxy's upstream dialer (tests swap in one that dials a fake istiod)."""
 
-    def __init__(self, settings: AgentSettings) -> None:
+
+def _citadel_client(settings: SecuritySettings) -> CAClient:
+    return CitadelClient.from_settings(settings)
+
+
+class Agent:
+    """One workload's agent. ``start()`` brings everything up; ``stop()`` tears it down.
+
+    Each subsystem is registered on an exit stack as it starts, so stopping runs the exact reverse
+    of starting, every step runs even when an earlier one fails (the failure is logged), and a start
+    that fails half-way stops what had already started.
+    """
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        ca_client: CAClientFactory = _citadel_client,
+        dialer: DialerFactory = UpstreamDialer,
+        registry: Registry = REGISTRY,
+    ) -> None:
         self._settings = settings
+        self._ca_client = ca_client
+        self._dialer = dialer
+        self._registry = registry
         self.secret_manager: SecretManager | None = None
         self.sds_server: SdsServer | None = None
         self.xds_proxy: XdsProxy | None = None
@@ -116,78 +146,143 @@ class Agent:
         """Set by ``/quitquitquit``: whoever runs the agent should stop it."""
         self._started_at = time.monotonic()
         self._skip_drain = False
-        self._closers: list[LazyHandler] = []
-        self._prewarm: asyncio.Task[None] | None = None
-        self._health: tuple[HealthChecker, asyncio.Task[None]] | None = None
+        self._stack: AsyncExitStack | None = None
 
     async def start(self) -> None:
-        if self._settings.dns is not None and self._settings.dns.enabled:
-            await self._start_dns(self._settings.dns)  # as Istio: bound before anything else
-        plan = await plan_sds(self._settings.security)
-        ca_client = None
-        if plan.uses_ca:
-            ca_client = CitadelClient.from_settings(plan.settings)
-        manager = SecretManager(plan.settings, ca_client)
-        self.secret_manager = manager
-        await manager.start()
-        if self._settings.serve_sds:
-            crl = Path(CRL_PATH) if plan.settings.enable_ca_crl else None
-            self.sds_server = SdsServer(manager, plan.socket_path, crl_path=crl)
-            manager.add_update_callback(self.sds_server.on_secret_update)
-            await self.sds_server.start()
-        if plan.uses_ca:
-            self._prewarm = asyncio.get_running_loop().create_task(manager.prewarm())
-        if self._settings.xds is not None:
-            await self._start_xds_proxy(self._settings.xds, manager)
-        # Envoy first: it retries the agent's sockets on its own, and its start-up overlaps with the
-        # status server's; kubelet sees 503 through 15021 until both are up.
-        if self._settings.bootstrap is not None:
-            await self._start_envoy(self._settings.bootstrap)
-        if self._settings.status is not None and self._settings.status.enabled:
-            await self._start_status_server(self._settings.status)
-        if self._settings.health is not None and self.xds_proxy is not None:
-            self._start_health_checks(self._settings.health, self.xds_proxy)
+        """Start every subsystem in Istio's order; on failure, stop those already started and raise."""
+        if self._stack is not None:
+            raise RuntimeError("agent already started")
+        stack = AsyncExitStack()
+        try:
+            await self._start(stack)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
 
-    async def _start_dns(self, settings: DnsSettings) -> None:
+    async def _start(self, stack: AsyncExitStack) -> None:
+        settings = self._settings
+        status_socket = None
+        if settings.status is not None and settings.status.enabled:
+            # Bound first: from now on callers wait in the backlog instead of being refused.
+            status_socket = self._bind_status_port(stack, settings.status)
+        if settings.dns is not None and settings.dns.enabled:
+            await self._start_dns(stack, settings.dns)  # as Istio: before anything that may need names
+        plan = await plan_sds(settings.security)
+        manager = SecretManager(plan.settings, self._ca_client(plan.settings) if plan.uses_ca else None)
+        await _started(stack, "secret manager", manager.start, manager.stop)
+        self.secret_manager = manager
+        if settings.serve_sds:
+            crl = Path(CRL_PATH) if plan.settings.enable_ca_crl else None
+            sds = SdsServer(manager, plan.socket_path, crl_path=crl)
+            manager.add_update_callback(sds.on_secret_update)
+            await _started(stack, "SDS server", sds.start, sds.stop)
+            self.sds_server = sds
+        if plan.uses_ca:
+            _background(stack, "certificate prewarm", manager.prewarm())
+        if settings.xds is not None:
+            await self._start_xds_proxy(stack, settings.xds, manager, token_source_for(plan.settings))
+        # Envoy before the status server: Envoy retries the agent's sockets on its own, and its start
+        # overlaps with the status server's; kubelet sees 503 through 15021 until both are up.
+        if settings.bootstrap is not None:
+            await self._start_envoy(stack, settings.bootstrap)
+        if status_socket is not None and settings.status is not None:
+            await self._start_status_server(stack, settings.status, status_socket)
+        if settings.health is not None and self.xds_proxy is not None:
+            self._start_health_checks(stack, settings.health, self.xds_proxy)
+
+    async def stop(self, cause: str = "received termination signal") -> None:
+        """Fail readiness, close the status port, then stop everything in reverse order (Envoy drains)."""
+        if self.readiness is not None:
+            self.readiness.terminate(cause)  # readiness fails at once
+        if self.status_server is not None:
+            await self.status_server.close_listener()  # as Istio: 15020 refuses during the drain
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+        log.info("agent stopped")
+
+    async def __aenter__(self) -> Agent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def wait_envoy(self) -> int:
+        """Wait for Envoy to exit for good (after any restarts) and return its exit status.
+
+        Waits forever when the agent runs no Envoy.
+        """
+        if self.envoy is None:
+            await asyncio.Event().wait()
+        assert self.envoy is not None
+        return await self.envoy.wait()
+
+    # -- the subsystems ---------------------------------------------------------------------------
+    async def _start_dns(self, stack: AsyncExitStack, settings: DnsSettings) -> None:
         """The DNS proxy on DNS_PROXY_ADDR; a bind or resolv.conf error fails the start (DnsStartError)."""
         from istio_agent.dns.proxy import DnsProxy
 
         dns = DnsProxy(settings, workdir=self._settings.workdir)
-        await dns.start()
+        await _started(stack, "DNS proxy", dns.start, dns.stop)
         self.dns = dns
 
-    def _start_health_checks(self, config: ReadinessProbeConfig, proxy: XdsProxy) -> None:
-        """VM health checks (WorkloadGroup readinessProbe); transitions are reported to istiod over xDS."""
-        from istio_agent.health.checker import HealthChecker
-        from istio_agent.health.probes import build_probers
-        from istio_agent.status.readiness import EnvoyReadiness
+    async def _start_xds_proxy(
+        self, stack: AsyncExitStack, settings: XdsSettings, manager: SecretManager, tokens: TokenSource | None
+    ) -> None:
+        handlers: list[TypeHandler] = []
+        if settings.nds_enabled:
+            self.name_table = NameTableHandler(_log_name_table)
+            if self.dns is not None:
+                self.name_table.add_listener(self.dns.update)
+            handlers.append(self.name_table)
+        if settings.pcds_enabled:
+            handlers.append(ProxyConfigHandler(manager.update_trust_bundle))
+        proxy = XdsProxy(settings, handlers=handlers, dialer=self._dialer(settings, tokens))
+        await _started(stack, "xDS proxy", proxy.start, proxy.stop)
+        self.xds_proxy = proxy
+        log.info("xDS proxy on %s, upstream %s", settings.socket_path, settings.discovery_address)
 
-        bootstrap = self._settings.bootstrap
-        envoy = None
-        host = self._settings.status.pod_ip if self._settings.status else "localhost"
-        if bootstrap is not None:
-            envoy = EnvoyReadiness(
-                bootstrap.localhost, bootstrap.proxy_admin_port, started_at=self._started_at
-            )
-            host = bootstrap.ips[0] if bootstrap.ips else "localhost"
-        checker = HealthChecker(
-            config, build_probers(config, default_host=host, envoy=envoy), proxy.report_health
-        )
-        self._health = (checker, asyncio.get_running_loop().create_task(checker.run(), name="health-checks"))
-        log.info("workload health checks started (every %gs)", config.period)
+    async def _start_envoy(self, stack: AsyncExitStack, settings: BootstrapSettings) -> None:
+        """Start Envoy (raises EnvoyStartError when it cannot be executed); ENVOY_RESTART_ON_EXIT restarts it.
 
-    async def _start_status_server(self, settings: StatusSettings) -> None:
-        """Bind statusPort and serve: readiness at once, metrics and app probes built on first use.
-
-        A bind failure is only logged (the agent runs on without a status server).
+        Stopping drains it (unless ``/quitquitquit`` or ``/drain`` said not to wait), which also ends a
+        restart backoff.
         """
+        custom = self._settings.proxy_config.custom_config_file
+        if custom:
+            log.info("starting Envoy with the custom config file %s", settings.workdir / custom)
+
+        async def launch() -> EnvoyProcess:
+            if custom:
+                return EnvoyProcess(settings, settings.workdir / custom, owns_bootstrap=False)
+            return EnvoyProcess(settings, await asyncio.to_thread(write_bootstrap, settings))
+
+        envoy = EnvoySupervisor(launch, restart=settings.restart_on_exit)
+
+        async def drain_and_stop() -> None:
+            await envoy.drain_and_stop(graceful_drain=not self._skip_drain)
+
+        await _started(stack, "Envoy", envoy.start, drain_and_stop)
+        self.envoy = envoy
+
+    def _bind_status_port(self, stack: AsyncExitStack, settings: StatusSettings) -> socket.socket | None:
+        """The status port, listening; a bind failure is only logged (the agent runs on without it)."""
         from istio_agent.http.listen import listening_socket
 
-        try:  # the port first: connections wait in its backlog while the server loads
+        try:
             sock = listening_socket(settings.host, settings.port)
         except OSError as err:
             log.error("status server %s; continuing without the status server", err)
-            return
+            return None
+        stack.callback(sock.close)  # a no-op once the server has closed it
+        return sock
+
+    async def _start_status_server(
+        self, stack: AsyncExitStack, settings: StatusSettings, sock: socket.socket
+    ) -> None:
+        """Serve the status port: readiness at once, metrics and app probes built on first use."""
         from istio_agent.status.lazy import LazyHandler
         from istio_agent.status.readiness import DnsReadiness, EnvoyReadiness, Prober, Readiness
         from istio_agent.status.server import StatusServer
@@ -205,7 +300,8 @@ class Agent:
             probers.append(DnsReadiness(lambda: name_table.ready))
         readiness = Readiness(probers)
         self.readiness = readiness
-        metrics = LazyHandler(lambda: _metrics_merger(settings, bootstrap))
+        registry = self._registry
+        metrics = LazyHandler(lambda: _metrics_merger(settings, bootstrap, registry))
         probes = LazyHandler(lambda: _app_probes(settings)) if settings.app_probers else None
         server = StatusServer(
             settings.host,
@@ -218,15 +314,44 @@ class Agent:
             on_drain=self._drain,
             metrics_localhost_only=settings.metrics_localhost_only,
         )
+
+        async def stop() -> None:
+            await server.stop()
+            for handler in (metrics, probes):
+                if handler is not None:
+                    await handler.close()
+
         try:
-            await server.start(sock)
+            await _started(stack, "status server", lambda: server.start(sock), stop)
         except OSError as err:
-            sock.close()
             log.error("%s; continuing without the status server", err)
             return
-        self._closers.extend(handler for handler in (metrics, probes) if handler is not None)
         self.status_server = server
 
+    def _start_health_checks(
+        self, stack: AsyncExitStack, config: ReadinessProbeConfig, proxy: XdsProxy
+    ) -> None:
+        """VM health checks (WorkloadGroup readinessProbe); transitions are reported to istiod over xDS."""
+        from istio_agent.health.checker import HealthChecker
+        from istio_agent.health.probes import build_probers
+        from istio_agent.status.readiness import EnvoyReadiness
+
+        bootstrap = self._settings.bootstrap
+        envoy = None
+        host = self._settings.status.pod_ip if self._settings.status else "localhost"
+        if bootstrap is not None:
+            envoy = EnvoyReadiness(
+                bootstrap.localhost, bootstrap.proxy_admin_port, started_at=self._started_at
+            )
+            host = bootstrap.ips[0] if bootstrap.ips else "localhost"
+        checker = HealthChecker(
+            config, build_probers(config, default_host=host, envoy=envoy), proxy.report_health
+        )
+        _background(stack, "health checks", checker.run())
+        stack.callback(checker.stop)  # unwound first: the loop ends on its own before the task is cancelled
+        log.info("workload health checks started (every %gs)", config.period)
+
+    # -- status port callbacks ------------------------------------------------------------------------
     def _quit(self) -> None:
         """``/quitquitquit``: stop now, killing Envoy without a drain."""
         log.info("/quitquitquit called: stopping without draining Envoy")
@@ -239,87 +364,47 @@ class Agent:
         if self.envoy is not None:
             await self.envoy.drain_listeners(skip_exit=True)
 
-    async def _start_xds_proxy(self, settings: XdsSettings, manager: SecretManager) -> None:
-        handlers: list[TypeHandler] = []
-        if settings.nds_enabled:
-            self.name_table = NameTableHandler(_log_name_table)
-            if self.dns is not None:
-                self.name_table.add_listener(self.dns.update)
-            handlers.append(self.name_table)
-        if settings.pcds_enabled:
-            handlers.append(ProxyConfigHandler(manager.update_trust_bundle))
-        self.xds_proxy = XdsProxy(settings, handlers=handlers)
-        await self.xds_proxy.start()
-        log.info("xDS proxy on %s, upstream %s", settings.socket_path, settings.discovery_address)
 
-    async def _start_envoy(self, settings: BootstrapSettings) -> None:
-        """Start Envoy (raises EnvoyStartError when it cannot be executed); ENVOY_RESTART_ON_EXIT restarts it."""
-        custom = self._settings.proxy_config.custom_config_file
-        if custom:
-            log.info("starting Envoy with the custom config file %s", settings.workdir / custom)
+async def _started(
+    stack: AsyncExitStack,
+    name: str,
+    start: Callable[[], Awaitable[object]],
+    stop: Callable[[], Awaitable[object]],
+) -> None:
+    """Run ``start``; once it succeeded, register ``stop`` to run when the stack unwinds."""
+    await start()
 
-        async def launch() -> EnvoyProcess:
-            if custom:
-                return EnvoyProcess(settings, settings.workdir / custom, owns_bootstrap=False)
-            return EnvoyProcess(settings, await asyncio.to_thread(write_bootstrap, settings))
+    async def stop_step() -> None:
+        try:
+            await stop()
+        except Exception:  # one step failing must not keep the others from running
+            log.exception("stopping the %s failed", name)
 
-        self.envoy = EnvoySupervisor(launch, restart=settings.restart_on_exit)
-        await self.envoy.start()
-
-    async def wait_envoy(self) -> int:
-        """Wait for Envoy to exit for good (after any restarts) and return its exit status.
-
-        Waits forever when the agent runs no Envoy.
-        """
-        if self.envoy is None:
-            await asyncio.Event().wait()
-        assert self.envoy is not None
-        return await self.envoy.wait()
-
-    async def stop(self, cause: str = "received termination signal") -> None:
-        if self._health is not None:
-            checker, task = self._health
-            checker.stop()
-            await asyncio.gather(task, return_exceptions=True)
-        if self.readiness is not None:
-            self.readiness.terminate(cause)  # readiness fails at once
-        if self.status_server is not None:
-            await self.status_server.close_listener()  # as Istio: 15020 refuses during the drain
-        if self.envoy is not None:  # also ends a restart backoff (ENVOY_RESTART_ON_EXIT)
-            await self.envoy.drain_and_stop(graceful_drain=not self._skip_drain)
-        if self.status_server is not None:
-            await self.status_server.stop()
-        for closer in self._closers:
-            await closer.close()
-        if self.xds_proxy is not None:
-            await self.xds_proxy.stop()
-        if self._prewarm is not None:
-            self._prewarm.cancel()
-            await asyncio.gather(self._prewarm, return_exceptions=True)
-        if self.dns is not None:
-            await self.dns.stop()
-        if self.sds_server is not None:
-            await self.sds_server.stop()
-        if self.secret_manager is not None:
-            await self.secret_manager.stop()
-        log.info("agent stopped")
-
-    async def __aenter__(self) -> Agent:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+    stack.push_async_callback(stop_step)
 
 
-def _metrics_merger(settings: StatusSettings, bootstrap: BootstrapSettings | None) -> MetricsMerger:
+def _background(stack: AsyncExitStack, name: str, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """Run ``coroutine`` as a task that the stack cancels (and waits for) when it unwinds."""
+    task = asyncio.get_running_loop().create_task(coroutine, name=name)
+
+    async def cancel() -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    stack.push_async_callback(cancel)
+    return task
+
+
+def _metrics_merger(
+    settings: StatusSettings, bootstrap: BootstrapSettings | None, registry: Registry
+) -> MetricsMerger:
     """The merged-metrics handler (built on the first scrape)."""
     from istio_agent.status.metrics import MetricsMerger
 
     envoy_port = None
     if bootstrap is not None and settings.merge_envoy_stats:
         envoy_port = bootstrap.envoy_prometheus_port
-    return MetricsMerger(REGISTRY, envoy_port=envoy_port, app=settings.prometheus)
+    return MetricsMerger(registry, envoy_port=envoy_port, app=settings.prometheus)
 
 
 def _app_probes(settings: StatusSettings) -> AppProbes:

@@ -12,74 +12,12 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from istio_agent import metrics
 from istio_agent.config import Env, SecuritySettings
 from istio_agent.security.manager import SecretManager
-from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, CAError, SecretError
-
-IDENTITY = "spiffe://cluster.local/ns/ns1/sa/sa1"
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _pem(cert: x509.Certificate) -> str:
-    return cert.public_bytes(serialization.Encoding.PEM).decode()
-
-
-class FakeCA:
-    """A fake CA in the test process: signs CSRs with a throwaway root, with knobs for failures."""
-
-    def __init__(self) -> None:
-        self.key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.now(UTC)
-        self.root = (
-            x509.CertificateBuilder()
-            .subject_name(_name("fake root"))
-            .issuer_name(_name("fake root"))
-            .public_key(self.key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(minutes=1))
-            .not_valid_after(now + timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(self.key, hashes.SHA256())
-        )
-        self.calls = 0
-        self.fail_next = 0
-        self.identity_override: str | None = None
-        self.answer_override: list[str] | None = None
-        self.closed = False
-
-    async def csr_sign(self, csr_pem: bytes, ttl: timedelta) -> list[str]:
-        self.calls += 1
-        if self.fail_next:
-            self.fail_next -= 1
-            raise CAError("create certificate: rpc error: code = Unavailable desc = CA is down")
-        if self.answer_override is not None:
-            return self.answer_override
-        csr = x509.load_pem_x509_csr(csr_pem)
-        identity = self.identity_override or IDENTITY
-        now = datetime.now(UTC)
-        leaf = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([]))
-            .issuer_name(self.root.subject)
-            .public_key(csr.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(minutes=1))
-            .not_valid_after(now + ttl)
-            .add_extension(
-                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(identity)]), critical=True
-            )
-            .sign(self.key, hashes.SHA256())
-        )
-        return [_pem(leaf), _pem(self.root)]
-
-    async def close(self) -> None:
-        self.closed = True
+from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretError
+from tests.security.fakes import IDENTITY, FakeCA, pem
 
 
 def make_settings(tmp_path: Path, **env: str) -> SecuritySettings:
@@ -142,7 +80,7 @@ async def test_first_default_signs_then_caches(tmp_path: Path, ca: FakeCA) -> No
         assert ca.calls == 1
         root = await manager.generate(ROOT_CERT)
         assert root.is_root and not root.private_key
-        assert root.root_cert == _pem(ca.root).encode().strip()  # merged form: no trailing newline
+        assert root.root_cert == pem(ca.root).encode().strip()  # merged form: no trailing newline
         assert ca.calls == 1
         assert metrics.sample("cert_expiry_seconds", {"resource_name": "default"}) > 80000
     finally:
@@ -292,7 +230,7 @@ async def test_prewarm_retries_until_the_ca_answers_and_writes_output(tmp_path: 
         assert sorted(p.name for p in out.iterdir()) == ["cert-chain.pem", "key.pem", "root-cert.pem"]
         for path in out.iterdir():
             assert stat.S_IMODE(path.stat().st_mode) == 0o600
-        assert (out / "root-cert.pem").read_text().strip() == _pem(ca.root).strip()
+        assert (out / "root-cert.pem").read_text().strip() == pem(ca.root).strip()
         assert leaf_of((out / "cert-chain.pem").read_bytes()).extensions.get_extension_for_class(
             x509.SubjectAlternativeName
         ).value.get_values_for_type(x509.UniformResourceIdentifier) == [IDENTITY]
@@ -361,7 +299,7 @@ def test_mounted_certs_are_served_and_watched(tmp_path: Path) -> None:
     chain, key = write_pair(ca, certs)
     (certs / "cert-chain.pem").write_bytes(chain)
     (certs / "key.pem").write_bytes(key)
-    (certs / "root-cert.pem").write_text(_pem(ca.root))
+    (certs / "root-cert.pem").write_text(pem(ca.root))
     new_chain, new_key = write_pair(ca, certs)
 
     async def scenario() -> None:
@@ -370,7 +308,7 @@ def test_mounted_certs_are_served_and_watched(tmp_path: Path) -> None:
             item = await manager.generate(WORKLOAD_KEY_CERT)
             assert (item.certificate_chain, item.private_key) == (chain, key)
             root = await manager.generate(ROOT_CERT)
-            assert root.root_cert.strip() == _pem(ca.root).encode().strip()
+            assert root.root_cert.strip() == pem(ca.root).encode().strip()
             assert recorder.names == []
             # Replace the pair: certificate first, then key (a writer that is not atomic across files).
             replace_atomically(certs / "cert-chain.pem", new_chain)
@@ -393,9 +331,9 @@ async def test_file_resources(tmp_path: Path) -> None:
     other = FakeCA()
     bundle = tmp_path / "bundle.pem"
     bundle.write_text(
-        _pem(ca.root)
+        pem(ca.root)
         + "-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n"
-        + _pem(other.root)
+        + pem(other.root)
     )
     manager, _ = await started(make_settings(tmp_path), None, file_load_timeout=0.2)
     try:
@@ -418,13 +356,13 @@ async def test_trust_bundle_update_re_pushes(tmp_path: Path, ca: FakeCA) -> None
     try:
         await manager.generate(WORKLOAD_KEY_CERT)
         extra = FakeCA()
-        manager.update_trust_bundle(_pem(extra.root).encode())
+        manager.update_trust_bundle(pem(extra.root).encode())
         assert recorder.names[-2:] == [ROOT_CERT, WORKLOAD_KEY_CERT]
         root = await manager.generate(ROOT_CERT)
         assert len(x509.load_pem_x509_certificates(root.root_cert)) == 2
         await manager.generate(WORKLOAD_KEY_CERT)
         assert ca.calls == 2  # the cached certificate was dropped
-        manager.update_trust_bundle(_pem(extra.root).encode())
+        manager.update_trust_bundle(pem(extra.root).encode())
         assert recorder.names.count(ROOT_CERT) == 2  # unchanged bundle: no push
     finally:
         await manager.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 
 from istio_agent.config.xds import XdsSettings
-from istio_agent.security.credentials import FileTokenSource
+from istio_agent.security.credentials import FileTokenSource, TokenSource
 from istio_agent.security.istiod import ChannelOptions, CredentialError, IstiodCredentials, IstiodEndpoint
 
 MAX_RECV_BYTES = 2**31 - 1
@@ -31,9 +31,12 @@ class DialError(Exception):
 class UpstreamDialer:
     """Opens channels to the discovery address with Istio's options and credentials."""
 
-    def __init__(self, settings: XdsSettings) -> None:
+    def __init__(self, settings: XdsSettings, tokens: TokenSource | None = None) -> None:
+        """``tokens``: the agent's credential fetcher, the one its CA client uses (Istio shares it too);
+        without one, the token file of ``settings``, if any."""
         self._endpoint = IstiodEndpoint.for_xds(settings)
-        tokens = FileTokenSource(settings.token_path) if settings.token_path is not None else None
+        if tokens is None and settings.token_path is not None:
+            tokens = FileTokenSource(settings.token_path)
         self._credentials = IstiodCredentials(self._endpoint, tokens)
 
     @property
