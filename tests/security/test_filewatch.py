@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from istio_agent import metrics
-from istio_agent.security import filewatch
+from istio_agent.inotify import DIRECTORY_CHANGES, Inotify
 from istio_agent.security.filewatch import FileWatcher, trace_links
 
 CALL_TIMEOUT = 3.0
@@ -454,18 +455,18 @@ async def test_failed_watch_is_counted_and_retried(
     """An add-watch failure (e.g. inotify limits) spares other directories and is retried."""
     good_cert, _ = make_pair(tmp_path / "good")
     bad_cert, _ = make_pair(tmp_path / "bad")
-    blocked = {str(tmp_path / "bad")}
+    blocked = {tmp_path / "bad"}
     recovered = asyncio.Event()
-    real_notify = filewatch.RustNotify
+    real_add_watch = Inotify.add_watch
 
-    def flaky_notify(paths: list[str], *args: object) -> object:
-        if blocked & set(paths):
-            raise FileNotFoundError("OS file watch limit reached")
-        if str(tmp_path / "bad") in paths:
+    def flaky_add_watch(self: Inotify, directory: Path, mask: int = DIRECTORY_CHANGES) -> int:
+        if directory in blocked:
+            raise OSError(errno.ENOSPC, "inotify watch limit reached", str(directory))
+        if directory == tmp_path / "bad":
             recovered.set()
-        return real_notify(paths, *args)  # type: ignore[arg-type]
+        return real_add_watch(self, directory, mask)
 
-    monkeypatch.setattr(filewatch, "RustNotify", flaky_notify)
+    monkeypatch.setattr(Inotify, "add_watch", flaky_add_watch)
     before = metrics.sample("num_file_watcher_failures")
     w = FileWatcher(recorder, debounce=timedelta(milliseconds=50))
     await w.start()

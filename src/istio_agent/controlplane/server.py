@@ -24,8 +24,7 @@ import os
 import socket
 import ssl
 import tempfile
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -34,7 +33,6 @@ from typing import Any, NoReturn
 import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from watchfiles import awatch
 
 from istio_agent import metrics
 from istio_agent.controlplane.ads import AdsServer, PushObserver
@@ -44,6 +42,7 @@ from istio_agent.controlplane.tokens import TokenError, TokenVerifier
 from istio_agent.controlplane.xdsgen import ProxyNode, build_snapshot
 from istio_agent.log import scope
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
+from istio_agent.security.filewatch import FileWatcher
 
 log = scope("controlplane")
 
@@ -56,7 +55,7 @@ AUTH_FAILURE = "request authenticate failure"
 _BACKEND_HOST = "127.0.0.1"
 _RELAY_CHUNK = 64 * 1024
 _TLS_HANDSHAKE_TIMEOUT = 10.0
-_WATCH_STOP_TIMEOUT = 2.0
+_MESH_DEBOUNCE = timedelta(milliseconds=50)
 _CLOSE_TIMEOUT = 1.0
 _SERVER_OPTIONS = [("grpc.so_reuseport", 0)]  # a second control plane must fail to bind, not share the port
 
@@ -368,8 +367,9 @@ class ControlPlane:
         self._relay: _TlsRelay | None = None
         self._port: int | None = None
         self._secure_port: int | None = None
-        self._watch_stop = threading.Event()
-        self._watch_task: asyncio.Task[None] | None = None
+        self._watcher: FileWatcher | None = None
+        self._reload: asyncio.Task[None] | None = None
+        self._reload_again = False
         self._started = False
 
     # -- extension points -------------------------------------------------------------------
@@ -618,32 +618,33 @@ class ControlPlane:
         return True
 
     async def _start_watching(self) -> None:
-        self._watch_stop.clear()
-        changes = awatch(
-            self._mesh_path.absolute().parent,
-            watch_filter=None,
-            stop_event=self._watch_stop,
-            recursive=False,
-        )
-        self._watch_task = asyncio.create_task(self._watch(changes))
-        # awatch sets up its inotify watch synchronously in the task's first step; yield once so that
-        # step runs, then re-read to catch an edit made between the first read and the watch.
-        await asyncio.sleep(0)
-        await self.reload_mesh()
+        """Reload the mesh file whenever it changes (the agent's file watcher: atomic replaces, symlinks)."""
+        watcher = FileWatcher(self._mesh_file_changed, debounce=_MESH_DEBOUNCE)
+        watcher.watch("mesh", [self._mesh_path])
+        await watcher.start()
+        self._watcher = watcher
+        await self.reload_mesh()  # catches an edit made between the first read and the watch
 
-    async def _watch(self, changes: AsyncIterator[Any]) -> None:
-        try:
-            async for _ in changes:
-                await self.reload_mesh()
-        except Exception as err:
-            log.error("watching mesh file %s failed, reloads stop: %s", self._mesh_path, err)
+    def _mesh_file_changed(self, _resource: str) -> None:
+        if self._reload is None or self._reload.done():
+            self._reload = asyncio.get_running_loop().create_task(
+                self._reload_until_current(), name="mesh-reload"
+            )
+        else:
+            self._reload_again = True  # a reload is running: read the file once more when it ends
+
+    async def _reload_until_current(self) -> None:
+        while True:
+            self._reload_again = False
+            await self.reload_mesh()
+            if not self._reload_again:
+                return
 
     async def _stop_watching(self) -> None:
-        task, self._watch_task = self._watch_task, None
-        if task is None:
-            return
-        self._watch_stop.set()
-        try:
-            await asyncio.wait_for(task, _WATCH_STOP_TIMEOUT)
-        except TimeoutError:
-            log.warning("mesh file watcher did not stop in time")
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            await watcher.stop()
+        reload, self._reload = self._reload, None
+        if reload is not None:
+            reload.cancel()
+            await asyncio.gather(reload, return_exceptions=True)

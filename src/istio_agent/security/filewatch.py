@@ -18,16 +18,14 @@ Why it works the way it does:
 - Events are debounced per resource: a burst of events within ``debounce`` of each other gives one
   call, so an atomic replace or a Kubernetes secret rotation gives exactly one call.
 
-There is a single OS watch (one inotify instance) for all directories, which matters because
-inotify instances are limited per user and every sidecar on a node runs as the same user. When
-the set of directories changes, the new watch is opened *before* the old one is retired, and what
-the old one has buffered is taken over synchronously, so no event is lost in the hand-over (an
-event landing in the microseconds between the two may be seen twice: a rare extra call, never a
-missed one). The low-level ``watchfiles`` notifier is used instead of ``awatch`` because it opens
-synchronously and can be handed over like this: once ``watch()`` (or ``start()``) returns, changes
-are being recorded.
+There is a single inotify instance for all directories (:mod:`istio_agent.inotify`), because
+inotify instances are limited per user and every sidecar on a node runs as the same user. Watches
+are added and removed one directory at a time on that instance, so changing what is watched never
+drops an event, and its events are read on the event loop: no thread. Once ``watch()`` (or
+``start()``) returns, changes are being recorded. If the kernel's event queue overflows, every
+resource is reported changed.
 
-A directory that cannot be watched (permissions, OS watch limits) is counted in
+A directory that cannot be watched (permissions, inotify limits) is counted in
 ``num_file_watcher_failures``, left out, and retried in the background with backoff; the other
 directories are watched meanwhile.
 """
@@ -35,16 +33,12 @@ directories are watched meanwhile.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
-from watchfiles._rust_notify import RustNotify
-
+from istio_agent.inotify import IN_DELETE_SELF, IN_IGNORED, IN_MOVE_SELF, IN_Q_OVERFLOW, Inotify
 from istio_agent.log import scope
 from istio_agent.metrics import counter
 
@@ -54,23 +48,15 @@ FILE_WATCHER_FAILURES = counter(
     "num_file_watcher_failures", "Number of times the file watcher failed to add a watch on a directory"
 )
 
-_STEP_MS = 50
-_HANDOVER_WAIT_MS = 10
-_RETIRE_GRACE = 3 * _STEP_MS / 1000
-"""How long a retired notifier's running watch call may go on to return events it already read."""
-"""How long a re-opened watch waits for the old one's in-flight events (the notifier thread hands
-them over asynchronously; 1 ms lost changes on a busy machine). Paid only when the watched set of
-directories changes."""
-"""How long the notifier waits for more events before handing a batch over."""
-_MAX_BATCH_MS = 500
-"""Upper bound on how long the notifier groups a continuous stream of events."""
 _MAX_BACKLOG_ROUNDS = 100
-"""Hand-overs in a row before giving up on precision and calling back every resource."""
+"""Rounds of re-tracing in a row before giving up on precision and calling back every resource."""
 _MAX_BURST_FACTOR = 10
 """A burst is cut after ``debounce * _MAX_BURST_FACTOR`` so a file written non-stop still reports."""
 _RETRY_INITIAL = 0.1
 _RETRY_MAX = 30.0
 _MAX_LINK_HOPS = 40
+_GONE = IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF
+"""The watched directory itself was removed or moved: its watch no longer covers the path."""
 
 
 def _is_symlink(path: Path) -> bool:
@@ -141,46 +127,12 @@ def _interesting_paths(path: Path) -> set[Path]:
     return paths
 
 
-def _can_watch(directory: Path) -> bool:
-    try:
-        RustNotify([str(directory)], False, False, 300, False, False).close()
-    except Exception as exc:
-        log.debug("watching %s failed: %s", directory, exc)
-        return False
-    return True
-
-
 def _nearest_existing(directory: Path) -> tuple[Path, Path]:
     """The nearest existing ancestor of a missing ``directory`` and its child on the way down."""
     top, current = directory, directory.parent
     while not _is_dir(current) and current != current.parent:
         top, current = current, current.parent
     return current, top
-
-
-class _Notifier:
-    """One OS-level watch over a set of directories (a watchfiles RustNotify)."""
-
-    def __init__(self, directories: frozenset[Path]) -> None:
-        self.directories = directories
-        self.rust = RustNotify([str(d) for d in sorted(directories)], False, False, 300, False, False)
-        self.stop = threading.Event()
-        self._closed = False
-
-    def take_buffered(self) -> set[Path] | None:
-        """Synchronously take the changes buffered so far (costs at most ~10 ms); None if unknown."""
-        try:
-            result = self.rust.watch(0, 0, _HANDOVER_WAIT_MS, None)
-        except Exception:
-            return None
-        if isinstance(result, set):
-            return {Path(path) for _, path in result}
-        return set() if result == "timeout" else None
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.rust.close()
 
 
 class FileWatcher:
@@ -194,25 +146,21 @@ class FileWatcher:
         self._on_change = on_change
         self._debounce = debounce.total_seconds()
         self._paths: dict[str, set[Path]] = {}
-        # resource -> paths (with resolved parents) whose events concern it: now, before the last
-        # refresh, and when the changes taken over from a retired notifier happened.
         self._interest: dict[str, set[Path]] = {}
-        self._previous_interest: dict[str, set[Path]] = {}
-        self._backlog_interest: dict[str, set[Path]] = {}
+        """resource -> paths (with resolved parents) whose events concern it."""
         self._wanted: frozenset[Path] = frozenset()
+        self._watches: dict[Path, int] = {}
+        """Watched directory -> its inotify watch descriptor."""
+        self._directories: dict[int, Path] = {}
         self._missing_logged: set[Path] = set()
         self._failed_logged: set[Path] = set()
-        self._notifier: _Notifier | None = None
-        self._in_flight: _Notifier | None = None
+        self._inotify: Inotify | None = None
         self._backlog: set[Path] = set()
         self._backlog_unknown = False
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._burst_start: dict[str, float] = {}
         self._retry: asyncio.TimerHandle | None = None
         self._retry_delay = _RETRY_INITIAL
-        self._wake: asyncio.Event | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._task: asyncio.Task[None] | None = None
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -227,7 +175,6 @@ class FileWatcher:
         wanted.update(_absolute(p) for p in paths)
         if len(wanted) != before or resource not in self._interest:
             self._refresh()
-            self._process_backlog()
 
     def unwatch(self, resource: str) -> None:
         """Stop watching ``resource``; a pending call for it is dropped."""
@@ -235,58 +182,43 @@ class FileWatcher:
             return
         self._cancel_timer(resource)
         self._refresh()
-        self._process_backlog()
 
     def watched_paths(self, resource: str) -> set[Path]:
         """The absolute paths watched for ``resource`` (as given, symlinks not resolved)."""
         return set(self._paths.get(resource, ()))
 
     async def start(self) -> None:
-        """Open the watch; changes made after this returns are reported."""
-        if self._task is not None:
+        """Open the watch; changes made after this returns are reported. OSError when inotify cannot open."""
+        if self._inotify is not None:
             return
-        self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="istio-file-watch")
-        self._wanted = frozenset()
+        inotify = Inotify()
+        asyncio.get_running_loop().add_reader(inotify.fileno(), self._read_events)
+        self._inotify = inotify
         self._retry_delay = _RETRY_INITIAL
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="file-watcher")
         self._refresh()
-        self._backlog.clear()  # nothing was being watched before start
-        self._backlog_unknown = False
 
     async def stop(self) -> None:
         """Stop watching and drop pending calls; nothing is left running."""
-        task, self._task = self._task, None
-        if task is None:
+        inotify, self._inotify = self._inotify, None
+        if inotify is None:
             return
         for resource in list(self._timers):
             self._cancel_timer(resource)
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
-        if self._notifier is not None:
-            self._notifier.stop.set()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        if self._notifier is not None:
-            self._notifier.close()
-            self._notifier = None
+        asyncio.get_running_loop().remove_reader(inotify.fileno())
+        inotify.close()
+        self._watches.clear()
+        self._directories.clear()
+        self._wanted = frozenset()
         self._backlog.clear()
-        self._backlog_interest = {}
         self._backlog_unknown = False
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
 
     # -- what to watch ------------------------------------------------------------------------
 
-    @property
-    def _running(self) -> bool:
-        return self._task is not None
-
-    def _refresh(self, *, force: bool = False) -> None:
-        """Trace every watched path again and, when running, make the OS watch cover its directories."""
+    def _refresh(self) -> None:
+        """Trace every watched path again and, when running, make the watches cover its directories."""
         interest: dict[str, set[Path]] = {}
         directories: set[Path] = set()
         missing: set[Path] = set()
@@ -304,137 +236,86 @@ class FileWatcher:
                 keys.add(top)
                 missing.add(directory)
             interest[resource] = keys
-        self._previous_interest, self._interest = self._interest, interest
+        self._interest = interest
         for directory in missing - self._missing_logged:
             log.warning("directory %s of a watched file is missing; watching for it to come back", directory)
         self._missing_logged = missing
-        if self._running and (force or frozenset(directories) != self._wanted):
-            self._wanted = frozenset(directories)
-            self._rebuild(force=force)
+        self._wanted = frozenset(directories)
+        if self._inotify is not None:
+            self._sync_watches(self._inotify)
 
-    def _rebuild(self, *, force: bool = False) -> None:
-        """Watch the wanted directories (leaving out ones that fail) and retire the old notifier."""
-        if self._retry is not None:
-            self._retry.cancel()
-            self._retry = None
-        current = self._notifier
-        notifier: _Notifier | None = None
+    def _sync_watches(self, inotify: Inotify) -> None:
+        """Watch exactly the wanted directories: add the new ones, remove the others, retry failures."""
+        for directory in [d for d in self._watches if d not in self._wanted]:
+            self._forget(self._watches[directory], remove=True)
         failed: set[Path] = set()
-        if self._wanted:
+        for directory in sorted(self._wanted - self._watches.keys()):
             try:
-                notifier = _Notifier(self._wanted)
-            except Exception:
-                failed = {d for d in self._wanted if not _can_watch(d)}
-                usable = self._wanted - failed
-                if current is not None and current.directories == usable and not force:
-                    notifier = current  # nothing would change: keep it, no hand-over
-                elif usable:
-                    try:
-                        notifier = _Notifier(usable)
-                    except Exception:
-                        failed = set(self._wanted)
-        if notifier is not current:
-            self._replace(notifier)
+                wd = inotify.add_watch(directory)
+            except OSError as err:
+                failed.add(directory)
+                log.debug("watching %s failed: %s", directory, err.strerror)
+                continue
+            self._watches[directory] = wd
+            self._directories[wd] = directory
         if failed:
             FILE_WATCHER_FAILURES.inc(len(failed))
             for directory in failed - self._failed_logged:
                 log.warning("failed to watch directory %s; retrying in the background", directory)
-            self._schedule_retry()
+            if self._retry is None:
+                self._retry = asyncio.get_running_loop().call_later(self._retry_delay, self._retry_watches)
+                self._retry_delay = min(self._retry_delay * 2, _RETRY_MAX)
+        else:
+            self._retry_delay = _RETRY_INITIAL
         self._failed_logged = failed
 
-    def _replace(self, notifier: _Notifier | None) -> None:
-        """Install ``notifier`` and take over what the old one buffered before letting it go."""
-        old, self._notifier = self._notifier, notifier
-        if old is not None:
-            taken = old.take_buffered()
-            for resource, keys in self._previous_interest.items():
-                self._backlog_interest.setdefault(resource, set()).update(keys)
-            if taken is None:
-                self._backlog_unknown = True
-            else:
-                self._backlog |= taken
-            if old is self._in_flight:
-                # Its watch call may already hold events it read: stopping it now would drop
-                # them. Let the call return its batch (it does within one step of the last
-                # event); stop it only if it is still idle after that. The loop closes it.
-                asyncio.get_running_loop().call_later(_RETIRE_GRACE, old.stop.set)
-            else:
-                old.stop.set()
-                old.close()
-        if self._wake is not None:
-            self._wake.set()
-
-    def _schedule_retry(self) -> None:
-        self._retry = asyncio.get_running_loop().call_later(self._retry_delay, self._retry_rebuild)
-        self._retry_delay = min(self._retry_delay * 2, _RETRY_MAX)
-
-    def _retry_rebuild(self) -> None:
-        self._retry = None
-        if not self._running:
-            return
-        wanted = self._wanted
-        self._refresh()  # rebuilds by itself when the directories changed meanwhile
-        if self._wanted == wanted:
-            self._rebuild()
-        self._process_backlog()
-
-    # -- the watch loop -----------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        assert self._wake is not None
-        while True:
-            notifier = self._notifier
-            if notifier is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
+    def _forget(self, wd: int, *, remove: bool) -> None:
+        directory = self._directories.pop(wd, None)
+        if directory is not None and self._watches.get(directory) == wd:
+            del self._watches[directory]
+        if remove and self._inotify is not None:
             try:
-                result = await self._watch_once(notifier)
-            finally:
-                if notifier is not self._notifier:
-                    notifier.close()  # retired while its watch call ran
-            self._process(result, notifier)
+                self._inotify.remove_watch(wd)
+            except OSError as err:
+                log.debug("removing the watch of %s failed: %s", directory, err.strerror)
 
-    async def _watch_once(self, notifier: _Notifier) -> object:
-        """One ``RustNotify.watch`` in the watcher thread; on cancellation, wait for it to return."""
-        assert self._executor is not None
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(
-            self._executor, notifier.rust.watch, _MAX_BATCH_MS, _STEP_MS, 0, notifier.stop
-        )
-        self._in_flight = notifier
+    def _retry_watches(self) -> None:
+        self._retry = None
+        if self._inotify is not None:
+            self._refresh()
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def _read_events(self) -> None:
+        """The inotify descriptor is readable: turn its events into changed paths."""
+        if self._inotify is None:
+            return
         try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # The thread notices the stop flag within one step; never leave it running.
-            notifier.stop.set()
-            await asyncio.wait([future])
-            raise
-        except Exception as exc:
-            return exc
-        finally:
-            self._in_flight = None
-
-    def _process(self, result: object, notifier: _Notifier) -> None:
-        if isinstance(result, set):
-            if not self._failed_logged:
-                self._retry_delay = _RETRY_INITIAL  # events flow again: next failure retries quickly
-            self._backlog |= {Path(path) for _, path in result}
-        elif isinstance(result, Exception) and notifier is self._notifier:
+            events = self._inotify.read_events()
+        except OSError as err:
             FILE_WATCHER_FAILURES.inc()
-            log.warning("file watcher failed (%s); re-opening it and re-reading all watched files", result)
-            self._wanted = frozenset()
-            self._replace(None)
+            log.warning("reading file change events failed (%s); re-reading all watched files", err.strerror)
             self._backlog_unknown = True
-            self._schedule_retry()
-        # "stop" (retired or stopping) and "signal" (never in a worker thread) need nothing.
+            events = []
+        for event in events:
+            if event.mask & IN_Q_OVERFLOW:
+                log.warning("the kernel dropped file change events; re-reading all watched files")
+                self._backlog_unknown = True
+                continue
+            directory = self._directories.get(event.wd)
+            if directory is None:
+                continue  # a watch removed a moment ago
+            self._backlog.add(directory / event.name if event.name else directory)
+            if not event.name and event.mask & _GONE:
+                # Removed or moved away: re-tracing watches the path again (its new inode, or the
+                # nearest ancestor until it comes back).
+                self._forget(event.wd, remove=not event.mask & IN_IGNORED)
         self._process_backlog()
 
     def _process_backlog(self) -> None:
-        """Turn buffered changes into scheduled calls; refreshing may hand over and buffer more."""
+        """Turn recorded changes into scheduled calls."""
         for _ in range(_MAX_BACKLOG_ROUNDS):
             if not self._backlog and not self._backlog_unknown:
-                self._backlog_interest = {}
                 return
             changed, self._backlog = self._backlog, set()
             if self._backlog_unknown:
@@ -449,12 +330,11 @@ class FileWatcher:
             self._schedule(resource)
 
     def _handle_changes(self, changed: set[Path]) -> None:
-        before = {r: self._interest.get(r, set()) | self._backlog_interest.get(r, set()) for r in self._paths}
-        self._backlog_interest = {}
-        # An event on a watched directory itself means it was removed or moved: the OS watch may
-        # now point at a dead inode even if a new directory already took its place, so re-open.
-        replaced_dirs = changed & self._wanted
-        self._refresh(force=bool(replaced_dirs))
+        before = {r: set(self._interest.get(r, ())) for r in self._paths}
+        # An event on a watched directory itself means it was removed or moved (or re-created in
+        # place): everything below it may have changed.
+        replaced_dirs = {path for path in changed if path in self._wanted}
+        self._refresh()
         for resource, keys in self._interest.items():
             relevant = keys | before.get(resource, set())
             if not changed.isdisjoint(relevant) or any(key.parent in replaced_dirs for key in relevant):
@@ -464,7 +344,7 @@ class FileWatcher:
 
     def _schedule(self, resource: str) -> None:
         """(Re)arm the resource's timer: the call happens once events stop for ``debounce``."""
-        if not self._running:
+        if self._inotify is None:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -485,7 +365,7 @@ class FileWatcher:
     def _fire(self, resource: str) -> None:
         self._timers.pop(resource, None)
         self._burst_start.pop(resource, None)
-        if resource not in self._paths or not self._running:
+        if resource not in self._paths or self._inotify is None:
             return
         try:
             self._on_change(resource)
