@@ -87,8 +87,11 @@ def test_mistakes_are_refused() -> None:
         gauge.labels(a="1", c="2")
     with pytest.raises(ValueError, match=r"use \.labels"):
         gauge.inc()
+    assert registry.gauge("labelled", "same metric", ["a", "b"]) is gauge  # one series set per name
+    with pytest.raises(ValueError, match="already registered as a gauge with labels"):
+        registry.gauge("labelled", "other labels", ["a"])
     with pytest.raises(ValueError, match="already registered"):
-        registry.gauge("labelled", "again")
+        registry.histogram("labelled", "another kind")
 
 
 def test_increments_from_many_threads_are_not_lost() -> None:

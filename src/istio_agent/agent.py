@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -110,10 +111,6 @@ DialerFactory = Callable[[XdsSettings, TokenSource | None], UpstreamDialer]
 """Builds the xDS proxy's upstream dialer (tests swap in one that dials a fake istiod)."""
 
 
-def _citadel_client(settings: SecuritySettings) -> CAClient:
-    return CitadelClient.from_settings(settings)
-
-
 class Agent:
     """One workload's agent. ``start()`` brings everything up; ``stop()`` tears it down.
 
@@ -126,12 +123,12 @@ class Agent:
         self,
         settings: AgentSettings,
         *,
-        ca_client: CAClientFactory = _citadel_client,
+        ca_client: CAClientFactory | None = None,
         dialer: DialerFactory = UpstreamDialer,
         registry: Registry = REGISTRY,
     ) -> None:
         self._settings = settings
-        self._ca_client = ca_client
+        self._ca_client = ca_client or functools.partial(CitadelClient.from_settings, registry=registry)
         self._dialer = dialer
         self._registry = registry
         self.secret_manager: SecretManager | None = None
@@ -169,7 +166,8 @@ class Agent:
         if settings.dns is not None and settings.dns.enabled:
             await self._start_dns(stack, settings.dns)  # as Istio: before anything that may need names
         plan = await plan_sds(settings.security)
-        manager = SecretManager(plan.settings, self._ca_client(plan.settings) if plan.uses_ca else None)
+        ca_client = self._ca_client(plan.settings) if plan.uses_ca else None
+        manager = SecretManager(plan.settings, ca_client, registry=self._registry)
         await _started(stack, "secret manager", manager.start, manager.stop)
         self.secret_manager = manager
         if settings.serve_sds:
@@ -224,7 +222,7 @@ class Agent:
         """The DNS proxy on DNS_PROXY_ADDR; a bind or resolv.conf error fails the start (DnsStartError)."""
         from istio_agent.dns.proxy import DnsProxy
 
-        dns = DnsProxy(settings, workdir=self._settings.workdir)
+        dns = DnsProxy(settings, workdir=self._settings.workdir, registry=self._registry)
         await _started(stack, "DNS proxy", dns.start, dns.stop)
         self.dns = dns
 
@@ -259,7 +257,7 @@ class Agent:
                 return EnvoyProcess(settings, settings.workdir / custom, owns_bootstrap=False)
             return EnvoyProcess(settings, await asyncio.to_thread(write_bootstrap, settings))
 
-        envoy = EnvoySupervisor(launch, restart=settings.restart_on_exit)
+        envoy = EnvoySupervisor(launch, restart=settings.restart_on_exit, registry=self._registry)
 
         async def drain_and_stop() -> None:
             await envoy.drain_and_stop(graceful_drain=not self._skip_drain)

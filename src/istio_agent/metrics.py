@@ -16,7 +16,7 @@ import math
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 PREFIX = "istio_agent_"
 DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -237,11 +237,21 @@ class Registry:
         return self._add(Histogram(PREFIX + name, documentation, labelnames, buckets))
 
     def _add(self, metric: _MetricT) -> _MetricT:
+        """Register ``metric``, or return the one of that name already registered if it is the same kind.
+
+        So every instance of a subsystem built on one registry counts into the same series, as
+        module-level metrics would, while a test gives its instance a registry of its own.
+        """
         with self._lock:
-            if metric.name in self._metrics:
-                raise ValueError(f"metric {metric.name} is already registered")
-            self._metrics[metric.name] = metric
-        return metric
+            existing = self._metrics.get(metric.name)
+            if existing is None:
+                self._metrics[metric.name] = metric
+                return metric
+        if type(existing) is not type(metric) or existing.labelnames != metric.labelnames:
+            raise ValueError(
+                f"metric {metric.name} is already registered as a {existing.type} with labels {existing.labelnames}"
+            )
+        return cast(_MetricT, existing)  # the same class as metric, checked above
 
     def register(self, collector: Collector) -> None:
         with self._lock:

@@ -13,8 +13,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from istio_agent import metrics
 from istio_agent.config import Env, SecuritySettings
+from istio_agent.metrics import PREFIX, Registry
 from istio_agent.security.manager import SecretManager
 from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretError
 from tests.security.fakes import IDENTITY, FakeCA, pem
@@ -51,11 +51,19 @@ async def ca() -> FakeCA:
 async def started(
     settings: SecuritySettings, ca: FakeCA | None, **kwargs: object
 ) -> tuple[SecretManager, Recorder]:
-    manager = SecretManager(settings, ca, **kwargs)  # type: ignore[arg-type]
+    """A started manager with a metrics registry of its own (``manager.registry`` in the tests)."""
+    registry = Registry()
+    manager = SecretManager(settings, ca, registry=registry, **kwargs)  # type: ignore[arg-type]
+    manager.registry = registry  # type: ignore[attr-defined]
     recorder = Recorder()
     manager.add_update_callback(recorder)
     await manager.start()
     return manager, recorder
+
+
+def sample(manager: SecretManager, name: str, **labels: str) -> float | None:
+    registry: Registry = manager.registry  # type: ignore[attr-defined]
+    return registry.sample(PREFIX + name, labels)
 
 
 def leaf_of(chain: bytes) -> x509.Certificate:
@@ -82,7 +90,7 @@ async def test_first_default_signs_then_caches(tmp_path: Path, ca: FakeCA) -> No
         assert root.is_root and not root.private_key
         assert root.root_cert == pem(ca.root).encode().strip()  # merged form: no trailing newline
         assert ca.calls == 1
-        assert metrics.sample("cert_expiry_seconds", {"resource_name": "default"}) > 80000
+        assert sample(manager, "cert_expiry_seconds", resource_name="default") > 80000
     finally:
         await manager.stop()
     assert ca.closed
@@ -122,10 +130,9 @@ async def test_ca_outage_during_rotation_keeps_serving_current_cert(tmp_path: Pa
     )
     try:
         first = await manager.generate(WORKLOAD_KEY_CERT)
-        failures_before = metrics.sample("cert_rotation_failures")
         ca.fail_next = 3
         await recorder.wait_for(WORKLOAD_KEY_CERT, timeout=8)
-        assert metrics.sample("cert_rotation_failures") - failures_before == 3
+        assert sample(manager, "cert_rotation_failures") == 3
         rotated = await manager.generate(WORKLOAD_KEY_CERT)
         assert rotated.certificate_chain != first.certificate_chain
         assert ca.calls == 5  # first, three failures, the renewal
@@ -159,11 +166,10 @@ async def test_during_outage_the_cached_cert_is_served(tmp_path: Path, ca: FakeC
 async def test_bad_ca_answers_are_refused(tmp_path: Path, ca: FakeCA, setup: object, reason: str) -> None:
     setup(ca)  # type: ignore[operator]
     manager, recorder = await started(make_settings(tmp_path), ca)
-    refused_before = metrics.sample("ca_response_rejected")
     try:
         with pytest.raises(SecretError, match=reason):
             await manager.generate(WORKLOAD_KEY_CERT)
-        assert metrics.sample("ca_response_rejected") == refused_before + 1
+        assert sample(manager, "ca_response_rejected") == 1
         assert recorder.names == []
     finally:
         await manager.stop()

@@ -24,12 +24,7 @@ from istio_agent.dns.wire import (
     Query,
     ttl_offsets,
 )
-from istio_agent.metrics import counter
-
-cache_hits = counter("dns_cache_hits_total", "Upstream DNS answers served from the agent's answer cache.")
-cache_misses = counter(
-    "dns_cache_misses_total", "Forwarded DNS queries not found in the agent's answer cache."
-)
+from istio_agent.metrics import REGISTRY, Registry
 
 _MAX_TTL = 0x7FFFFFFF
 """RFC 2181 §8: a TTL with the top bit set counts as zero."""
@@ -114,10 +109,29 @@ def cacheable_ttl(reply: bytes) -> tuple[int, tuple[tuple[int, int], ...]] | Non
     return lifetime, tuple(ttls)
 
 
+class _CacheMetrics:
+    """The answer cache's metrics."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.hits = registry.counter(
+            "dns_cache_hits_total", "Upstream DNS answers served from the agent's answer cache."
+        )
+        self.misses = registry.counter(
+            "dns_cache_misses_total", "Forwarded DNS queries not found in the agent's answer cache."
+        )
+
+
 class AnswerCache:
     """Upstream replies by (name, type, class, DO bit, EDNS), held for their TTL, oldest evicted first."""
 
-    def __init__(self, max_entries: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_entries: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        registry: Registry = REGISTRY,
+    ) -> None:
+        self._metrics = _CacheMetrics(registry)
         if max_entries < 1:
             raise ValueError(f"DNS cache size must be at least 1, got {max_entries}")
         self._max_entries = max_entries
@@ -136,12 +150,12 @@ class AnswerCache:
         key = _key(parsed)
         entry = self._entries.get(key)
         if entry is None:
-            cache_misses.inc()
+            self._metrics.misses.inc()
             return None
         now = self._clock()
         if now >= entry.expires:
             del self._entries[key]
-            cache_misses.inc()
+            self._metrics.misses.inc()
             return None
         out = bytearray(entry.reply)
         struct.pack_into("!H", out, 0, parsed.id)
@@ -153,7 +167,7 @@ class AnswerCache:
         if elapsed > 0:
             for offset, ttl in entry.ttls:
                 struct.pack_into("!I", out, offset, max(ttl - elapsed, 0))
-        cache_hits.inc()
+        self._metrics.hits.inc()
         return bytes(out)
 
     def put(self, parsed: Query, reply: bytes) -> None:

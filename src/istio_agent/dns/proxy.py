@@ -23,6 +23,7 @@ from istio_agent.dns.table import LookupTable
 from istio_agent.dns.upstream import Forwarder
 from istio_agent.files import write_atomic
 from istio_agent.log import scope
+from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import nds_pb2
 
 log = scope("dns")
@@ -78,20 +79,24 @@ def listen_addresses(listen: str, resolv: ResolvConf) -> list[tuple[str, int]]:
 class DnsProxy:
     """Owns the resolver, its listeners and the current lookup table."""
 
-    def __init__(self, settings: DnsSettings, *, workdir: Path | None = None) -> None:
+    def __init__(
+        self, settings: DnsSettings, *, workdir: Path | None = None, registry: Registry = REGISTRY
+    ) -> None:
         self._settings = settings
+        self._registry = registry
         self._saved = (workdir or Path.cwd()) / SAVED_TABLE
         try:
             self._resolv = read_resolv_conf(settings.resolv_conf)
         except ConfigError as err:
             raise DnsStartError(f"failed to start local DNS server: {err}") from None
-        cache = AnswerCache() if settings.cache else None
+        cache = AnswerCache(registry=registry) if settings.cache else None
         self._forwarder = Forwarder(
             self._resolv.nameservers,
             parallel=settings.forward_parallel,
             timeout=settings.forward_timeout,
             retries=settings.forward_retries,
             cache=cache,
+            registry=registry,
         )
         self.resolver = DnsResolver(self._forwarder, respond_before_sync=settings.respond_before_sync)
         self.server: DnsServer | None = None
@@ -110,7 +115,8 @@ class DnsProxy:
     async def start(self) -> None:
         """Load any saved table, then bind UDP and TCP on every listen address."""
         self._load_saved()
-        server = DnsServer(self.resolver, listen_addresses(self._settings.listen_address, self._resolv))
+        addresses = listen_addresses(self._settings.listen_address, self._resolv)
+        server = DnsServer(self.resolver, addresses, registry=self._registry)
         try:
             await server.start()
         except OSError as err:

@@ -32,7 +32,7 @@ from istio_agent.dns.wire import (
     truncate,
 )
 from istio_agent.log import scope
-from istio_agent.metrics import PREFIX, REGISTRY, Family
+from istio_agent.metrics import PREFIX, REGISTRY, Family, Registry
 
 log = scope("dns")
 
@@ -250,8 +250,11 @@ class _UdpProtocol(asyncio.DatagramProtocol):
 class DnsServer:
     """UDP and TCP listeners for every listen address, all answering through one resolver."""
 
-    def __init__(self, resolver: DnsResolver, addresses: Sequence[tuple[str, int]]) -> None:
+    def __init__(
+        self, resolver: DnsResolver, addresses: Sequence[tuple[str, int]], *, registry: Registry = REGISTRY
+    ) -> None:
         self.resolver = resolver
+        self._registry = registry
         self._addresses = list(addresses)
         self._udp: list[asyncio.DatagramTransport] = []
         self._tcp: list[asyncio.Server] = []
@@ -279,7 +282,7 @@ class DnsServer:
         except OSError as err:
             await self.stop()
             raise OSError(err.errno, f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-        REGISTRY.register(self.resolver.stats)
+        self._registry.register(self.resolver.stats)
         log.info("DNS proxy listening on %s", ", ".join(f"{p} {h}:{n}" for p, h, n in self.bound))
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -335,4 +338,4 @@ class DnsServer:
             await server.wait_closed()
         self._udp.clear()
         self._tcp.clear()
-        REGISTRY.unregister(self.resolver.stats)
+        self._registry.unregister(self.resolver.stats)

@@ -27,7 +27,7 @@ from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.table import shuffle_by_ids
 from istio_agent.dns.wire import Query, check_reply
 from istio_agent.log import scope
-from istio_agent.metrics import counter, histogram
+from istio_agent.metrics import REGISTRY, Registry
 
 log = scope("dns")
 
@@ -37,18 +37,6 @@ UDP_RECEIVE_BUFFER = 65535
 RETRY_BACKOFF_INITIAL = 0.05
 """Pause before the first extra round (DNS_FORWARD_RETRIES); doubled each round up to the cap."""
 RETRY_BACKOFF_MAX = 0.8
-
-upstream_requests = counter(
-    "dns_upstream_requests_total", "Total number of DNS requests forwarded to upstream servers."
-)
-upstream_failures = counter(
-    "dns_upstream_failures_total", "Total number of DNS requests for which every upstream server failed."
-)
-upstream_duration = histogram(
-    "dns_upstream_request_duration_seconds",
-    "Time spent forwarding a DNS request upstream, over all attempts.",
-    buckets=(0.001, 0.005, 0.01, 0.1, 1, 5),
-)
 
 
 class UpstreamError(Exception):
@@ -102,6 +90,24 @@ def _describe(err: BaseException, timeout: float) -> str:
     return str(err) or type(err).__name__
 
 
+class _ForwarderMetrics:
+    """The forwarder's metrics."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.requests = registry.counter(
+            "dns_upstream_requests_total", "Total number of DNS requests forwarded to upstream servers."
+        )
+        self.failures = registry.counter(
+            "dns_upstream_failures_total",
+            "Total number of DNS requests for which every upstream server failed.",
+        )
+        self.duration = registry.histogram(
+            "dns_upstream_request_duration_seconds",
+            "Time spent forwarding a DNS request upstream, over all attempts.",
+            buckets=(0.001, 0.005, 0.01, 0.1, 1, 5),
+        )
+
+
 class Forwarder:
     """Sends a client's query to the upstream nameservers and returns the first usable reply."""
 
@@ -114,7 +120,9 @@ class Forwarder:
         retries: int = 0,
         cache: AnswerCache | None = None,
         next_id: Callable[[], int] | None = None,
+        registry: Registry = REGISTRY,
     ) -> None:
+        self._metrics = _ForwarderMetrics(registry)
         if timeout <= 0:
             raise ValueError(f"DNS forward timeout must be positive, got {timeout}")
         if retries < 0:
@@ -145,15 +153,15 @@ class Forwarder:
             hit = cache.get(parsed)
             if hit is not None:
                 return hit
-        upstream_requests.inc()
+        self._metrics.requests.inc()
         start = time.perf_counter()
         try:
             reply = await self._exchange(query, tcp)
         except UpstreamError:
-            upstream_failures.inc()
+            self._metrics.failures.inc()
             raise
         finally:
-            upstream_duration.observe(time.perf_counter() - start)
+            self._metrics.duration.observe(time.perf_counter() - start)
         if cache is not None:
             cache.put(parsed, reply)
         return reply

@@ -16,18 +16,25 @@ from istio_agent import goformat
 from istio_agent.backoff import ExponentialBackoff
 from istio_agent.envoy.process import EnvoyProcess
 from istio_agent.log import scope
-from istio_agent.metrics import counter
+from istio_agent.metrics import REGISTRY, Registry
 
 log = scope("envoy")
 
 RESTART_STABLE_AFTER = 60.0  # a run this long resets the backoff
 
-ENVOY_RESTARTS = counter(
-    "envoy_restarts", "Times the agent restarted Envoy after it exited on its own (ENVOY_RESTART_ON_EXIT)."
-)
 
 Launcher = Callable[[], Awaitable[EnvoyProcess]]
 """Prepare one run of Envoy (writing its bootstrap) and return it, not yet started."""
+
+
+class _SupervisorMetrics:
+    """The Envoy supervisor's metrics."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.restarts = registry.counter(
+            "envoy_restarts",
+            "Times the agent restarted Envoy after it exited on its own (ENVOY_RESTART_ON_EXIT).",
+        )
 
 
 class EnvoySupervisor:
@@ -40,7 +47,9 @@ class EnvoySupervisor:
         restart: bool = False,
         backoff: ExponentialBackoff | None = None,
         stable_after: float = RESTART_STABLE_AFTER,
+        registry: Registry = REGISTRY,
     ) -> None:
+        self._metrics = _SupervisorMetrics(registry)
         self._launch = launch
         self._restart = restart
         self._backoff = backoff or ExponentialBackoff(initial=1.0, multiplier=2.0, max_interval=60.0)
@@ -119,7 +128,7 @@ class EnvoySupervisor:
             self._current, process = replacement, replacement
             started = loop.time()
             self.restarts += 1
-            ENVOY_RESTARTS.inc()
+            self._metrics.restarts.inc()
             log.info("Envoy restarted (pid %s, restart %d)", replacement.pid, self.restarts)
             if self._stopping.is_set():  # a stop arrived while it was starting
                 await replacement.kill()

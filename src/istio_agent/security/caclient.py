@@ -19,9 +19,10 @@ from datetime import timedelta
 import grpc
 from google.protobuf import struct_pb2
 
-from istio_agent import goformat, metrics
+from istio_agent import goformat
 from istio_agent.config import SecuritySettings
 from istio_agent.log import scope
+from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 from istio_agent.security.credentials import TokenSource, token_source_for
 from istio_agent.security.istiod import CredentialError, DialMaterial, IstiodCredentials, IstiodEndpoint
@@ -45,18 +46,23 @@ RETRYABLE_CODES = frozenset(
 # answers would stall certificate rotation forever, so each attempt gets a generous deadline.
 CALL_TIMEOUT = 30.0
 
-OUTGOING_REQUESTS = metrics.counter(
-    "num_outgoing_requests", "Number of requests sent to the CA by the agent.", ["request_type"]
-)
-FAILED_OUTGOING_REQUESTS = metrics.counter(
-    "num_failed_outgoing_requests", "Number of requests to the CA that failed.", ["request_type"]
-)
-OUTGOING_LATENCY = metrics.counter(
-    "outgoing_latency", "Total time spent in requests to the CA, in milliseconds.", ["request_type"]
-)
-OUTGOING_RETRIES = metrics.counter(
-    "num_outgoing_retries", "Number of retried requests to the CA.", ["request_type"]
-)
+
+class _CAClientMetrics:
+    """The CA client's metrics (Istio's names)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.requests = registry.counter(
+            "num_outgoing_requests", "Number of requests sent to the CA by the agent.", ["request_type"]
+        )
+        self.failures = registry.counter(
+            "num_failed_outgoing_requests", "Number of requests to the CA that failed.", ["request_type"]
+        )
+        self.latency = registry.counter(
+            "outgoing_latency", "Total time spent in requests to the CA, in milliseconds.", ["request_type"]
+        )
+        self.retries = registry.counter(
+            "num_outgoing_retries", "Number of retried requests to the CA.", ["request_type"]
+        )
 
 
 def _status_of(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
@@ -85,8 +91,10 @@ class CitadelClient:
         cert_signer: str = "",
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         rng: Callable[[], float] = random.random,
+        registry: Registry = REGISTRY,
     ) -> None:
         self.endpoint = endpoint
+        self._metrics = _CAClientMetrics(registry)
         self._credentials = IstiodCredentials(endpoint, token_source)
         self._cert_signer = cert_signer
         self._sleep = sleep
@@ -95,7 +103,7 @@ class CitadelClient:
         self._closed = False
 
     @classmethod
-    def from_settings(cls, settings: SecuritySettings) -> CitadelClient:
+    def from_settings(cls, settings: SecuritySettings, *, registry: Registry = REGISTRY) -> CitadelClient:
         """The agent's CA client for CA_ADDR; ConfigError when a required root certificate is missing."""
         endpoint = IstiodEndpoint.for_ca(settings)
         if endpoint.plaintext:
@@ -103,21 +111,21 @@ class CitadelClient:
                 "Debug mode or IP-secure network: connecting to the CA at %s without TLS", endpoint.address
             )
         log.info("CA client for %s (%s)", endpoint.address, "plaintext" if endpoint.plaintext else "TLS")
-        return cls(endpoint, token_source_for(settings), cert_signer=settings.cert_signer)
+        return cls(endpoint, token_source_for(settings), cert_signer=settings.cert_signer, registry=registry)
 
     async def csr_sign(self, csr_pem: bytes, ttl: timedelta) -> list[str]:
         """Send the CSR; return the chain as the CA sent it (leaf first, root last)."""
         labels = {"request_type": REQUEST_TYPE}
-        OUTGOING_REQUESTS.labels(**labels).inc()
+        self._metrics.requests.labels(**labels).inc()
         started = time.monotonic()
         try:
             return await self._sign(csr_pem, ttl)
         except (CAError, grpc.RpcError) as err:  # anything else is a bug: it propagates uncounted
-            FAILED_OUTGOING_REQUESTS.labels(**labels).inc()
+            self._metrics.failures.labels(**labels).inc()
             log.error("failed to sign CSR: %s", err)
             raise
         finally:
-            OUTGOING_LATENCY.labels(**labels).inc((time.monotonic() - started) * 1000)
+            self._metrics.latency.labels(**labels).inc((time.monotonic() - started) * 1000)
 
     async def close(self) -> None:
         """Close the channel; calls still in flight finish first. Later calls fail."""
@@ -170,7 +178,7 @@ class CitadelClient:
     async def _backoff(self, attempt: int) -> None:
         base = RETRY_BASE * 2 ** (attempt - 1)
         delay = base * (1 + RETRY_JITTER * (2 * self._rng() - 1))
-        OUTGOING_RETRIES.labels(request_type=REQUEST_TYPE).inc()
+        self._metrics.retries.labels(request_type=REQUEST_TYPE).inc()
         log.warning("ca request failed, starting attempt %d in %s", attempt + 1, goformat.duration(delay))
         await self._sleep(delay)
 

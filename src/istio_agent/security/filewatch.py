@@ -40,13 +40,10 @@ from pathlib import Path
 
 from istio_agent.inotify import IN_DELETE_SELF, IN_IGNORED, IN_MOVE_SELF, IN_Q_OVERFLOW, Inotify
 from istio_agent.log import scope
-from istio_agent.metrics import counter
+from istio_agent.metrics import REGISTRY, Registry
 
 log = scope("cache")
 
-FILE_WATCHER_FAILURES = counter(
-    "num_file_watcher_failures", "Number of times the file watcher failed to add a watch on a directory"
-)
 
 _MAX_BACKLOG_ROUNDS = 100
 """Rounds of re-tracing in a row before giving up on precision and calling back every resource."""
@@ -57,6 +54,16 @@ _RETRY_MAX = 30.0
 _MAX_LINK_HOPS = 40
 _GONE = IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF
 """The watched directory itself was removed or moved: its watch no longer covers the path."""
+
+
+class _WatcherMetrics:
+    """The file watcher's metrics (Istio's names)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.failures = registry.counter(
+            "num_file_watcher_failures",
+            "Number of times the file watcher failed to add a watch on a directory",
+        )
 
 
 def _is_symlink(path: Path) -> bool:
@@ -139,12 +146,17 @@ class FileWatcher:
     """Calls ``on_change(resource)`` once per burst of changes to any file of a watched resource."""
 
     def __init__(
-        self, on_change: Callable[[str], None], *, debounce: timedelta = timedelta(milliseconds=100)
+        self,
+        on_change: Callable[[str], None],
+        *,
+        debounce: timedelta = timedelta(milliseconds=100),
+        registry: Registry = REGISTRY,
     ) -> None:
         if debounce < timedelta(0):
             raise ValueError(f"file watcher debounce must not be negative, got {debounce}")
         self._on_change = on_change
         self._debounce = debounce.total_seconds()
+        self._metrics = _WatcherMetrics(registry)
         self._paths: dict[str, set[Path]] = {}
         self._interest: dict[str, set[Path]] = {}
         """resource -> paths (with resolved parents) whose events concern it."""
@@ -259,7 +271,7 @@ class FileWatcher:
             self._watches[directory] = wd
             self._directories[wd] = directory
         if failed:
-            FILE_WATCHER_FAILURES.inc(len(failed))
+            self._metrics.failures.inc(len(failed))
             for directory in failed - self._failed_logged:
                 log.warning("failed to watch directory %s; retrying in the background", directory)
             if self._retry is None:
@@ -293,7 +305,7 @@ class FileWatcher:
         try:
             events = self._inotify.read_events()
         except OSError as err:
-            FILE_WATCHER_FAILURES.inc()
+            self._metrics.failures.inc()
             log.warning("reading file change events failed (%s); re-reading all watched files", err.strerror)
             self._backlog_unknown = True
             events = []

@@ -22,10 +22,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from istio_agent import metrics
 from istio_agent.backoff import ExponentialBackoff
 from istio_agent.config.security import SecuritySettings, os_ca_bundle
 from istio_agent.log import scope
+from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.security.filewatch import FileWatcher
 from istio_agent.security.keys import KeyOptions, generate_csr
 from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, CAError, SecretError, SecretItem
@@ -44,19 +44,25 @@ from istio_agent.security.resources import FileResource, parse_file_resource
 log = scope("cache")
 T = TypeVar("T")
 
-CERT_EXPIRY = metrics.gauge(
-    "cert_expiry_seconds", "Seconds until the workload certificate expires", ["resource_name"]
-)
-FILE_SECRET_FAILURES = metrics.counter(
-    "num_file_secret_failures_total", "Failures to load a file-mounted secret", ["resource_name"]
-)
-CA_REFUSED = metrics.counter(
-    "ca_response_rejected", "CA answers refused by the agent's checks (wrong key, identity, short chain)"
-)
-ROTATIONS = metrics.counter("cert_rotations", "Workload certificates renewed before expiry")
-ROTATION_FAILURES = metrics.counter(
-    "cert_rotation_failures", "Failed attempts to renew the workload certificate"
-)
+
+class _ManagerMetrics:
+    """The secret manager's metrics (Istio's names)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.cert_expiry = registry.gauge(
+            "cert_expiry_seconds", "Seconds until the workload certificate expires", ["resource_name"]
+        )
+        self.file_secret_failures = registry.counter(
+            "num_file_secret_failures_total", "Failures to load a file-mounted secret", ["resource_name"]
+        )
+        self.ca_refused = registry.counter(
+            "ca_response_rejected",
+            "CA answers refused by the agent's checks (wrong key, identity, short chain)",
+        )
+        self.rotations = registry.counter("cert_rotations", "Workload certificates renewed before expiry")
+        self.rotation_failures = registry.counter(
+            "cert_rotation_failures", "Failed attempts to renew the workload certificate"
+        )
 
 
 class CAClient(Protocol):
@@ -96,8 +102,10 @@ class SecretManager:
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         rng: Callable[[], float] = random.random,
         backoff: Callable[[], ExponentialBackoff] = ExponentialBackoff,
+        registry: Registry = REGISTRY,
     ) -> None:
         self._settings = settings
+        self._metrics = _ManagerMetrics(registry)
         self._ca = ca_client
         self._file_load_timeout = file_load_timeout
         self._now = now
@@ -105,7 +113,7 @@ class SecretManager:
         self._new_backoff = backoff
         self._key_options = KeyOptions.from_settings(settings)
         self._callbacks: list[Callable[[str], None]] = []
-        self._watcher = FileWatcher(self._on_file_changed, debounce=settings.file_debounce)
+        self._watcher = FileWatcher(self._on_file_changed, debounce=settings.file_debounce, registry=registry)
         self._workload: _Workload | None = None
         self._last_root: bytes = b""
         self._trust_bundle: bytes = b""
@@ -207,7 +215,7 @@ class SecretManager:
             ):
                 return await self._key_cert_from_files(name, settings.cert_chain_file, settings.key_file)
         except SecretError:
-            FILE_SECRET_FAILURES.labels(resource_name=name).inc()
+            self._metrics.file_secret_failures.labels(resource_name=name).inc()
             raise
         return None
 
@@ -304,7 +312,7 @@ class SecretManager:
             validate_signed_chain(chain, key, identity, now=self._now())
             expires = leaf_not_after(concat_certs(chain[:1]))
         except PemError as err:
-            CA_REFUSED.inc()
+            self._metrics.ca_refused.inc()
             raise SecretError(f"failed to generate workload certificate: CA answer refused: {err}") from None
         workload = _Workload(
             chain=concat_certs(chain),
@@ -319,7 +327,7 @@ class SecretManager:
     def _install(self, workload: _Workload) -> None:
         """Cache a fresh certificate, schedule its renewal, announce a new root."""
         self._workload = workload
-        CERT_EXPIRY.labels(resource_name=WORKLOAD_KEY_CERT).set(
+        self._metrics.cert_expiry.labels(resource_name=WORKLOAD_KEY_CERT).set(
             max(0.0, (workload.expires - self._now()).total_seconds())
         )
         self._schedule_rotation(workload)
@@ -376,12 +384,12 @@ class SecretManager:
                         return
                     new = await self._sign_new()
                     self._install(new)
-                ROTATIONS.inc()
+                self._metrics.rotations.inc()
                 log.info("rotated workload certificate (previous expired %s)", old.expires.isoformat())
                 self._notify(WORKLOAD_KEY_CERT)
                 return
             except SecretError as err:
-                ROTATION_FAILURES.inc()
+                self._metrics.rotation_failures.inc()
                 delay = backoff.next_delay()
                 left = (old.expires - self._now()).total_seconds()
                 log.warning(
