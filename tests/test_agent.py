@@ -15,7 +15,7 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 
 from istio_agent.agent import Agent, AgentSettings, plan_sds
 from istio_agent.config import ConfigError, Env, SecuritySettings, XdsSettings
-from istio_agent.health.config import parse_readiness_probe
+from istio_agent.config.probes import parse_readiness_probe
 from istio_agent.security.manager import SecretManager
 from istio_agent.security.sds import SdsServer
 from istio_agent.xds.proxy import XdsProxy

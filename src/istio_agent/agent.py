@@ -41,8 +41,8 @@ from istio_agent.xds.proxy import TypeHandler, XdsProxy
 from istio_agent.xds.upstream import UpstreamDialer
 
 if TYPE_CHECKING:  # imported when used: not needed to start Envoy
+    from istio_agent.config.probes import ReadinessProbeConfig
     from istio_agent.dns.proxy import DnsProxy
-    from istio_agent.health.config import ReadinessProbeConfig
     from istio_agent.status.metrics import MetricsMerger
     from istio_agent.status.probes import AppProbes
     from istio_agent.status.readiness import Readiness

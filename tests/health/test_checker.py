@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 from aiohttp import web
 
+from istio_agent.config.probes import ExecCheck, HTTPGetCheck, ReadinessProbeConfig, TCPCheck
 from istio_agent.health.checker import UNHEALTHY_PLACEHOLDER, HealthChecker
-from istio_agent.health.config import ExecCheck, HTTPGetCheck, ReadinessProbeConfig, TCPCheck
 from istio_agent.health.probes import HEALTHY, ProbeOutcome, ProbeResult, build_probers
 
 pytestmark = pytest.mark.timeout(20)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from aiohttp import web
 
-from istio_agent.health.config import ExecCheck, GRPCCheck, HTTPGetCheck, ReadinessProbeConfig, TCPCheck
+from istio_agent.config.probes import ExecCheck, GRPCCheck, HTTPGetCheck, ReadinessProbeConfig, TCPCheck
 from istio_agent.health.probes import (
     GRPC_CONFIG_NIL,
     USER_AGENT,

@@ -18,11 +18,11 @@ import grpc
 import pytest
 from aiohttp import web
 
-from istio_agent.config.app_probers import (
+from istio_agent.config.probes import (
     AppProber,
-    GRPCProber,
-    HTTPGetProber,
-    TCPSocketProber,
+    GRPCCheck,
+    HTTPGetCheck,
+    TCPCheck,
     parse_app_probers,
 )
 from istio_agent.http import h2client
@@ -161,8 +161,8 @@ async def status_server() -> AsyncIterator[Prober]:
         await cleanup()
 
 
-def http(path: str, port: int, timeout: int = 0, scheme: str = "HTTP") -> AppProber:
-    return AppProber(HTTPGetProber(port=port, path=path, scheme=scheme), timeout)
+def http(path: str, port: int, timeout: int = 0, scheme: str = "http") -> AppProber:
+    return AppProber(HTTPGetCheck(port=port, path=path, scheme=scheme), timeout)
 
 
 # --- HTTP ------------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ async def test_readyz_livez_and_lifecycle(app: App, status_server: Prober) -> No
 
 async def test_headers_copied_host_rewritten_connection_close(app: App, status_server: Prober) -> None:
     # The prober's own httpHeaders are kubelet's business: the agent must not add them.
-    prober = AppProber(HTTPGetProber(port=app.port, path="/echo", headers=(("X-Config", "nope"),)))
+    prober = AppProber(HTTPGetCheck(port=app.port, path="/echo", headers=(("X-Config", "nope"),)))
     client = await status_server({"/app-health/web/readyz": prober})
     status_port = client.port
     response = await client.get(
@@ -314,7 +314,7 @@ async def test_https_http1(
     runner = await serve(make_app(state), tls=tls_server_context(tmp_path, alpn))
     try:
         client = await status_server(
-            {"/app-health/web/readyz": http("/echo", port_of(runner), scheme="HTTPS")}, http2=http2
+            {"/app-health/web/readyz": http("/echo", port_of(runner), scheme="https")}, http2=http2
         )
         response = await client.get("/app-health/web/readyz")
         assert response.status == 200
@@ -327,7 +327,7 @@ async def test_https_http1(
 
 async def test_https_prober_against_plain_http_fails(app: App, status_server: Prober) -> None:
     client = await status_server(
-        {"/app-health/web/readyz": http("/echo", app.port, timeout=2, scheme="HTTPS")}
+        {"/app-health/web/readyz": http("/echo", app.port, timeout=2, scheme="https")}
     )
     assert (await client.get("/app-health/web/readyz")).status == 500
 
@@ -368,12 +368,12 @@ async def h2_app(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 
 
 def https(path: str, port: int, timeout: int = 0) -> AppProber:
-    return http(path, port, timeout, scheme="HTTPS")
+    return http(path, port, timeout, scheme="https")
 
 
 async def test_https_h2(h2_app: H2Server, status_server: Prober) -> None:
     prober = AppProber(
-        HTTPGetProber(port=h2_app.port, path="/echo", scheme="HTTPS", headers=(("X-Config", "no"),))
+        HTTPGetCheck(port=h2_app.port, path="/echo", scheme="https", headers=(("X-Config", "no"),))
     )
     client = await status_server({"/app-health/web/readyz": prober})
     response = await client.get(
@@ -499,11 +499,9 @@ async def test_tcp_probe(status_server: Prober, listen: str, pod_ip: str, source
         port = server.sockets[0].getsockname()[1]
         client = await status_server(
             {
-                "/app-health/web/readyz": AppProber(TCPSocketProber(port=port), 1),
+                "/app-health/web/readyz": AppProber(TCPCheck(port=port), 1),
                 "/app-health/web/livez": AppProber(
-                    TCPSocketProber(
-                        port=closed_port(listen, socket.AF_INET6 if ":" in listen else socket.AF_INET)
-                    ),
+                    TCPCheck(port=closed_port(listen, socket.AF_INET6 if ":" in listen else socket.AF_INET)),
                     1,
                 ),
             },
@@ -526,7 +524,7 @@ async def test_tcp_bracketed_pod_ip_fails(status_server: Prober) -> None:
     try:
         port = server.sockets[0].getsockname()[1]
         client = await status_server(
-            {"/app-health/web/readyz": AppProber(TCPSocketProber(port=port), 1)}, pod_ip="[::1]"
+            {"/app-health/web/readyz": AppProber(TCPCheck(port=port), 1)}, pod_ip="[::1]"
         )
         assert (await client.get("/app-health/web/readyz")).status == 500
     finally:
@@ -587,11 +585,11 @@ async def test_grpc_probe(status_server: Prober, host: str) -> None:
     server, state = await grpc_server(host)
     try:
         probers = {
-            f"/app-health/c/{kind}": AppProber(GRPCProber(port=state.port, service=service), 2)
+            f"/app-health/c/{kind}": AppProber(GRPCCheck(port=state.port, service=service), 2)
             for kind, service in [("livez", ""), ("readyz", "svc"), ("startupz", "down")]
         }
-        probers["/app-lifecycle/c/prestopz"] = AppProber(GRPCProber(port=state.port, service="unknown"), 2)
-        probers["/app-lifecycle/c/poststartz"] = AppProber(GRPCProber(port=state.port, service="nope"), 2)
+        probers["/app-lifecycle/c/prestopz"] = AppProber(GRPCCheck(port=state.port, service="unknown"), 2)
+        probers["/app-lifecycle/c/poststartz"] = AppProber(GRPCCheck(port=state.port, service="nope"), 2)
         client = await status_server(probers, pod_ip=host)
         response = await client.get("/app-health/c/livez", headers={"User-Agent": "kube-probe/1.30"})
         assert response.status == 200
@@ -614,9 +612,9 @@ async def test_grpc_probe_logs(status_server: Prober, caplog: pytest.LogCaptureF
     try:
         client = await status_server(
             {
-                "/app-health/c/livez": AppProber(GRPCProber(port=state.port, service="nope"), 2),
-                "/app-health/c/readyz": AppProber(GRPCProber(port=bare_state.port), 2),
-                "/app-health/c/startupz": AppProber(GRPCProber(port=state.port, service="down"), 2),
+                "/app-health/c/livez": AppProber(GRPCCheck(port=state.port, service="nope"), 2),
+                "/app-health/c/readyz": AppProber(GRPCCheck(port=bare_state.port), 2),
+                "/app-health/c/startupz": AppProber(GRPCCheck(port=state.port, service="down"), 2),
             }
         )
         with caplog.at_level(logging.INFO, logger="istio.healthcheck"):
@@ -640,7 +638,7 @@ async def test_grpc_timeout(status_server: Prober) -> None:
     server, state = await grpc_server("127.0.0.1")
     try:
         client = await status_server(
-            {"/app-health/c/livez": AppProber(GRPCProber(port=state.port, service="hang"), 1)}
+            {"/app-health/c/livez": AppProber(GRPCCheck(port=state.port, service="hang"), 1)}
         )
         started = time.monotonic()
         assert (await client.get("/app-health/c/livez")).status == 500
@@ -655,8 +653,8 @@ async def test_grpc_unimplemented_and_closed(status_server: Prober) -> None:
     try:
         client = await status_server(
             {
-                "/app-health/c/livez": AppProber(GRPCProber(port=state.port), 2),
-                "/app-health/c/readyz": AppProber(GRPCProber(port=closed_port()), 1),
+                "/app-health/c/livez": AppProber(GRPCCheck(port=state.port), 2),
+                "/app-health/c/readyz": AppProber(GRPCCheck(port=closed_port()), 1),
             }
         )
         assert (await client.get("/app-health/c/livez")).status == 500
@@ -683,9 +681,7 @@ async def test_ipv6_source_falls_back_once(status_server: Prober, caplog: pytest
         client = await status_server(
             {
                 "/app-health/web/readyz": http("/echo", port_of(runner)),
-                "/app-health/web/livez": AppProber(
-                    TCPSocketProber(port=server.sockets[0].getsockname()[1]), 1
-                ),
+                "/app-health/web/livez": AppProber(TCPCheck(port=server.sockets[0].getsockname()[1]), 1),
             },
             pod_ip="::1",
         )

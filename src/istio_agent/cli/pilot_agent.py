@@ -19,9 +19,9 @@ from istio_agent.cli import runtime
 from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings, read_pod_annotations
 from istio_agent.config.dns import DnsSettings
+from istio_agent.config.probes import parse_readiness_probe
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyStartError
-from istio_agent.health.config import parse_readiness_probe
 from istio_agent.host import LocalHost
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 from istio_agent.memory import pin_mmap_threshold

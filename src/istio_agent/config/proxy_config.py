@@ -353,7 +353,7 @@ def _connection_limit(node: Node) -> int | None:
 
 
 def _readiness_probe(node: Node) -> dict[str, Any]:
-    """Kept as the camelCase document; ``istio_agent.health.config`` interprets it."""
+    """Kept as the camelCase document; ``istio_agent.config.probes`` interprets it."""
     return dict(node.map())
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from istio_agent.config.app_probers import AppProber, parse_app_probers
 from istio_agent.config.env import Env
+from istio_agent.config.probes import AppProber, parse_app_probers
 from istio_agent.config.prometheus import PrometheusTargets, parse_prometheus_annotations
 from istio_agent.config.proxy_config import ProxyConfig
 

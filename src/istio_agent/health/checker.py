@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 
-from istio_agent.health.config import ReadinessProbeConfig
+from istio_agent.config.probes import ReadinessProbeConfig
 from istio_agent.health.probes import HealthProber, ProbeOutcome, ProbeResult
 from istio_agent.log import scope
 from istio_agent.metrics import counter

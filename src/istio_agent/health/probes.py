@@ -22,10 +22,10 @@ from typing import Any, Protocol
 import grpc
 
 from istio_agent import goformat
-from istio_agent.health.config import (
+from istio_agent.config.probes import (
+    Check,
     ExecCheck,
     GRPCCheck,
-    HealthCheck,
     HTTPGetCheck,
     ReadinessProbeConfig,
     TCPCheck,
@@ -314,7 +314,7 @@ def build_probers(
     return probers
 
 
-def prober_for(check: HealthCheck, default_host: str) -> HealthProber:
+def prober_for(check: Check, default_host: str) -> HealthProber:
     """The prober of one configured check."""
     if isinstance(check, HTTPGetCheck):
         return HTTPProber(check, default_host)

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import urljoin, urlsplit
 
-from istio_agent.config.app_probers import AppProber, GRPCProber, HTTPGetProber, TCPSocketProber
+from istio_agent.config.probes import AppProber, GRPCCheck, HTTPGetCheck, TCPCheck
 from istio_agent.http import dial, h2client
 from istio_agent.http.client import URL, Client, ConnectError, HTTPError
 from istio_agent.http.headers import Headers
@@ -201,12 +201,12 @@ class AppProbes:
         prober = self._probers.get(request.path)
         if prober is None:
             return Response(400, text=f"app prober config does not exists for {request.path}")
-        action = prober.action
+        action = prober.check
         try:
             async with asyncio.timeout(_timeout(prober)) as deadline:
-                if isinstance(action, HTTPGetProber):
+                if isinstance(action, HTTPGetCheck):
                     return await self._http_get(request, action)
-                if isinstance(action, TCPSocketProber):
+                if isinstance(action, TCPCheck):
                     await self._tcp(action)
                     return Response(200)
                 await self._grpc(request, action, deadline)
@@ -264,7 +264,7 @@ class AppProbes:
             return f"{name}:{app_port}"
         return host
 
-    async def _http_get(self, request: Request, prober: HTTPGetProber) -> Response:
+    async def _http_get(self, request: Request, prober: HTTPGetCheck) -> Response:
         scheme = "https" if prober.https else "http"
         path = prober.path if prober.path.startswith("/") else "/" + prober.path
         origin = URL.parse(f"{scheme}://{_url_host(self._pod_ip)}:{prober.port}{path}")
@@ -335,7 +335,7 @@ class AppProbes:
 
     # --- tcpSocket -------------------------------------------------------------------------------
 
-    async def _tcp(self, prober: TCPSocketProber) -> None:
+    async def _tcp(self, prober: TCPCheck) -> None:
         sock = await self._from_source(
             self._pod_ip, lambda: dial.connect(self._pod_ip, prober.port, self._source.open_socket)
         )
@@ -343,7 +343,7 @@ class AppProbes:
 
     # --- grpc ------------------------------------------------------------------------------------
 
-    async def _grpc(self, request: Request, prober: GRPCProber, deadline: asyncio.Timeout) -> None:
+    async def _grpc(self, request: Request, prober: GRPCCheck, deadline: asyncio.Timeout) -> None:
         """``grpc.health.v1.Health/Check`` over plaintext HTTP/2; only SERVING passes."""
         conn = await self._from_source(self._pod_ip, lambda: self._dial(self._pod_ip, prober.port))
         when = deadline.when()
