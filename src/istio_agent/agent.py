@@ -281,8 +281,9 @@ class Agent:
         self, stack: AsyncExitStack, settings: StatusSettings, sock: socket.socket
     ) -> None:
         """Serve the status port: readiness at once, metrics and app probes built on first use."""
+        from istio_agent.envoy.readiness import EnvoyReadiness
         from istio_agent.status.lazy import LazyHandler
-        from istio_agent.status.readiness import DnsReadiness, EnvoyReadiness, Prober, Readiness
+        from istio_agent.status.readiness import DnsReadiness, Prober, Readiness
         from istio_agent.status.server import StatusServer
 
         bootstrap = self._settings.bootstrap
@@ -330,9 +331,9 @@ class Agent:
         self, stack: AsyncExitStack, config: ReadinessProbeConfig, proxy: XdsProxy
     ) -> None:
         """VM health checks (WorkloadGroup readinessProbe); transitions are reported to istiod over xDS."""
+        from istio_agent.envoy.readiness import EnvoyReadiness
         from istio_agent.health.checker import HealthChecker
         from istio_agent.health.probes import build_probers
-        from istio_agent.status.readiness import EnvoyReadiness
 
         bootstrap = self._settings.bootstrap
         envoy = None

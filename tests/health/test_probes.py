@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from istio_agent.config.probes import ExecCheck, GRPCCheck, HTTPGetCheck, ReadinessProbeConfig, TCPCheck
+from istio_agent.envoy.readiness import EnvoyReadiness
 from istio_agent.health.probes import (
     GRPC_CONFIG_NIL,
     USER_AGENT,
@@ -24,7 +25,6 @@ from istio_agent.health.probes import (
     TCPProber,
     build_probers,
 )
-from istio_agent.status.readiness import EnvoyReadiness
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -18,16 +18,8 @@ from istio_agent import metrics
 from istio_agent.ctl.local import free_port
 from istio_agent.ctl.static_mtls import direct_response_bootstrap
 from istio_agent.envoy.binary import find_envoy
-from istio_agent.status.readiness import (
-    CONFIG_FILTER,
-    DNS_NOT_READY,
-    LIVE_FILTER,
-    DnsReadiness,
-    EnvoyReadiness,
-    GrpcBootstrapReadiness,
-    Readiness,
-    parse_stats,
-)
+from istio_agent.envoy.readiness import CONFIG_FILTER, LIVE_FILTER, EnvoyReadiness, parse_stats
+from istio_agent.status.readiness import DNS_NOT_READY, DnsReadiness, GrpcBootstrapReadiness, Readiness
 
 FULL_CONFIG = (
     "cluster_manager.cds.update_rejected: 0\n"

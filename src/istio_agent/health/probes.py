@@ -30,11 +30,11 @@ from istio_agent.config.probes import (
     ReadinessProbeConfig,
     TCPCheck,
 )
+from istio_agent.envoy.readiness import EnvoyReadiness
 from istio_agent.http.client import URL, Client, ConnectError, HTTPError
 from istio_agent.http.headers import Headers
 from istio_agent.log import scope
 from istio_agent.status.probes import ProbeSource, decode_health_status, encode_health_request
-from istio_agent.status.readiness import EnvoyReadiness
 
 log = scope("healthcheck")
 
@@ -96,7 +96,7 @@ def _dial_error(address: str, host: str, err: OSError) -> str:
 
 
 class EnvoyProber:
-    """Envoy has its config and is LIVE (the readiness check of status/readiness.py, without the termination check)."""
+    """Envoy has its config and is LIVE (the status server's readiness check, without the termination check)."""
 
     def __init__(self, readiness: EnvoyReadiness) -> None:
         self._readiness = readiness
