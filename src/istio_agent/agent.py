@@ -43,8 +43,8 @@ from istio_agent.xds.upstream import UpstreamDialer
 if TYPE_CHECKING:  # imported when used: not needed to start Envoy
     from istio_agent.config.probes import ReadinessProbeConfig
     from istio_agent.dns.proxy import DnsProxy
+    from istio_agent.probe.kubelet import AppProbes
     from istio_agent.status.metrics import MetricsMerger
-    from istio_agent.status.probes import AppProbes
     from istio_agent.status.readiness import Readiness
     from istio_agent.status.server import StatusServer
 
@@ -333,7 +333,7 @@ class Agent:
         """VM health checks (WorkloadGroup readinessProbe); transitions are reported to istiod over xDS."""
         from istio_agent.envoy.readiness import EnvoyReadiness
         from istio_agent.health.checker import HealthChecker
-        from istio_agent.health.probes import build_probers
+        from istio_agent.probe.workload import build_probers
 
         bootstrap = self._settings.bootstrap
         envoy = None
@@ -408,7 +408,7 @@ def _metrics_merger(
 
 def _app_probes(settings: StatusSettings) -> AppProbes:
     """The app-probe handler (built on the first probe)."""
-    from istio_agent.status.probes import AppProbes
+    from istio_agent.probe.kubelet import AppProbes
 
     return AppProbes(
         settings.app_probers,

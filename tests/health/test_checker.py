@@ -11,7 +11,7 @@ from aiohttp import web
 
 from istio_agent.config.probes import ExecCheck, HTTPGetCheck, ReadinessProbeConfig, TCPCheck
 from istio_agent.health.checker import UNHEALTHY_PLACEHOLDER, HealthChecker
-from istio_agent.health.probes import HEALTHY, ProbeOutcome, ProbeResult, build_probers
+from istio_agent.probe.workload import HEALTHY, ProbeOutcome, ProbeResult, build_probers
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -1,4 +1,5 @@
-"""The VM health-check loop: probe on a schedule, report state changes (lifecycle.md §7).
+"""The VM health-check loop: probe on a schedule, report state changes (Istio's
+``pkg/istio-agent/health/health_check.go``).
 
 Istiod only needs to hear about transitions (it keeps the WorkloadEntry's ``Healthy`` condition),
 so the checker never heartbeats: it emits an event when a run of consecutive successes or failures
@@ -13,9 +14,9 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 from istio_agent.config.probes import ReadinessProbeConfig
-from istio_agent.health.probes import HealthProber, ProbeOutcome, ProbeResult
 from istio_agent.log import scope
 from istio_agent.metrics import counter
+from istio_agent.probe.workload import HealthProber, ProbeOutcome, ProbeResult
 
 log = scope("healthcheck")
 

@@ -1,7 +1,8 @@
 """Dialing for both HTTP clients: a chosen source address, TLS with ALPN, and a quick close.
 
-App probes must come from 127.0.0.6 (see ``status/probes.py``), so the caller may supply the socket
-factory that binds it; everything else (Envoy's admin API, ``pilot-agent wait``) uses the default.
+Probes must come from 127.0.0.6 (see ``istio_agent.probe.source``), so the caller may supply the
+socket factory that binds it; everything else (Envoy's admin API, ``pilot-agent wait``) uses the
+default.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workload health probers against real HTTP/TCP/gRPC servers on loopback and real processes."""
+"""VM health-check probers against real HTTP/TCP/gRPC servers on loopback and real processes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aiohttp import web
 
 from istio_agent.config.probes import ExecCheck, GRPCCheck, HTTPGetCheck, ReadinessProbeConfig, TCPCheck
 from istio_agent.envoy.readiness import EnvoyReadiness
-from istio_agent.health.probes import (
+from istio_agent.probe.workload import (
     GRPC_CONFIG_NIL,
     USER_AGENT,
     EnvoyProber,
@@ -158,10 +158,10 @@ async def test_http_https_does_not_verify_but_plain_server_fails(http_app: tuple
 
 
 async def test_tcp_open_and_closed() -> None:
-    accepted: list[bool] = []
+    accepted: list[str] = []
 
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted.append(True)
+        accepted.append(writer.get_extra_info("peername")[0])
         writer.close()
 
     server = await asyncio.start_server(on_client, "127.0.0.1", 0)
@@ -169,10 +169,13 @@ async def test_tcp_open_and_closed() -> None:
     try:
         assert (await TCPProber(TCPCheck(port=port), "127.0.0.1").probe(1.0)).healthy
         assert (await TCPProber(TCPCheck(port=port, host="127.0.0.1"), "192.0.2.1").probe(1.0)).healthy
+        async with asyncio.timeout(5):
+            while len(accepted) < 2:
+                await asyncio.sleep(0.01)
     finally:
         server.close()
         await server.wait_closed()
-    assert accepted
+    assert accepted == ["127.0.0.6", "127.0.0.6"]  # from the probe source, like app probes
     outcome = await TCPProber(TCPCheck(port=port), "127.0.0.1").probe(1.0)
     assert outcome.result is ProbeResult.UNHEALTHY
     assert outcome.error == f"dial tcp 127.0.0.1:{port}: connect: connection refused"
@@ -187,6 +190,7 @@ STATUSES = {"": 1, "serving": 1, "not-serving": 2, "unknown": 0, "service-unknow
 class HealthService:
     port: int = 0
     user_agents: list[str] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)
 
 
 @pytest.fixture
@@ -196,6 +200,7 @@ async def grpc_health() -> AsyncIterator[HealthService]:
     async def check(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         metadata = dict(context.invocation_metadata() or ())
         state.user_agents.append(str(metadata.get("user-agent", "")))
+        state.peers.append(context.peer())
         service = request[2:].decode() if request else ""  # HealthCheckRequest{service = 1}, short names
         if service not in STATUSES:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
@@ -220,6 +225,8 @@ async def test_grpc_serving_is_healthy(grpc_health: HealthService, service: str)
     outcome = await GRPCProber(GRPCCheck(port=grpc_health.port, service=service), "127.0.0.1").probe(2.0)
     assert outcome.result is ProbeResult.HEALTHY
     assert grpc_health.user_agents[0].startswith(USER_AGENT)
+    # Beyond Istio (which uses the default source for gRPC): from the probe source like every probe.
+    assert grpc_health.peers[0].startswith("ipv4:127.0.0.6:")
 
 
 @pytest.mark.parametrize("service", ["not-serving", "unknown", "service-unknown"])
@@ -252,8 +259,10 @@ async def test_grpc_wrong_port_is_a_connect_error() -> None:
     port = closed_port()
     outcome = await GRPCProber(GRPCCheck(port=port), "127.0.0.1").probe(2.0)
     assert outcome.result is ProbeResult.UNHEALTHY
-    assert outcome.error is not None
-    assert outcome.error.startswith(f"failed to connect health check grpc service on port {port}: ")
+    assert outcome.error == (
+        f"failed to connect health check grpc service on port {port}: "
+        f"dial tcp 127.0.0.1:{port}: connect: connection refused"
+    )
 
 
 async def test_grpc_hanging_server_times_out() -> None:

@@ -1,9 +1,8 @@
-"""App probe forwarding against real HTTP/HTTPS/TCP/gRPC applications on loopback."""
+"""Kubelet's app probes (the status server's handler) against real HTTP/HTTPS/TCP/gRPC applications on loopback."""
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import socket
@@ -28,7 +27,7 @@ from istio_agent.config.probes import (
 from istio_agent.http import h2client
 from istio_agent.http.messages import Request, StreamResponse
 from istio_agent.http.server import ServerRunner, TCPSite
-from istio_agent.status.probes import AppProbes, decode_health_status
+from istio_agent.probe.kubelet import AppProbes
 from tests.http.h2server import H2Server, Reply, Seen, tls_server_context
 
 pytestmark = pytest.mark.timeout(20)
@@ -663,15 +662,6 @@ async def test_grpc_unimplemented_and_closed(status_server: Prober) -> None:
         await server.stop(None)
 
 
-def test_decode_health_status() -> None:
-    assert decode_health_status(b"") == 0
-    assert decode_health_status(b"\x08\x01") == 1
-    # unknown fields of every wire type are skipped; last value wins
-    assert (
-        decode_health_status(b"\x08\x02\x12\x02ab\x19" + b"\0" * 8 + b"\x25" + b"\0" * 4 + b"\x08\x01") == 1
-    )
-
-
 async def test_ipv6_source_falls_back_once(status_server: Prober, caplog: pytest.LogCaptureFixture) -> None:
     # ::6 is not a local address on this host: binding it fails, probes go out from ::1, logged once.
     state = App()
@@ -697,36 +687,3 @@ async def test_ipv6_source_falls_back_once(status_server: Prober, caplog: pytest
         server.close()
         await server.wait_closed()
         await runner.cleanup()
-
-
-@pytest.mark.parametrize(
-    ("error", "retried"),
-    [
-        (OSError(errno.EINVAL, "Invalid argument"), True),
-        (OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address"), True),
-        (OSError(errno.ENETUNREACH, "Network is unreachable"), True),
-        (ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), False),
-        (ssl.SSLError(errno.EINVAL, "handshake"), False),
-    ],
-)
-async def test_unreachable_from_source_retries_from_default(error: OSError, retried: bool) -> None:
-    # A pod IP that 127.0.0.6 cannot reach (not routed via loopback) cannot be set up on loopback,
-    # so the dial fails the way the kernel would.
-    probes = AppProbes({}, pod_ip="10.1.2.3", status_port=15020)
-    calls: list[bool] = []
-
-    async def attempt() -> str:
-        calls.append(probes._source.active(socket.AF_INET))
-        if len(calls) == 1:
-            raise error
-        return "connected"
-
-    if retried:
-        assert await probes._from_source("10.1.2.3", attempt) == "connected"
-        assert calls == [True, False]  # second try from the default source, which sticks
-        assert not probes._source.active(socket.AF_INET)
-    else:
-        with pytest.raises(OSError):
-            await probes._from_source("10.1.2.3", attempt)
-        assert calls == [True]
-        assert probes._source.active(socket.AF_INET)
