@@ -47,19 +47,3 @@ def test_wire_names_match_istio() -> None:
         "namespace": 4,
         "alt_hosts": 5,
     }
-
-
-def test_grpc_health_matches_grpc() -> None:
-    from istio_agent.protos import health_pb2
-
-    assert health_pb2.HealthCheckRequest.DESCRIPTOR.full_name == "grpc.health.v1.HealthCheckRequest"
-    request = health_pb2.HealthCheckRequest(service="svc")
-    assert request.SerializeToString() == b"\x0a\x03svc"
-    response = health_pb2.HealthCheckResponse
-    assert response.DESCRIPTOR.fields_by_name["status"].number == 1
-    assert dict(response.ServingStatus.items()) == {
-        "UNKNOWN": 0,
-        "SERVING": 1,
-        "NOT_SERVING": 2,
-        "SERVICE_UNKNOWN": 3,
-    }

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from grpc_health.v1.health_pb2 import HealthCheckResponse
 
 from istio_agent.http import h2client
 from istio_agent.probe import grpc_health
 from istio_agent.probe.source import ProbeSource
-from istio_agent.protos.health_pb2 import HealthCheckResponse
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -2,7 +2,8 @@
 
 grpcio cannot bind a source address, so the call goes over ``istio_agent.http.h2client`` like the
 HTTPS-h2 probes, and every gRPC probe, kubelet's and the VM's, comes from 127.0.0.6 like the rest.
-The messages are grpc's own (``protos/health.proto``).
+The messages are grpc's own (the grpcio-health-checking package), so an application in the same process
+that serves grpc.health.v1 with that package shares them instead of clashing with a copy.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 import asyncio
 
 from google.protobuf.message import DecodeError
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 from istio_agent.http import h2client
 from istio_agent.probe.source import ProbeSource
 from istio_agent.probe.tcp import host_port
-from istio_agent.protos.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 SERVING = HealthCheckResponse.SERVING
 _CHECK = "/grpc.health.v1.Health/Check"

@@ -1,1 +1,4 @@
-"""The project's own API protos (istio.v1.auth, istio.networking.nds.v1, grpc.health.v1) and their generated modules."""
+"""The project's own protos of Istio's APIs and their generated modules.
+
+istio.v1.auth (the CA), istio.networking.nds.v1 (NDS) and istio.mesh.v1alpha1 (ProxyConfig over PCDS).
+"""
