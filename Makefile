@@ -11,8 +11,13 @@ DEB_TOOLS := dnsmasq dig dnsperf
 DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf
 
 $(STAMP): pyproject.toml
-	@missing=""; for t in $(DEB_TOOLS); do command -v $$t >/dev/null || missing=yes; done; \
+	@missing=""; for t in $(DEB_TOOLS); do command -v $$t >/dev/null || [ -x /usr/sbin/$$t ] || missing=yes; done; \
 	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "the DNS tests need Debian's $(DEB_PACKAGES); installing them needs root:"; \
+			echo "  sudo apt-get install $(DEB_PACKAGES)"; \
+			exit 1; \
+		fi; \
 		echo "installing Debian packages: $(DEB_PACKAGES)"; \
 		apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(DEB_PACKAGES) >/dev/null; \
 	fi
