@@ -290,7 +290,12 @@ class Agent:
         probers: list[Prober] = []
         if bootstrap is not None:
             probers.append(
-                EnvoyReadiness(bootstrap.localhost, bootstrap.proxy_admin_port, started_at=self._started_at)
+                EnvoyReadiness(
+                    bootstrap.localhost,
+                    bootstrap.proxy_admin_port,
+                    started_at=self._started_at,
+                    registry=self._registry,
+                )
             )
         dns, name_table = self.dns, self.name_table
         if dns is not None:  # ready once a table from this run answers (a big one is built aside)
@@ -340,12 +345,14 @@ class Agent:
         host = self._settings.status.pod_ip if self._settings.status else "localhost"
         if bootstrap is not None:
             envoy = EnvoyReadiness(
-                bootstrap.localhost, bootstrap.proxy_admin_port, started_at=self._started_at
+                bootstrap.localhost,
+                bootstrap.proxy_admin_port,
+                started_at=self._started_at,
+                registry=self._registry,
             )
             host = bootstrap.ips[0] if bootstrap.ips else "localhost"
-        checker = HealthChecker(
-            config, build_probers(config, default_host=host, envoy=envoy), proxy.report_health
-        )
+        probers = build_probers(config, default_host=host, envoy=envoy)
+        checker = HealthChecker(config, probers, proxy.report_health, registry=self._registry)
         _background(stack, "health checks", checker.run())
         stack.callback(checker.stop)  # unwound first: the loop ends on its own before the task is cancelled
         log.info("workload health checks started (every %gs)", config.period)

@@ -14,13 +14,10 @@ from urllib.parse import quote
 
 from istio_agent.envoy.admin import AdminError, admin_request
 from istio_agent.log import scope
-from istio_agent.metrics import gauge
+from istio_agent.metrics import REGISTRY, Registry
 
 log = scope("healthcheck")
 
-startup_duration = gauge(
-    "startup_duration_seconds", "The time from the process starting to being marked ready."
-)
 
 CONFIG_TIMEOUT = 1.0
 LIVE_TIMEOUT = 3.0
@@ -34,6 +31,15 @@ _LDS_SUCCESS = "listener_manager.lds.update_success"
 _LDS_REJECTED = "listener_manager.lds.update_rejected"
 _SERVER_STATE = "server.state"
 _WORKERS_STARTED = "listener_manager.workers_started"
+
+
+class _ReadinessMetrics:
+    """Envoy readiness' metrics (Istio's names)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.startup_duration = registry.gauge(
+            "startup_duration_seconds", "The time from the process starting to being marked ready."
+        )
 
 
 class StatsError(ValueError):
@@ -60,7 +66,10 @@ def parse_stats(body: str, names: Sequence[str]) -> dict[str, int]:
 class EnvoyReadiness:
     """Envoy has received its first CDS and LDS updates and is LIVE with workers started."""
 
-    def __init__(self, admin_host: str, admin_port: int, *, started_at: float) -> None:
+    def __init__(
+        self, admin_host: str, admin_port: int, *, started_at: float, registry: Registry = REGISTRY
+    ) -> None:
+        self._metrics = _ReadinessMetrics(registry)
         self._host, self._port = admin_host, admin_port
         self._started_at = started_at
         self._config_received = False
@@ -116,7 +125,7 @@ class EnvoyReadiness:
             return "workers have not yet started"
         self._live = True
         elapsed = time.monotonic() - self._started_at
-        startup_duration.set(elapsed)
+        self._metrics.startup_duration.set(elapsed)
         log.info("Envoy is live after %.3fs", elapsed)
         return None
 

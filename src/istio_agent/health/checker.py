@@ -15,16 +15,23 @@ from collections.abc import Callable, Sequence
 
 from istio_agent.config.probes import ReadinessProbeConfig
 from istio_agent.log import scope
-from istio_agent.metrics import counter
+from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.probe.workload import HealthProber, ProbeOutcome, ProbeResult
 
 log = scope("healthcheck")
 
 UNHEALTHY_PLACEHOLDER = "health check failed without an error message"
 
-health_events = counter(
-    "workload_health_events", "Workload health state changes reported to the control plane.", ["healthy"]
-)
+
+class _CheckerMetrics:
+    """The health checker's metrics."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.events = registry.counter(
+            "workload_health_events",
+            "Workload health state changes reported to the control plane.",
+            ["healthy"],
+        )
 
 
 class HealthChecker:
@@ -39,8 +46,11 @@ class HealthChecker:
         config: ReadinessProbeConfig,
         probers: Sequence[HealthProber],
         on_event: Callable[[bool, str], None],
+        *,
+        registry: Registry = REGISTRY,
     ) -> None:
         self._config = config
+        self._metrics = _CheckerMetrics(registry)
         self._probers = list(probers)
         self._on_event = on_event
         self._stopped = asyncio.Event()
@@ -128,7 +138,7 @@ class HealthChecker:
 
     def _emit(self, healthy: bool, message: str) -> None:
         self._last = healthy
-        health_events.labels(healthy=str(healthy).lower()).inc()
+        self._metrics.events.labels(healthy=str(healthy).lower()).inc()
         if healthy:
             log.info("workload is healthy")
         else:

@@ -27,7 +27,6 @@ import re
 import zlib
 from dataclasses import dataclass
 
-from istio_agent import metrics
 from istio_agent.config.prometheus import PrometheusTargets, ScrapeTarget
 from istio_agent.http.client import Client, ClientResponse, HTTPError
 from istio_agent.http.headers import Headers
@@ -50,15 +49,20 @@ TEXT_DEFAULT_ACCEPT = "text/plain;version=0.0.4"
 OPENMETRICS_DEFAULT_ACCEPT = "application/openmetrics-text;version=0.0.1"
 EOF_LINE = b"# EOF\n"
 
-scrapes_total = metrics.gauge("scrapes_total", "Number of scrapes of the merged metrics endpoint.")
-scrape_failures_total = metrics.gauge(
-    "scrape_failures_total", "Number of failed scrapes of a merged metrics source.", ["type"]
-)
-scrape_target_up = metrics.gauge(
-    "scrape_target_up",
-    "Whether the last scrape of a merged metrics target succeeded (1) or not (0).",
-    ["target"],
-)
+
+class _MergerMetrics:
+    """The merged-metrics endpoint's own metrics."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.scrapes = registry.gauge("scrapes_total", "Number of scrapes of the merged metrics endpoint.")
+        self.failures = registry.gauge(
+            "scrape_failures_total", "Number of failed scrapes of a merged metrics source.", ["type"]
+        )
+        self.target_up = registry.gauge(
+            "scrape_target_up",
+            "Whether the last scrape of a merged metrics target succeeded (1) or not (0).",
+            ["target"],
+        )
 
 
 class MetricsFormat(enum.Enum):
@@ -232,6 +236,7 @@ class MetricsMerger:
         body_cap: int = DEFAULT_BODY_CAP,
     ) -> None:
         self._registry = registry
+        self._metrics = _MergerMetrics(registry)
         self._envoy_port = envoy_port
         self._app = app
         self._host = f"[{host}]" if ":" in host and not host.startswith("[") else host
@@ -258,7 +263,7 @@ class MetricsMerger:
         return f"http://{self._host}:{target.port}{target.path}"
 
     async def handle(self, request: Request) -> StreamResponse:
-        scrapes_total.inc()
+        self._metrics.scrapes.inc()
         timeout = scrape_timeout(request.headers.get(SCRAPE_TIMEOUT_HEADER))
         targets = self._app.targets if self._app is not None else ()
         app_headers = self._headers(request, openmetrics=True)
@@ -304,7 +309,7 @@ class MetricsMerger:
         try:
             body = self._registry.expose()
         except Exception as exc:  # a broken collector must not cost the Envoy and app metrics
-            scrape_failures_total.labels("agent").inc()
+            self._metrics.failures.labels("agent").inc()
             log.warning("failed rendering agent metrics: %s", exc)
             return
         await out.write(body)
@@ -333,7 +338,7 @@ class MetricsMerger:
         if error is not None:
             self._failed("envoy", ENVOY_TARGET, error)
         else:
-            scrape_target_up.labels(ENVOY_TARGET).set(1)
+            self._metrics.target_up.labels(ENVOY_TARGET).set(1)
 
     async def _open_single(
         self, target: ScrapeTarget, headers: Headers, deadline: float
@@ -361,7 +366,7 @@ class MetricsMerger:
     ) -> None:
         error = await self._relay(upstream, out, cap=self._body_cap, deadline=deadline)
         if error is None:
-            scrape_target_up.labels(target.name).set(1)
+            self._metrics.target_up.labels(target.name).set(1)
             return
         self._failed("application", target.name, error)
         await out.end_line()
@@ -445,7 +450,7 @@ class MetricsMerger:
         finally:
             if upstream is not None:
                 await upstream.aclose()
-        scrape_target_up.labels(target.name).set(1)
+        self._metrics.target_up.labels(target.name).set(1)
         strip_eof(body)
         result.body = body
         result.format = format_of(upstream.headers.get("Content-Type"))
@@ -469,10 +474,9 @@ class MetricsMerger:
             await out.end_line()
             await out.write(EOF_LINE)
 
-    @staticmethod
-    def _failed(kind: str, target: str, reason: str) -> None:
-        scrape_failures_total.labels(kind).inc()
-        scrape_target_up.labels(target).set(0)
+    def _failed(self, kind: str, target: str, reason: str) -> None:
+        self._metrics.failures.labels(kind).inc()
+        self._metrics.target_up.labels(target).set(0)
         log.warning("failed scraping %s metrics (%s): %s", kind, target, reason)
 
 
