@@ -1,0 +1,192 @@
+"""The two xDS protocol flavours, state of the world (SotW) and Delta, as plain facts about messages.
+
+One definition serves every part of the agent that speaks xDS: the relay between Envoy and istiod
+(:mod:`istio_agent.xds.proxy`) and the servers built on the stream core (:mod:`istio_agent.xds.stream`):
+which message types a flavour uses, which names a request asks for, how an ACK or a NACK of a
+response is written, and how a response is built from resources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf import any_pb2
+from google.protobuf.message import Message
+from google.rpc import status_pb2
+
+INTERNAL_CODE = 13
+"""google.rpc.Code INTERNAL: the code of the agent's NACKs and of unhealthy health reports."""
+
+Request: TypeAlias = discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest
+Response: TypeAlias = discovery_pb2.DiscoveryResponse | discovery_pb2.DeltaDiscoveryResponse
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """One named resource as a server offers it; packed into an ``Any`` only when it is sent.
+
+    ``message`` may already be an ``Any`` (a resource relayed from elsewhere); it is sent as is.
+    """
+
+    name: str
+    message: Message
+    version: str = ""
+
+    def packed(self) -> any_pb2.Any:
+        if isinstance(self.message, any_pb2.Any):
+            return self.message
+        packed = any_pb2.Any()
+        packed.Pack(self.message)
+        return packed
+
+
+def resource_version(message: Message) -> str:
+    """A stable version of a resource: hash of its deterministic serialization, 16 hex characters."""
+    return hashlib.sha256(message.SerializeToString(deterministic=True)).hexdigest()[:16]
+
+
+def new_nonce() -> str:
+    """A response nonce: a random UUID (v4) in its usual text form, as Istio sends."""
+    return str(uuid.uuid4())
+
+
+def unique(names: Iterable[str]) -> list[str]:
+    """``names`` without repeats, in first-seen order."""
+    return list(dict.fromkeys(names))
+
+
+def error_detail(error: str | None) -> status_pb2.Status | None:
+    """The ``error_detail`` of a NACK (or an unhealthy report) carrying ``error``; None for an ACK."""
+    return None if error is None else status_pb2.Status(code=INTERNAL_CODE, message=error)
+
+
+class Flavour:
+    """What differs between SotW and Delta messages; :data:`SOTW` and :data:`DELTA` are the two."""
+
+    name: str
+    """For log lines: "SotW" or "Delta"."""
+    label: str
+    """For metric labels and status: "sotw" or "delta"."""
+    method: str
+    """The AggregatedDiscoveryService method of this flavour."""
+    request_type: Any
+    response_type: Any
+
+    def requested_names(self, request: Any) -> list[str]:
+        """The names a request asks for (SotW: all it wants; Delta: those it adds)."""
+        raise NotImplementedError
+
+    def agent_request(self, type_url: str) -> Request:
+        """A bare subscription to ``type_url`` (the agent's own types)."""
+        return self.request_type(type_url=type_url)
+
+    def reply(self, response: Any, error: str | None) -> Request:
+        """The ACK (``error`` None) or NACK of ``response``."""
+        raise NotImplementedError
+
+    def first_resource(self, response: Any) -> any_pb2.Any | None:
+        """The first resource of a response (the agent's own types are singletons)."""
+        raise NotImplementedError
+
+    def response(
+        self,
+        type_url: str,
+        resources: Sequence[Resource],
+        *,
+        version: str,
+        nonce: str,
+        removed: Sequence[str] = (),
+        control_plane: base_pb2.ControlPlane | None = None,
+    ) -> Response:
+        """A response carrying ``resources`` (Delta also ``removed``) under ``version``."""
+        raise NotImplementedError
+
+
+class _Sotw(Flavour):
+    name = "SotW"
+    label = "sotw"
+    method = "StreamAggregatedResources"
+    request_type = discovery_pb2.DiscoveryRequest
+    response_type = discovery_pb2.DiscoveryResponse
+
+    def requested_names(self, request: discovery_pb2.DiscoveryRequest) -> list[str]:
+        return list(request.resource_names)
+
+    def reply(self, response: discovery_pb2.DiscoveryResponse, error: str | None) -> Request:
+        return discovery_pb2.DiscoveryRequest(
+            version_info=response.version_info,
+            type_url=response.type_url,
+            response_nonce=response.nonce,
+            error_detail=error_detail(error),
+        )
+
+    def first_resource(self, response: discovery_pb2.DiscoveryResponse) -> any_pb2.Any | None:
+        return response.resources[0] if response.resources else None
+
+    def response(
+        self,
+        type_url: str,
+        resources: Sequence[Resource],
+        *,
+        version: str,
+        nonce: str,
+        removed: Sequence[str] = (),
+        control_plane: base_pb2.ControlPlane | None = None,
+    ) -> Response:
+        return discovery_pb2.DiscoveryResponse(
+            version_info=version,
+            resources=[resource.packed() for resource in resources],
+            type_url=type_url,
+            nonce=nonce,
+            control_plane=control_plane,
+        )
+
+
+class _Delta(Flavour):
+    name = "Delta"
+    label = "delta"
+    method = "DeltaAggregatedResources"
+    request_type = discovery_pb2.DeltaDiscoveryRequest
+    response_type = discovery_pb2.DeltaDiscoveryResponse
+
+    def requested_names(self, request: discovery_pb2.DeltaDiscoveryRequest) -> list[str]:
+        return list(request.resource_names_subscribe)
+
+    def reply(self, response: discovery_pb2.DeltaDiscoveryResponse, error: str | None) -> Request:
+        return discovery_pb2.DeltaDiscoveryRequest(
+            type_url=response.type_url, response_nonce=response.nonce, error_detail=error_detail(error)
+        )
+
+    def first_resource(self, response: discovery_pb2.DeltaDiscoveryResponse) -> any_pb2.Any | None:
+        return response.resources[0].resource if response.resources else None
+
+    def response(
+        self,
+        type_url: str,
+        resources: Sequence[Resource],
+        *,
+        version: str,
+        nonce: str,
+        removed: Sequence[str] = (),
+        control_plane: base_pb2.ControlPlane | None = None,
+    ) -> Response:
+        return discovery_pb2.DeltaDiscoveryResponse(
+            system_version_info=version,
+            resources=[
+                discovery_pb2.Resource(name=r.name, version=r.version, resource=r.packed()) for r in resources
+            ],
+            type_url=type_url,
+            removed_resources=removed,
+            nonce=nonce,
+            control_plane=control_plane,
+        )
+
+
+SOTW: Flavour = _Sotw()
+DELTA: Flavour = _Delta()
