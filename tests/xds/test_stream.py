@@ -1,0 +1,319 @@
+"""The xDS stream core over real gRPC: what any server built on it gets, and a debug tap built on it.
+
+The SDS server and the control plane's ADS have their own behaviour tests
+(``tests/security/test_sds.py``, ``tests/controlplane/test_ads.py``); these cover the core itself
+with small sources, including the agent's coming debug tap, which answers every
+``istio.io/debug/*`` query by asking istiod (slow, and failing now and then) without any change
+to the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.cluster.v3.cluster_pb2 import Cluster
+from envoy.config.core.v3.base_pb2 import Node
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.protobuf import any_pb2
+
+from istio_agent.xds.flavour import DELTA, SOTW, Flavour, Request, Resource, Response, resource_version
+from istio_agent.xds.stream import Change, Reply, Source, Stream, StreamError, StreamServer, require_node
+from tests.xds import CDS, SILENCE, WAIT
+
+NODE = Node(id="sidecar~10.0.0.1~app-1.default~default.svc.cluster.local")
+SYNCZ = "istio.io/debug/syncz"
+CONFIG_DUMP = "istio.io/debug/config_dump"
+log = logging.getLogger("istio.streamtest")
+
+
+class Clusters(Source[None, str]):
+    """A tiny generator: named clusters whose content a test changes, then pushes by name."""
+
+    def __init__(self) -> None:
+        self.clusters = {name: Cluster(name=name) for name in ("a", "b")}
+        self.broken = False
+        self.sent_names: list[tuple[str, list[str]]] = []
+
+    async def open(self, request: Request, context: grpc.aio.ServicerContext, flavour: Flavour) -> None:
+        require_node(request)
+
+    def watched_type(self, stream: Stream[None, str], type_url: str) -> str | None:
+        return type_url if type_url == CDS else None
+
+    async def resources(
+        self, stream: Stream[None, str], type_url: str, names: Sequence[str] | None
+    ) -> list[Resource]:
+        if self.broken:
+            raise KeyError("a bug in the generator")
+        chosen = sorted(self.clusters) if names is None else [n for n in names if n in self.clusters]
+        return [Resource(n, self.clusters[n], resource_version(self.clusters[n])) for n in chosen]
+
+    def version(self, type_url: str, versions: Mapping[str, str]) -> str:
+        return ",".join(f"{name}={version}" for name, version in sorted(versions.items()))
+
+    def changes(self, stream: Stream[None, str], event: str) -> Iterable[Change]:
+        return [(CDS, [event])]
+
+    def sent(self, stream: Stream[None, str], response: Response, names: list[str], cause: str) -> None:
+        self.sent_names.append((cause, names))
+
+
+class FakeIstiod:
+    """What the tap forwards to: answers after a delay; a query naming "fail" fails, "late" times out."""
+
+    def __init__(self) -> None:
+        self.queries: list[str] = []
+
+    async def query(self, request: Request) -> discovery_pb2.DiscoveryResponse | None:
+        flavour = SOTW if isinstance(request, discovery_pb2.DiscoveryRequest) else DELTA
+        names = flavour.requested_names(request)
+        self.queries.append(request.type_url)
+        await asyncio.sleep(0.05)
+        if "fail" in names:
+            raise ConnectionError("istiod is not connected")
+        if "late" in names:
+            return None
+        config = any_pb2.Any(type_url=request.type_url, value=b"dump of " + ",".join(names).encode())
+        return discovery_pb2.DiscoveryResponse(
+            version_info="v7", resources=[config], type_url=request.type_url
+        )
+
+
+class DebugTap(Source[None, None]):
+    """The agent's debug tap, as the stream core's docstring sketches it: every query goes to istiod."""
+
+    def __init__(self, istiod: FakeIstiod) -> None:
+        self._istiod = istiod
+
+    async def open(self, request: Request, context: grpc.aio.ServicerContext, flavour: Flavour) -> None:
+        return None  # no node needed: istiod answers for the pod's own proxy
+
+    def is_query(self, type_url: str) -> bool:
+        return type_url.startswith("istio.io/debug")
+
+    async def answer(self, stream: Stream[None, None], request: Request) -> Reply | None:
+        try:
+            response = await self._istiod.query(request)
+        except ConnectionError as err:
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+        if response is None:
+            return None
+        return Reply([Resource("", resource) for resource in response.resources], response.version_info)
+
+
+class Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    def __init__(self, core: StreamServer[Any, Any]) -> None:
+        self.core = core
+
+    async def StreamAggregatedResources(self, requests: AsyncIterator[Any], context: Any) -> None:
+        await self.core.serve(SOTW, requests, context)
+
+    async def DeltaAggregatedResources(self, requests: AsyncIterator[Any], context: Any) -> None:
+        await self.core.serve(DELTA, requests, context)
+
+
+class Client:
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.received: asyncio.Queue[Any] = asyncio.Queue()
+        self._pump = asyncio.create_task(self._collect())
+
+    async def _collect(self) -> None:
+        try:
+            while (message := await self.call.read()) is not grpc.aio.EOF:
+                self.received.put_nowait(message)
+            self.received.put_nowait(grpc.aio.EOF)
+        except grpc.aio.AioRpcError as err:
+            self.received.put_nowait(err)
+
+    async def response(self) -> Any:
+        message = await asyncio.wait_for(self.received.get(), WAIT)
+        assert not isinstance(message, grpc.aio.AioRpcError), f"stream failed: {message}"
+        assert message is not grpc.aio.EOF
+        return message
+
+    async def end(self) -> Any:
+        message = await asyncio.wait_for(self.received.get(), WAIT)
+        assert message is grpc.aio.EOF or isinstance(message, grpc.aio.AioRpcError), message
+        return message
+
+    async def silence(self) -> None:
+        with pytest.raises(TimeoutError):
+            message = await asyncio.wait_for(self.received.get(), SILENCE)
+            pytest.fail(f"unexpected message: {message}")
+
+    async def close(self) -> None:
+        self.call.cancel()
+        await asyncio.gather(self._pump, return_exceptions=True)
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Any]:
+    """serve(source) -> (core, stub) on a real gRPC server on loopback."""
+    servers: list[tuple[grpc.aio.Server, grpc.aio.Channel, StreamServer[Any, Any]]] = []
+    clients: list[Client] = []
+
+    async def factory(source: Source[Any, Any]) -> tuple[StreamServer[Any, Any], Any, list[Client]]:
+        core: StreamServer[Any, Any] = StreamServer(source, name="test", log=log, describe="test server")
+        server = grpc.aio.server()
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(Servicer(core), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        servers.append((server, channel, core))
+        return core, ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel), clients
+
+    yield factory
+    for client in clients:
+        await client.close()
+    for server, channel, core in servers:
+        await core.close()
+        await channel.close()
+        await server.stop(0)
+
+
+def sotw(type_url: str, names: Sequence[str] = (), nonce: str = "", node: bool = False) -> Any:
+    return discovery_pb2.DiscoveryRequest(
+        type_url=type_url, resource_names=names, response_nonce=nonce, node=NODE if node else None
+    )
+
+
+# -- the debug tap -------------------------------------------------------------------------------------
+
+
+async def test_debug_tap_answers_each_query_with_what_istiod_returns(serve: Any) -> None:
+    istiod = FakeIstiod()
+    core, stub, clients = await serve(DebugTap(istiod))
+    client = Client(stub.StreamAggregatedResources())
+    clients.append(client)
+    await client.call.write(sotw(SYNCZ))  # no node: the tap does not ask for one
+    await client.call.write(sotw(CONFIG_DUMP, ["app-1.default"]))
+    first, second = await client.response(), await client.response()
+    assert (first.type_url, second.type_url) == (SYNCZ, CONFIG_DUMP)
+    assert second.version_info == "v7" and second.nonce
+    assert second.resources[0].value == b"dump of app-1.default"  # relayed as istiod sent it
+    assert istiod.queries == [SYNCZ, CONFIG_DUMP]
+
+    # istiod timing out answers nothing and keeps the stream; an ACK of an answer is not a query.
+    await client.call.write(sotw(SYNCZ, ["late"]))
+    await client.call.write(sotw(SYNCZ, nonce=first.nonce))
+    await client.silence()
+    assert istiod.queries == [SYNCZ, CONFIG_DUMP, SYNCZ]
+    await client.call.write(sotw(SYNCZ, ["again"]))
+    assert (await client.response()).resources[0].value == b"dump of again"
+
+    # A failed query ends the stream with its status; other streams go on.
+    other = Client(stub.DeltaAggregatedResources())
+    clients.append(other)
+    await other.call.write(
+        discovery_pb2.DeltaDiscoveryRequest(type_url=SYNCZ, resource_names_subscribe=["x"])
+    )
+    answer = await other.response()
+    assert isinstance(answer, discovery_pb2.DeltaDiscoveryResponse) and answer.system_version_info == "v7"
+    await client.call.write(sotw(SYNCZ, ["fail"]))
+    failure = await client.end()
+    assert failure.code() == grpc.StatusCode.UNAVAILABLE and failure.details() == "istiod is not connected"
+    await other.call.write(
+        discovery_pb2.DeltaDiscoveryRequest(type_url=SYNCZ, resource_names_subscribe=["y"])
+    )
+    assert (await other.response()).resources[0].resource.value == b"dump of y"
+    assert [stream.id for stream in core.streams()] == [2]
+
+
+async def test_debug_tap_drops_types_it_does_not_serve(serve: Any) -> None:
+    _, stub, clients = await serve(DebugTap(FakeIstiod()))
+    client = Client(stub.StreamAggregatedResources())
+    clients.append(client)
+    await client.call.write(sotw(CDS, node=True))
+    await client.silence()
+    await client.call.write(sotw(SYNCZ))
+    assert (await client.response()).type_url == SYNCZ
+
+
+# -- the core's own guarantees ---------------------------------------------------------------------------
+
+
+async def test_first_request_is_checked_by_the_source(serve: Any) -> None:
+    core, stub, clients = await serve(Clusters())
+    client = Client(stub.StreamAggregatedResources())
+    clients.append(client)
+    await client.call.write(sotw(CDS, ["a"]))
+    failure = await client.end()
+    assert failure.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert failure.details() == "missing node information"
+    assert core.streams() == []
+
+
+async def test_a_bug_in_a_source_ends_only_its_stream_loudly(
+    serve: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = Clusters()
+    _, stub, clients = await serve(source)
+    healthy = Client(stub.StreamAggregatedResources())
+    clients.append(healthy)
+    await healthy.call.write(sotw(CDS, ["a"], node=True))
+    await healthy.response()
+
+    source.broken = True
+    broken = Client(stub.DeltaAggregatedResources())
+    clients.append(broken)
+    with caplog.at_level(logging.ERROR, logger=log.name):
+        await broken.call.write(
+            discovery_pb2.DeltaDiscoveryRequest(type_url=CDS, resource_names_subscribe=["a"], node=NODE)
+        )
+        failure = await broken.end()
+    assert failure.code() == grpc.StatusCode.INTERNAL
+    assert failure.details() == "internal error in the test server"
+    [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "internal error" in record.getMessage() and record.exc_info is not None  # with its traceback
+
+    source.broken = False
+    await healthy.call.write(sotw(CDS, ["a", "b"]))
+    assert [r.type_url for r in (await healthy.response()).resources] == [CDS, CDS]
+
+
+async def test_requests_go_before_pushes_and_pushes_of_a_key_coalesce(serve: Any) -> None:
+    source = Clusters()
+    core, stub, clients = await serve(source)
+    client = Client(stub.StreamAggregatedResources())
+    clients.append(client)
+    await client.call.write(sotw(CDS, ["a", "b"], node=True))
+    first = await client.response()
+    [stream] = core.streams()
+    for i in range(100):
+        source.clusters["a"] = Cluster(name="a", alt_stat_name=str(i))
+        stream.push("a", key="a")
+    stream.push("b", key="b")
+    assert list(stream.pending) == ["a", "b"]
+    pushed_a, pushed_b = await client.response(), await client.response()
+    assert [Cluster.FromString(r.value).alt_stat_name for r in pushed_a.resources] == ["99"]
+    assert len(pushed_b.resources) == 1 and pushed_b.nonce != first.nonce
+    assert source.sent_names == [("request", ["a", "b"]), ("push", ["a"]), ("push", ["b"])]
+
+
+async def test_close_ends_streams_with_ok_and_refuses_new_ones(serve: Any) -> None:
+    source = Clusters()
+    core, stub, clients = await serve(source)
+    client = Client(stub.StreamAggregatedResources())
+    clients.append(client)
+    await client.call.write(sotw(CDS, ["a"], node=True))
+    await client.response()
+    async with asyncio.timeout(WAIT):
+        while not source.sent_names:  # the server's write has returned too (the client may see it first)
+            await asyncio.sleep(0.01)
+    await core.close()
+    assert await client.end() is grpc.aio.EOF
+    late = Client(stub.StreamAggregatedResources())
+    clients.append(late)
+    with contextlib.suppress(grpc.aio.AioRpcError):  # the server may refuse before it reads
+        await late.call.write(sotw(CDS, ["a"], node=True))
+    failure = await late.end()
+    assert failure.code() == grpc.StatusCode.UNAVAILABLE
+    assert failure.details() == "test server is shutting down"
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("test-")]
