@@ -10,9 +10,8 @@ to the core.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -24,7 +23,7 @@ from google.protobuf import any_pb2
 
 from istio_agent.xds.flavour import DELTA, SOTW, Flavour, Request, Resource, Response, resource_version
 from istio_agent.xds.stream import Change, Reply, Source, Stream, StreamError, StreamServer, require_node
-from tests.xds import CDS, SILENCE, WAIT
+from tests.xds import CDS, WAIT, EnvoyStream
 
 NODE = Node(id="sidecar~10.0.0.1~app-1.default~default.svc.cluster.local")
 SYNCZ = "istio.io/debug/syncz"
@@ -118,48 +117,13 @@ class Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         await self.core.serve(DELTA, requests, context)
 
 
-class Client:
-    def __init__(self, call: Any) -> None:
-        self.call = call
-        self.received: asyncio.Queue[Any] = asyncio.Queue()
-        self._pump = asyncio.create_task(self._collect())
-
-    async def _collect(self) -> None:
-        try:
-            while (message := await self.call.read()) is not grpc.aio.EOF:
-                self.received.put_nowait(message)
-            self.received.put_nowait(grpc.aio.EOF)
-        except grpc.aio.AioRpcError as err:
-            self.received.put_nowait(err)
-
-    async def response(self) -> Any:
-        message = await asyncio.wait_for(self.received.get(), WAIT)
-        assert not isinstance(message, grpc.aio.AioRpcError), f"stream failed: {message}"
-        assert message is not grpc.aio.EOF
-        return message
-
-    async def end(self) -> Any:
-        message = await asyncio.wait_for(self.received.get(), WAIT)
-        assert message is grpc.aio.EOF or isinstance(message, grpc.aio.AioRpcError), message
-        return message
-
-    async def silence(self) -> None:
-        with pytest.raises(TimeoutError):
-            message = await asyncio.wait_for(self.received.get(), SILENCE)
-            pytest.fail(f"unexpected message: {message}")
-
-    async def close(self) -> None:
-        self.call.cancel()
-        await asyncio.gather(self._pump, return_exceptions=True)
-
-
 @pytest.fixture
 async def serve() -> AsyncIterator[Any]:
-    """serve(source) -> (core, stub) on a real gRPC server on loopback."""
+    """serve(source) -> (core, open_stream): the core on a real gRPC server on loopback."""
     servers: list[tuple[grpc.aio.Server, grpc.aio.Channel, StreamServer[Any, Any]]] = []
-    clients: list[Client] = []
+    streams: list[EnvoyStream] = []
 
-    async def factory(source: Source[Any, Any]) -> tuple[StreamServer[Any, Any], Any, list[Client]]:
+    async def factory(source: Source[Any, Any]) -> tuple[StreamServer[Any, Any], Callable[..., EnvoyStream]]:
         core: StreamServer[Any, Any] = StreamServer(source, name="test", log=log, describe="test server")
         server = grpc.aio.server()
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(Servicer(core), server)
@@ -167,21 +131,20 @@ async def serve() -> AsyncIterator[Any]:
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         servers.append((server, channel, core))
-        return core, ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel), clients
+
+        def open_stream(*, delta: bool = False) -> EnvoyStream:
+            streams.append(EnvoyStream(channel, delta=delta))
+            return streams[-1]
+
+        return core, open_stream
 
     yield factory
-    for client in clients:
-        await client.close()
+    for stream in streams:
+        await stream.close()
     for server, channel, core in servers:
         await core.close()
         await channel.close()
         await server.stop(0)
-
-
-def sotw(type_url: str, names: Sequence[str] = (), nonce: str = "", node: bool = False) -> Any:
-    return discovery_pb2.DiscoveryRequest(
-        type_url=type_url, resource_names=names, response_nonce=nonce, node=NODE if node else None
-    )
 
 
 # -- the debug tap -------------------------------------------------------------------------------------
@@ -189,64 +152,53 @@ def sotw(type_url: str, names: Sequence[str] = (), nonce: str = "", node: bool =
 
 async def test_debug_tap_answers_each_query_with_what_istiod_returns(serve: Any) -> None:
     istiod = FakeIstiod()
-    core, stub, clients = await serve(DebugTap(istiod))
-    client = Client(stub.StreamAggregatedResources())
-    clients.append(client)
-    await client.call.write(sotw(SYNCZ))  # no node: the tap does not ask for one
-    await client.call.write(sotw(CONFIG_DUMP, ["app-1.default"]))
-    first, second = await client.response(), await client.response()
+    core, open_stream = await serve(DebugTap(istiod))
+    client = open_stream()
+    await client.send(SYNCZ)  # no node: the tap does not ask for one
+    await client.send(CONFIG_DUMP, resource_names=["app-1.default"])
+    first, second = await client.recv(), await client.recv()
     assert (first.type_url, second.type_url) == (SYNCZ, CONFIG_DUMP)
     assert second.version_info == "v7" and second.nonce
     assert second.resources[0].value == b"dump of app-1.default"  # relayed as istiod sent it
     assert istiod.queries == [SYNCZ, CONFIG_DUMP]
 
     # istiod timing out answers nothing and keeps the stream; an ACK of an answer is not a query.
-    await client.call.write(sotw(SYNCZ, ["late"]))
-    await client.call.write(sotw(SYNCZ, nonce=first.nonce))
-    await client.silence()
+    await client.send(SYNCZ, resource_names=["late"])
+    await client.send(SYNCZ, response_nonce=first.nonce)
+    await client.expect_silence()
     assert istiod.queries == [SYNCZ, CONFIG_DUMP, SYNCZ]
-    await client.call.write(sotw(SYNCZ, ["again"]))
-    assert (await client.response()).resources[0].value == b"dump of again"
+    await client.send(SYNCZ, resource_names=["again"])
+    assert (await client.recv()).resources[0].value == b"dump of again"
 
     # A failed query ends the stream with its status; other streams go on.
-    other = Client(stub.DeltaAggregatedResources())
-    clients.append(other)
-    await other.call.write(
-        discovery_pb2.DeltaDiscoveryRequest(type_url=SYNCZ, resource_names_subscribe=["x"])
-    )
-    answer = await other.response()
+    other = open_stream(delta=True)
+    await other.send(SYNCZ, resource_names_subscribe=["x"])
+    answer = await other.recv()
     assert isinstance(answer, discovery_pb2.DeltaDiscoveryResponse) and answer.system_version_info == "v7"
-    await client.call.write(sotw(SYNCZ, ["fail"]))
-    failure = await client.end()
-    assert failure.code() == grpc.StatusCode.UNAVAILABLE and failure.details() == "istiod is not connected"
-    await other.call.write(
-        discovery_pb2.DeltaDiscoveryRequest(type_url=SYNCZ, resource_names_subscribe=["y"])
-    )
-    assert (await other.response()).resources[0].resource.value == b"dump of y"
+    await client.send(SYNCZ, resource_names=["fail"])
+    assert await client.status() == (grpc.StatusCode.UNAVAILABLE, "istiod is not connected")
+    await other.send(SYNCZ, resource_names_subscribe=["y"])
+    assert (await other.recv()).resources[0].resource.value == b"dump of y"
     assert [stream.id for stream in core.streams()] == [2]
 
 
 async def test_debug_tap_drops_types_it_does_not_serve(serve: Any) -> None:
-    _, stub, clients = await serve(DebugTap(FakeIstiod()))
-    client = Client(stub.StreamAggregatedResources())
-    clients.append(client)
-    await client.call.write(sotw(CDS, node=True))
-    await client.silence()
-    await client.call.write(sotw(SYNCZ))
-    assert (await client.response()).type_url == SYNCZ
+    _, open_stream = await serve(DebugTap(FakeIstiod()))
+    client = open_stream()
+    await client.send(CDS, node=NODE)
+    await client.expect_silence()
+    await client.send(SYNCZ)
+    assert (await client.recv()).type_url == SYNCZ
 
 
 # -- the core's own guarantees ---------------------------------------------------------------------------
 
 
 async def test_first_request_is_checked_by_the_source(serve: Any) -> None:
-    core, stub, clients = await serve(Clusters())
-    client = Client(stub.StreamAggregatedResources())
-    clients.append(client)
-    await client.call.write(sotw(CDS, ["a"]))
-    failure = await client.end()
-    assert failure.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert failure.details() == "missing node information"
+    core, open_stream = await serve(Clusters())
+    client = open_stream()
+    await client.send(CDS, resource_names=["a"])
+    assert await client.status() == (grpc.StatusCode.INVALID_ARGUMENT, "missing node information")
     assert core.streams() == []
 
 
@@ -254,44 +206,37 @@ async def test_a_bug_in_a_source_ends_only_its_stream_loudly(
     serve: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     source = Clusters()
-    _, stub, clients = await serve(source)
-    healthy = Client(stub.StreamAggregatedResources())
-    clients.append(healthy)
-    await healthy.call.write(sotw(CDS, ["a"], node=True))
-    await healthy.response()
+    _, open_stream = await serve(source)
+    healthy = open_stream()
+    await healthy.send(CDS, resource_names=["a"], node=NODE)
+    await healthy.recv()
 
     source.broken = True
-    broken = Client(stub.DeltaAggregatedResources())
-    clients.append(broken)
+    broken = open_stream(delta=True)
     with caplog.at_level(logging.ERROR, logger=log.name):
-        await broken.call.write(
-            discovery_pb2.DeltaDiscoveryRequest(type_url=CDS, resource_names_subscribe=["a"], node=NODE)
-        )
-        failure = await broken.end()
-    assert failure.code() == grpc.StatusCode.INTERNAL
-    assert failure.details() == "internal error in the test server"
+        await broken.send(CDS, resource_names_subscribe=["a"], node=NODE)
+        assert await broken.status() == (grpc.StatusCode.INTERNAL, "internal error in the test server")
     [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert "internal error" in record.getMessage() and record.exc_info is not None  # with its traceback
 
     source.broken = False
-    await healthy.call.write(sotw(CDS, ["a", "b"]))
-    assert [r.type_url for r in (await healthy.response()).resources] == [CDS, CDS]
+    await healthy.send(CDS, resource_names=["a", "b"])
+    assert [r.type_url for r in (await healthy.recv()).resources] == [CDS, CDS]
 
 
 async def test_requests_go_before_pushes_and_pushes_of_a_key_coalesce(serve: Any) -> None:
     source = Clusters()
-    core, stub, clients = await serve(source)
-    client = Client(stub.StreamAggregatedResources())
-    clients.append(client)
-    await client.call.write(sotw(CDS, ["a", "b"], node=True))
-    first = await client.response()
+    core, open_stream = await serve(source)
+    client = open_stream()
+    await client.send(CDS, resource_names=["a", "b"], node=NODE)
+    first = await client.recv()
     [stream] = core.streams()
     for i in range(100):
         source.clusters["a"] = Cluster(name="a", alt_stat_name=str(i))
         stream.push("a", key="a")
     stream.push("b", key="b")
     assert list(stream.pending) == ["a", "b"]
-    pushed_a, pushed_b = await client.response(), await client.response()
+    pushed_a, pushed_b = await client.recv(), await client.recv()
     assert [Cluster.FromString(r.value).alt_stat_name for r in pushed_a.resources] == ["99"]
     assert len(pushed_b.resources) == 1 and pushed_b.nonce != first.nonce
     assert source.sent_names == [("request", ["a", "b"]), ("push", ["a"]), ("push", ["b"])]
@@ -299,21 +244,16 @@ async def test_requests_go_before_pushes_and_pushes_of_a_key_coalesce(serve: Any
 
 async def test_close_ends_streams_with_ok_and_refuses_new_ones(serve: Any) -> None:
     source = Clusters()
-    core, stub, clients = await serve(source)
-    client = Client(stub.StreamAggregatedResources())
-    clients.append(client)
-    await client.call.write(sotw(CDS, ["a"], node=True))
-    await client.response()
+    core, open_stream = await serve(source)
+    client = open_stream()
+    await client.send(CDS, resource_names=["a"], node=NODE)
+    await client.recv()
     async with asyncio.timeout(WAIT):
         while not source.sent_names:  # the server's write has returned too (the client may see it first)
             await asyncio.sleep(0.01)
     await core.close()
-    assert await client.end() is grpc.aio.EOF
-    late = Client(stub.StreamAggregatedResources())
-    clients.append(late)
-    with contextlib.suppress(grpc.aio.AioRpcError):  # the server may refuse before it reads
-        await late.call.write(sotw(CDS, ["a"], node=True))
-    failure = await late.end()
-    assert failure.code() == grpc.StatusCode.UNAVAILABLE
-    assert failure.details() == "test server is shutting down"
+    assert await client.status() == (grpc.StatusCode.OK, "")
+    late = open_stream()
+    await late.send(CDS, resource_names=["a"], node=NODE)
+    assert await late.status() == (grpc.StatusCode.UNAVAILABLE, "test server is shutting down")
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("test-")]

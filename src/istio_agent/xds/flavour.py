@@ -66,21 +66,26 @@ def error_detail(error: str | None) -> status_pb2.Status | None:
     return None if error is None else status_pb2.Status(code=INTERNAL_CODE, message=error)
 
 
+@dataclass(frozen=True)
 class Flavour:
     """What differs between SotW and Delta messages; :data:`SOTW` and :data:`DELTA` are the two."""
 
     name: str
     """For log lines: "SotW" or "Delta"."""
-    label: str
-    """For metric labels and status: "sotw" or "delta"."""
     method: str
     """The AggregatedDiscoveryService method of this flavour."""
     request_type: Any
     response_type: Any
+    delta: bool
+
+    @property
+    def label(self) -> str:
+        """For metric labels and status: "sotw" or "delta"."""
+        return self.name.lower()
 
     def requested_names(self, request: Any) -> list[str]:
         """The names a request asks for (SotW: all it wants; Delta: those it adds)."""
-        raise NotImplementedError
+        return list(request.resource_names_subscribe if self.delta else request.resource_names)
 
     def agent_request(self, type_url: str) -> Request:
         """A bare subscription to ``type_url`` (the agent's own types)."""
@@ -88,11 +93,23 @@ class Flavour:
 
     def reply(self, response: Any, error: str | None) -> Request:
         """The ACK (``error`` None) or NACK of ``response``."""
-        raise NotImplementedError
+        if self.delta:
+            return discovery_pb2.DeltaDiscoveryRequest(
+                type_url=response.type_url, response_nonce=response.nonce, error_detail=error_detail(error)
+            )
+        return discovery_pb2.DiscoveryRequest(
+            version_info=response.version_info,
+            type_url=response.type_url,
+            response_nonce=response.nonce,
+            error_detail=error_detail(error),
+        )
 
     def first_resource(self, response: Any) -> any_pb2.Any | None:
         """The first resource of a response (the agent's own types are singletons)."""
-        raise NotImplementedError
+        if not response.resources:
+            return None
+        first = response.resources[0]
+        return first.resource if self.delta else first
 
     def response(
         self,
@@ -105,40 +122,18 @@ class Flavour:
         control_plane: base_pb2.ControlPlane | None = None,
     ) -> Response:
         """A response carrying ``resources`` (Delta also ``removed``) under ``version``."""
-        raise NotImplementedError
-
-
-class _Sotw(Flavour):
-    name = "SotW"
-    label = "sotw"
-    method = "StreamAggregatedResources"
-    request_type = discovery_pb2.DiscoveryRequest
-    response_type = discovery_pb2.DiscoveryResponse
-
-    def requested_names(self, request: discovery_pb2.DiscoveryRequest) -> list[str]:
-        return list(request.resource_names)
-
-    def reply(self, response: discovery_pb2.DiscoveryResponse, error: str | None) -> Request:
-        return discovery_pb2.DiscoveryRequest(
-            version_info=response.version_info,
-            type_url=response.type_url,
-            response_nonce=response.nonce,
-            error_detail=error_detail(error),
-        )
-
-    def first_resource(self, response: discovery_pb2.DiscoveryResponse) -> any_pb2.Any | None:
-        return response.resources[0] if response.resources else None
-
-    def response(
-        self,
-        type_url: str,
-        resources: Sequence[Resource],
-        *,
-        version: str,
-        nonce: str,
-        removed: Sequence[str] = (),
-        control_plane: base_pb2.ControlPlane | None = None,
-    ) -> Response:
+        if self.delta:
+            return discovery_pb2.DeltaDiscoveryResponse(
+                system_version_info=version,
+                resources=[
+                    discovery_pb2.Resource(name=r.name, version=r.version, resource=r.packed())
+                    for r in resources
+                ],
+                type_url=type_url,
+                removed_resources=removed,
+                nonce=nonce,
+                control_plane=control_plane,
+            )
         return discovery_pb2.DiscoveryResponse(
             version_info=version,
             resources=[resource.packed() for resource in resources],
@@ -148,45 +143,17 @@ class _Sotw(Flavour):
         )
 
 
-class _Delta(Flavour):
-    name = "Delta"
-    label = "delta"
-    method = "DeltaAggregatedResources"
-    request_type = discovery_pb2.DeltaDiscoveryRequest
-    response_type = discovery_pb2.DeltaDiscoveryResponse
-
-    def requested_names(self, request: discovery_pb2.DeltaDiscoveryRequest) -> list[str]:
-        return list(request.resource_names_subscribe)
-
-    def reply(self, response: discovery_pb2.DeltaDiscoveryResponse, error: str | None) -> Request:
-        return discovery_pb2.DeltaDiscoveryRequest(
-            type_url=response.type_url, response_nonce=response.nonce, error_detail=error_detail(error)
-        )
-
-    def first_resource(self, response: discovery_pb2.DeltaDiscoveryResponse) -> any_pb2.Any | None:
-        return response.resources[0].resource if response.resources else None
-
-    def response(
-        self,
-        type_url: str,
-        resources: Sequence[Resource],
-        *,
-        version: str,
-        nonce: str,
-        removed: Sequence[str] = (),
-        control_plane: base_pb2.ControlPlane | None = None,
-    ) -> Response:
-        return discovery_pb2.DeltaDiscoveryResponse(
-            system_version_info=version,
-            resources=[
-                discovery_pb2.Resource(name=r.name, version=r.version, resource=r.packed()) for r in resources
-            ],
-            type_url=type_url,
-            removed_resources=removed,
-            nonce=nonce,
-            control_plane=control_plane,
-        )
-
-
-SOTW: Flavour = _Sotw()
-DELTA: Flavour = _Delta()
+SOTW = Flavour(
+    "SotW",
+    "StreamAggregatedResources",
+    discovery_pb2.DiscoveryRequest,
+    discovery_pb2.DiscoveryResponse,
+    delta=False,
+)
+DELTA = Flavour(
+    "Delta",
+    "DeltaAggregatedResources",
+    discovery_pb2.DeltaDiscoveryRequest,
+    discovery_pb2.DeltaDiscoveryResponse,
+    delta=True,
+)
