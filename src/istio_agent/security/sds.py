@@ -199,17 +199,10 @@ class SdsServer:
         """Bind the socket (replacing any old file), start serving, open it to every local user."""
         if self._server is not None:
             raise RuntimeError("SDS server already started")
-        uds.prepare_socket_path(self._socket_path)
         server = grpc.aio.server(options=[("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
         sds_pb2_grpc.add_SecretDiscoveryServiceServicer_to_server(_Servicer(self), server)
-        try:
-            server.add_insecure_port(f"unix:{self._socket_path}")
-            await server.start()
-        except Exception as err:
-            await server.stop(None)
-            raise OSError(f"SDS server could not listen on {self._socket_path}: {err}") from err
+        await uds.start_server_on(server, self._socket_path, "SDS server")
         self._server = server
-        uds.make_socket_accessible(self._socket_path)
         log.info("SDS server listening on %s", self._socket_path)
 
     async def stop(self, grace: float | None = 0.5) -> None:

@@ -178,20 +178,12 @@ class XdsProxy:
         """Listen on the socket (replacing any stale file) and open it to every local user."""
         if self._server is not None:
             raise RuntimeError("xDS proxy already started")
-        path = self.socket_path
-        uds.prepare_socket_path(path)
         server = grpc.aio.server(options=self._server_options())
         server.add_generic_rpc_handlers((self._rpc_handlers(),))
-        try:
-            server.add_insecure_port(f"unix:{path}")
-            await server.start()
-        except Exception as err:
-            await server.stop(None)
-            raise OSError(f"xDS proxy could not listen on {path}: {err}") from err
+        await uds.start_server_on(server, self.socket_path, "xDS proxy")
         self._server = server
         self._stopping = False
-        uds.make_socket_accessible(path)
-        log.info("xDS proxy listening on %s, upstream %s", path, self._dialer.describe())
+        log.info("xDS proxy listening on %s, upstream %s", self.socket_path, self._dialer.describe())
 
     async def stop(self) -> None:
         """End every stream (OK to Envoy, upstream cancelled and closed), then stop the server."""
