@@ -147,6 +147,13 @@ async def serve() -> AsyncIterator[Any]:
         await server.stop(0)
 
 
+async def written(source: Clusters, count: int) -> None:
+    """Wait until the server's writes have returned too: the client may see a response first."""
+    async with asyncio.timeout(WAIT):
+        while len(source.sent_names) < count:
+            await asyncio.sleep(0.01)
+
+
 # -- the debug tap -------------------------------------------------------------------------------------
 
 
@@ -239,6 +246,7 @@ async def test_requests_go_before_pushes_and_pushes_of_a_key_coalesce(serve: Any
     pushed_a, pushed_b = await client.recv(), await client.recv()
     assert [Cluster.FromString(r.value).alt_stat_name for r in pushed_a.resources] == ["99"]
     assert len(pushed_b.resources) == 1 and pushed_b.nonce != first.nonce
+    await written(source, 3)
     assert source.sent_names == [("request", ["a", "b"]), ("push", ["a"]), ("push", ["b"])]
 
 
@@ -248,9 +256,7 @@ async def test_close_ends_streams_with_ok_and_refuses_new_ones(serve: Any) -> No
     client = open_stream()
     await client.send(CDS, resource_names=["a"], node=NODE)
     await client.recv()
-    async with asyncio.timeout(WAIT):
-        while not source.sent_names:  # the server's write has returned too (the client may see it first)
-            await asyncio.sleep(0.01)
+    await written(source, 1)
     await core.close()
     assert await client.status() == (grpc.StatusCode.OK, "")
     late = open_stream()
