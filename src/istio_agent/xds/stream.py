@@ -1,7 +1,7 @@
 """The xDS stream core: one engine that serves SotW and Delta streams for every xDS server of the project.
 
 The SDS server (:mod:`istio_agent.security.sds`), the local control plane's ADS
-(:mod:`istio_agent.controlplane.ads`) and the debug tap are thin :class:`Source` s on a
+(:mod:`istio_agent.controlplane.ads`) and the debug tap are thin sources (:class:`Source`) on a
 :class:`StreamServer`, as Istio serves SDS and ADS from one stream loop (``pilot/pkg/xds/ads.go``,
 ``pilot/pkg/xds/delta.go``, reused by ``security/pkg/nodeagent/sds/sdsservice.go``).
 
@@ -22,8 +22,9 @@ A source answers three questions: which resources exist for a type and names
 (:meth:`Source.resources`), what version a response carries (:meth:`Source.version`), and what a
 push event changed (:meth:`Source.changes`); it may also answer query types, requests served once
 each and never watched (:meth:`Source.answer`, e.g. istiod's ``istio.io/debug/syncz``). Answers may
-be awaited and may fail for one request; the rest of the stream goes on. The debug tap, for
-example, forwards every ``istio.io/debug/*`` query to istiod::
+be awaited (a slow one holds up only its own stream) and may fail: no answer (None) leaves the
+stream open, a :class:`StreamError` ends that stream alone. The debug tap, for example, forwards
+every ``istio.io/debug/*`` query to istiod::
 
     class DebugTap(Source[None, None]):
         def __init__(self, istiod: Upstream) -> None:
