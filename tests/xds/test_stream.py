@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -53,8 +53,8 @@ class Clusters(Source[None, str]):
         chosen = sorted(self.clusters) if names is None else [n for n in names if n in self.clusters]
         return [Resource(n, self.clusters[n], resource_version(self.clusters[n])) for n in chosen]
 
-    def version(self, type_url: str, versions: Mapping[str, str]) -> str:
-        return ",".join(f"{name}={version}" for name, version in sorted(versions.items()))
+    def version(self, type_url: str, versions: Iterable[tuple[str, str]]) -> str:
+        return ",".join(f"{name}={version}" for name, version in sorted(versions))
 
     def changes(self, stream: Stream[None, str], event: str) -> Iterable[Change]:
         return [(CDS, [event])]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -213,8 +213,8 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
             return list(by_name.values())
         return [by_name[name] for name in sorted(names) if name in by_name]
 
-    def version(self, type_url: str, versions: Mapping[str, str]) -> str:
-        return _content_version(versions.items())
+    def version(self, type_url: str, versions: Iterable[tuple[str, str]]) -> str:
+        return _content_version(versions)
 
     def changes(self, stream: _AdsStream, event: MeshConfig) -> Iterable[Change]:
         """Recompute the proxy's snapshot; every served type may have changed, in push order."""
@@ -236,10 +236,9 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         snapshot = self._snapshot_fn(mesh, node)
         resources = {}
         for type_url in PUSH_ORDER:
-            messages = snapshot.get(type_url) or {}
+            messages = sorted((snapshot.get(type_url) or {}).items())
             resources[type_url] = {
-                name: Resource(name, messages[name], resource_version(messages[name]))
-                for name in sorted(messages)
+                name: Resource(name, message, resource_version(message)) for name, message in messages
             }
         return _View(mesh, resources)
 

@@ -16,7 +16,7 @@ its metrics and log lines.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -98,8 +98,11 @@ class _Secrets(Source[None, str]):
             certificate.private_key.inline_bytes = item.private_key
         return secret
 
-    async def secrets(self, names: Iterable[str]) -> list[Resource]:
-        """The secrets ``names``, in order; StreamError (UNKNOWN) when one cannot be generated."""
+    async def secrets(self, names: Iterable[str], *, versioned: bool = False) -> list[Resource]:
+        """The secrets ``names``, in order; StreamError (UNKNOWN) when one cannot be generated.
+
+        ``versioned``: with content versions (Delta needs them; SotW versions whole responses).
+        """
         resources = []
         for name in names:
             try:
@@ -110,7 +113,7 @@ class _Secrets(Source[None, str]):
                     grpc.StatusCode.UNKNOWN, f"failed to generate secret for {name}: {err}"
                 ) from err
             secret = self.to_secret(name, item)
-            resources.append(Resource(name, secret, resource_version(secret)))
+            resources.append(Resource(name, secret, resource_version(secret) if versioned else ""))
         return resources
 
     # -- the stream core's questions -----------------------------------------------------------------
@@ -138,9 +141,9 @@ class _Secrets(Source[None, str]):
     async def resources(
         self, stream: Stream[None, str], type_url: str, names: Sequence[str] | None
     ) -> list[Resource]:
-        return await self.secrets(names or ())
+        return await self.secrets(names or (), versioned=stream.flavour.delta)
 
-    def version(self, type_url: str, versions: Mapping[str, str]) -> str:
+    def version(self, type_url: str, versions: Iterable[tuple[str, str]]) -> str:
         return self.next_version()
 
     def changes(self, stream: Stream[None, str], event: str) -> Iterable[Change]:

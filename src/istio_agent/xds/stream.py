@@ -53,7 +53,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Hashable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, NoReturn, TypeVar
 
@@ -176,9 +176,10 @@ class Source(Generic[C, E]):
         """
         return ()
 
-    def version(self, type_url: str, versions: Mapping[str, str]) -> str:
+    def version(self, type_url: str, versions: Iterable[tuple[str, str]]) -> str:
         """The version of a response: SotW's ``version_info`` for the resources it carries, Delta's
-        ``system_version_info`` for all the client holds after it (``versions``: name -> version)."""
+        ``system_version_info`` for all the client holds after it (``versions``: (name, version) pairs,
+        consumed only if needed)."""
         return ""
 
     def changes(self, stream: Stream[C, E], event: E) -> Iterable[Change]:
@@ -437,7 +438,7 @@ class StreamServer(Generic[C, E]):
         elif names is None:
             names = list(watch.names)
         resources = await self._source.resources(stream, watch.type_url, names)
-        version = self._source.version(watch.type_url, {r.name: r.version for r in resources})
+        version = self._source.version(watch.type_url, ((r.name, r.version) for r in resources))
         if only_if_changed and watch.sent_nonce and version == watch.version:
             return None
         nonce = new_nonce()
@@ -467,7 +468,7 @@ class StreamServer(Generic[C, E]):
             held[resource.name] = resource.version
         for name in removed:
             del held[name]
-        version = self._source.version(watch.type_url, held)
+        version = self._source.version(watch.type_url, held.items())
         nonce = new_nonce()
         response = stream.flavour.response(
             watch.type_url,

@@ -229,7 +229,10 @@ def delta_request(watches: dict[str, Watch], type_url: str, request: Any, policy
             watch.wildcard = False
         else:
             watch.names.pop(name, None)
-    for name in [name for name in watch.client_versions if not watch.wants(name)]:
-        del watch.client_versions[name]  # no longer wanted: the client drops it itself
-    names = None if everything else tuple(name for name in concerned if watch.wants(name))
+    if not watch.wildcard:
+        wanted = watch.names
+        for name in [name for name in watch.client_versions if name not in wanted]:
+            del watch.client_versions[name]  # no longer wanted: the client drops it itself
+        concerned = [name for name in concerned if name in wanted]
+    names = None if everything else tuple(concerned)
     return Decision(verdict, watch, Send(names, always=first and policy.answer_first_delta))
