@@ -21,7 +21,16 @@ from envoy.config.core.v3.base_pb2 import Node
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2
 
-from istio_agent.xds.flavour import DELTA, SOTW, Flavour, Request, Resource, Response, resource_version
+from istio_agent.xds.flavour import (
+    DELTA,
+    SOTW,
+    Flavour,
+    Request,
+    Resource,
+    Resources,
+    Response,
+    resource_version,
+)
 from istio_agent.xds.stream import Change, Reply, Source, Stream, StreamError, StreamServer, require_node
 from tests.xds import CDS, WAIT, EnvoyStream
 
@@ -47,11 +56,12 @@ class Clusters(Source[None, str]):
 
     async def resources(
         self, stream: Stream[None, str], type_url: str, names: Sequence[str] | None
-    ) -> list[Resource]:
+    ) -> Resources:
         if self.broken:
             raise KeyError("a bug in the generator")
         chosen = sorted(self.clusters) if names is None else [n for n in names if n in self.clusters]
-        return [Resource(n, self.clusters[n], resource_version(self.clusters[n])) for n in chosen]
+        versions = {name: resource_version(cluster) for name, cluster in self.clusters.items()}
+        return Resources(chosen, self.clusters, versions)
 
     def version(self, type_url: str, versions: Iterable[tuple[str, str]]) -> str:
         return ",".join(f"{name}={version}" for name, version in sorted(versions))

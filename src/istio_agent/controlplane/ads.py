@@ -28,6 +28,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.status.v3 import csds_pb2
 from google.protobuf import json_format, timestamp_pb2
+from google.protobuf.message import Message
 
 from istio_agent import __version__, metrics
 from istio_agent.controlplane.mesh import MeshConfig
@@ -41,7 +42,16 @@ from istio_agent.controlplane.xdsgen import (
     Snapshot,
 )
 from istio_agent.log import scope
-from istio_agent.xds.flavour import DELTA, SOTW, Flavour, Request, Resource, Response, resource_version
+from istio_agent.xds.flavour import (
+    DELTA,
+    SOTW,
+    Flavour,
+    Request,
+    Resource,
+    Resources,
+    Response,
+    resource_version,
+)
 from istio_agent.xds.stream import Change, Reply, Source, Stream, StreamError, StreamServer, require_node
 from istio_agent.xds.watch import Policy, TypeStatus, Watch
 
@@ -108,10 +118,11 @@ class ConnectionStatus:
 
 @dataclass
 class _View:
-    """A proxy's snapshot as resources with their versions, by type and name (sorted), computed once per mesh."""
+    """A proxy's snapshot and every resource's version, by type, computed once per mesh."""
 
     mesh: MeshConfig
-    resources: dict[str, dict[str, Resource]]
+    messages: dict[str, dict[str, Message]]
+    versions: dict[str, dict[str, str]]
 
 
 @dataclass
@@ -205,13 +216,11 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
             log.debug("ADS: connection %d: ignoring request for unknown type %.200r", stream.id, type_url)
         return None
 
-    async def resources(
-        self, stream: _AdsStream, type_url: str, names: Sequence[str] | None
-    ) -> list[Resource]:
-        by_name = self._view(stream.data).resources[type_url]
-        if names is None:
-            return list(by_name.values())
-        return [by_name[name] for name in sorted(names) if name in by_name]
+    async def resources(self, stream: _AdsStream, type_url: str, names: Sequence[str] | None) -> Resources:
+        view = self._view(stream.data)
+        messages = view.messages[type_url]
+        chosen = sorted(messages) if names is None else sorted(name for name in names if name in messages)
+        return Resources(chosen, messages, view.versions[type_url])
 
     def version(self, type_url: str, versions: Iterable[tuple[str, str]]) -> str:
         return _content_version(versions)
@@ -234,13 +243,12 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
 
     def _compute(self, node: ProxyNode, mesh: MeshConfig) -> _View:
         snapshot = self._snapshot_fn(mesh, node)
-        resources = {}
-        for type_url in PUSH_ORDER:
-            messages = sorted((snapshot.get(type_url) or {}).items())
-            resources[type_url] = {
-                name: Resource(name, message, resource_version(message)) for name, message in messages
-            }
-        return _View(mesh, resources)
+        messages = {type_url: dict(snapshot.get(type_url) or {}) for type_url in PUSH_ORDER}
+        versions = {
+            type_url: {name: resource_version(message) for name, message in by_name.items()}
+            for type_url, by_name in messages.items()
+        }
+        return _View(mesh, messages, versions)
 
     def _view(self, proxy: _Proxy) -> _View:
         """The proxy's snapshot, computed from the current mesh on first use."""

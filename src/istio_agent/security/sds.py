@@ -34,7 +34,7 @@ from istio_agent.xds.flavour import (
     SOTW,
     Flavour,
     Request,
-    Resource,
+    Resources,
     Response,
     new_nonce,
     resource_version,
@@ -98,12 +98,12 @@ class _Secrets(Source[None, str]):
             certificate.private_key.inline_bytes = item.private_key
         return secret
 
-    async def secrets(self, names: Iterable[str], *, versioned: bool = False) -> list[Resource]:
+    async def secrets(self, names: Iterable[str], *, versioned: bool = False) -> Resources:
         """The secrets ``names``, in order; StreamError (UNKNOWN) when one cannot be generated.
 
         ``versioned``: with content versions (Delta needs them; SotW versions whole responses).
         """
-        resources = []
+        secrets: dict[str, secret_pb2.Secret] = {}
         for name in names:
             try:
                 item = await self._provider.generate(name)
@@ -112,9 +112,9 @@ class _Secrets(Source[None, str]):
                 raise StreamError(
                     grpc.StatusCode.UNKNOWN, f"failed to generate secret for {name}: {err}"
                 ) from err
-            secret = self.to_secret(name, item)
-            resources.append(Resource(name, secret, resource_version(secret) if versioned else ""))
-        return resources
+            secrets[name] = self.to_secret(name, item)
+        versions = {name: resource_version(secret) for name, secret in secrets.items()} if versioned else {}
+        return Resources(list(secrets), secrets, versions)
 
     # -- the stream core's questions -----------------------------------------------------------------
 
@@ -140,7 +140,7 @@ class _Secrets(Source[None, str]):
 
     async def resources(
         self, stream: Stream[None, str], type_url: str, names: Sequence[str] | None
-    ) -> list[Resource]:
+    ) -> Resources:
         return await self.secrets(names or (), versioned=stream.flavour.delta)
 
     def version(self, type_url: str, versions: Iterable[tuple[str, str]]) -> str:
@@ -241,7 +241,10 @@ class SdsServer:
             await context.abort(err.code, err.details)
             raise  # abort raises; this keeps type checkers aware of it
         response = SOTW.response(
-            SECRET_TYPE_URL, resources, version=self._secrets.next_version(), nonce=new_nonce()
+            SECRET_TYPE_URL,
+            resources.pick(resources.names),
+            version=self._secrets.next_version(),
+            nonce=new_nonce(),
         )
         sds_pushes.labels(type="request").inc()
         return response

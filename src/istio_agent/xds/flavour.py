@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
@@ -27,18 +27,34 @@ Request: TypeAlias = discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscove
 Response: TypeAlias = discovery_pb2.DiscoveryResponse | discovery_pb2.DeltaDiscoveryResponse
 
 
-@dataclass(slots=True)
-class Resource:
-    """One named resource as a server offers it; packed into an ``Any`` only when it is sent.
+class Resource(NamedTuple):
+    """One named resource as a response carries it; packed into an ``Any`` only when it is sent.
 
     ``message`` may already be an ``Any`` (a resource relayed from elsewhere); it is sent as is.
-    Not frozen: a server builds thousands per snapshot, and a frozen dataclass costs three times
-    as much to create.
     """
 
     name: str
     message: Message
     version: str = ""
+
+
+@dataclass(slots=True)
+class Resources:
+    """Resources of one type: ``names`` in the order to send them, and every name's message and version.
+
+    Names and two mappings rather than an object per resource: a server offers thousands per
+    snapshot, and mappings it already holds cost nothing to hand over (nor to the garbage collector).
+    ``messages`` may hold more names than ``names`` (the whole snapshot of the type).
+    """
+
+    names: Sequence[str]
+    messages: Mapping[str, Message]
+    versions: Mapping[str, str]
+
+    def pick(self, names: Iterable[str]) -> Iterator[tuple[str, Message, str]]:
+        """(name, message, version) of ``names``, made one at a time as a response is built."""
+        messages, versions = self.messages, self.versions
+        return ((name, messages[name], versions.get(name, "")) for name in names)
 
 
 def _packed(message: Message) -> any_pb2.Any:
@@ -117,20 +133,21 @@ class Flavour:
     def response(
         self,
         type_url: str,
-        resources: Sequence[Resource],
+        resources: Iterable[tuple[str, Message, str]],
         *,
         version: str,
         nonce: str,
         removed: Sequence[str] = (),
         control_plane: base_pb2.ControlPlane | None = None,
     ) -> Response:
-        """A response carrying ``resources`` (Delta also ``removed``) under ``version``."""
+        """A response carrying ``resources`` ((name, message, version), e.g. :class:`Resource` s; Delta
+        also ``removed``) under ``version``."""
         if self.delta:
             return discovery_pb2.DeltaDiscoveryResponse(
                 system_version_info=version,
                 resources=[
-                    discovery_pb2.Resource(name=r.name, version=r.version, resource=_packed(r.message))
-                    for r in resources
+                    discovery_pb2.Resource(name=name, version=item_version, resource=_packed(message))
+                    for name, message, item_version in resources
                 ],
                 type_url=type_url,
                 removed_resources=removed,
@@ -139,7 +156,7 @@ class Flavour:
             )
         return discovery_pb2.DiscoveryResponse(
             version_info=version,
-            resources=[_packed(resource.message) for resource in resources],
+            resources=[_packed(message) for _, message, _ in resources],
             type_url=type_url,
             nonce=nonce,
             control_plane=control_plane,

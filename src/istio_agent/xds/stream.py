@@ -61,7 +61,7 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from google.protobuf.message import DecodeError
 
-from istio_agent.xds.flavour import SOTW, Flavour, Request, Resource, Response, new_nonce
+from istio_agent.xds.flavour import SOTW, Flavour, Request, Resource, Resources, Response, new_nonce
 from istio_agent.xds.watch import Decision, Policy, Verdict, Watch, delta_request, sotw_request
 
 C = TypeVar("C")
@@ -74,6 +74,7 @@ WRITE_ERRORS = (grpc.RpcError, grpc.aio.UsageError, grpc.aio.InternalError, asyn
 """What ``context.write`` raises when the client has gone away."""
 READ_ERRORS = (*WRITE_ERRORS, DecodeError)
 """What reading a stream raises when the client has gone away or sent something unreadable."""
+NO_RESOURCES = Resources((), {}, {})
 Change = tuple[str, Sequence[str] | None]
 """A type a push changed, with the names it changed (None: any of them)."""
 
@@ -101,7 +102,7 @@ class Reply:
     version: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Outgoing:
     response: Response
     names: list[str]
@@ -167,14 +168,12 @@ class Source(Generic[C, E]):
         """The type a request subscribes to or acknowledges, or None to drop the request."""
         return None
 
-    async def resources(
-        self, stream: Stream[C, E], type_url: str, names: Sequence[str] | None
-    ) -> Sequence[Resource]:
+    async def resources(self, stream: Stream[C, E], type_url: str, names: Sequence[str] | None) -> Resources:
         """The resources of ``type_url`` among ``names`` (None: all of them), in the order to send them.
 
         Names that do not exist are left out; raise StreamError to end the stream instead.
         """
-        return ()
+        return NO_RESOURCES
 
     def version(self, type_url: str, versions: Iterable[tuple[str, str]]) -> str:
         """The version of a response: SotW's ``version_info`` for the resources it carries, Delta's
@@ -437,16 +436,21 @@ class StreamServer(Generic[C, E]):
             names = None
         elif names is None:
             names = list(watch.names)
-        resources = await self._source.resources(stream, watch.type_url, names)
-        version = self._source.version(watch.type_url, ((r.name, r.version) for r in resources))
+        found = await self._source.resources(stream, watch.type_url, names)
+        versions = found.versions
+        version = self._source.version(watch.type_url, ((name, versions[name]) for name in found.names))
         if only_if_changed and watch.sent_nonce and version == watch.version:
             return None
         nonce = new_nonce()
         response = stream.flavour.response(
-            watch.type_url, resources, version=version, nonce=nonce, control_plane=self._source.control_plane
+            watch.type_url,
+            found.pick(found.names),
+            version=version,
+            nonce=nonce,
+            control_plane=self._source.control_plane,
         )
-        watch.sent(nonce, version, len(resources))
-        return _Outgoing(response, [r.name for r in resources], cause)
+        watch.sent(nonce, version, len(found.names))
+        return _Outgoing(response, list(found.names), cause)
 
     async def _delta(
         self, stream: Stream[C, E], watch: Watch, names: Sequence[str] | None, cause: str, *, always: bool
@@ -455,28 +459,28 @@ class StreamServer(Generic[C, E]):
         if names is None and not watch.wildcard:
             names = list(watch.names)
         held = watch.client_versions
-        resources: Sequence[Resource] = ()
+        found = NO_RESOURCES
         if names is None or names:
-            resources = await self._source.resources(stream, watch.type_url, names)
-        changed = [r for r in resources if held.get(r.name) != r.version]
-        present = {r.name for r in resources}
+            found = await self._source.resources(stream, watch.type_url, names)
+        versions = found.versions
+        changed = [name for name in found.names if held.get(name) != versions[name]]
         candidates = held if names is None else [name for name in names if name in held]
-        removed = sorted(name for name in candidates if name not in present)
+        removed = sorted(name for name in candidates if name not in found.messages)
         if not (changed or removed or always):
             return None
-        for resource in changed:
-            held[resource.name] = resource.version
+        for name in changed:
+            held[name] = versions[name]
         for name in removed:
             del held[name]
         version = self._source.version(watch.type_url, held.items())
         nonce = new_nonce()
         response = stream.flavour.response(
             watch.type_url,
-            changed,
+            found.pick(changed),
             version=version,
             nonce=nonce,
             removed=removed,
             control_plane=self._source.control_plane,
         )
         watch.sent(nonce, version, len(held))
-        return _Outgoing(response, [r.name for r in changed], cause)
+        return _Outgoing(response, changed, cause)

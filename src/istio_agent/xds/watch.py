@@ -122,7 +122,7 @@ class Verdict(enum.Enum):
     UNSUBSCRIBE = "unsubscribe"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Send:
     """What to answer a request with."""
 
@@ -132,7 +132,7 @@ class Send:
     """Answer even when nothing changed for the client (Delta only; SotW requests always are)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
     verdict: Verdict
     watch: Watch | None
