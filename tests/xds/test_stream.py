@@ -21,16 +21,8 @@ from envoy.config.core.v3.base_pb2 import Node
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2
 
-from istio_agent.xds.flavour import (
-    DELTA,
-    SOTW,
-    Flavour,
-    Request,
-    Resource,
-    Resources,
-    Response,
-    resource_version,
-)
+from istio_agent.xds import flavour as xds_flavour
+from istio_agent.xds.flavour import DELTA, SOTW, Flavour, Request, Resource, Resources, Response
 from istio_agent.xds.stream import Change, Reply, Source, Stream, StreamError, StreamServer, require_node
 from tests.xds import CDS, WAIT, EnvoyStream
 
@@ -60,7 +52,7 @@ class Clusters(Source[None, str]):
         if self.broken:
             raise KeyError("a bug in the generator")
         chosen = sorted(self.clusters) if names is None else [n for n in names if n in self.clusters]
-        versions = {name: resource_version(cluster) for name, cluster in self.clusters.items()}
+        versions = {name: xds_flavour.resource_version(cluster) for name, cluster in self.clusters.items()}
         return Resources(chosen, self.clusters, versions)
 
     def version(self, type_url: str, versions: Iterable[tuple[str, str]]) -> str:
