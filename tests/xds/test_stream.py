@@ -18,11 +18,11 @@ import grpc
 import pytest
 from envoy.config.cluster.v3.cluster_pb2 import Cluster
 from envoy.config.core.v3.base_pb2 import Node
-from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 
 from istio_agent.xds import flavour as xds_flavour
-from istio_agent.xds.flavour import DELTA, SOTW, Flavour, Request, Resource, Resources, Response
+from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request, Resource, Resources, Response
 from istio_agent.xds.stream import Change, Reply, Source, Stream, StreamError, StreamServer, require_node
 from tests.xds import CDS, WAIT, EnvoyStream
 
@@ -108,17 +108,6 @@ class DebugTap(Source[None, None]):
         return Reply([Resource("", resource) for resource in response.resources], response.version_info)
 
 
-class Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    def __init__(self, core: StreamServer[Any, Any]) -> None:
-        self.core = core
-
-    async def StreamAggregatedResources(self, requests: AsyncIterator[Any], context: Any) -> None:
-        await self.core.serve(SOTW, requests, context)
-
-    async def DeltaAggregatedResources(self, requests: AsyncIterator[Any], context: Any) -> None:
-        await self.core.serve(DELTA, requests, context)
-
-
 @pytest.fixture
 async def serve() -> AsyncIterator[Any]:
     """serve(source) -> (core, open_stream): the core on a real gRPC server on loopback."""
@@ -128,7 +117,7 @@ async def serve() -> AsyncIterator[Any]:
     async def factory(source: Source[Any, Any]) -> tuple[StreamServer[Any, Any], Callable[..., EnvoyStream]]:
         core: StreamServer[Any, Any] = StreamServer(source, name="test", log=log, describe="test server")
         server = grpc.aio.server()
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(Servicer(core), server)
+        core.register(server, ADS_SERVICE, {SOTW.method: SOTW, DELTA.method: DELTA})
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

@@ -19,13 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 from envoy.config.core.v3 import base_pb2
-from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.status.v3 import csds_pb2
 from google.protobuf import json_format, timestamp_pb2
 from google.protobuf.message import Message
@@ -43,6 +42,7 @@ from istio_agent.controlplane.xdsgen import (
 )
 from istio_agent.log import scope
 from istio_agent.xds.flavour import (
+    ADS_SERVICE,
     DELTA,
     SOTW,
     Flavour,
@@ -337,7 +337,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         return config
 
 
-class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+class AdsServer:
     """ADS for every proxy, from ``snapshot_fn(mesh, proxy)``; :meth:`update_mesh` pushes changes."""
 
     def __init__(
@@ -375,7 +375,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
     def register(self, server: grpc.aio.Server) -> None:
         """Add the service to a gRPC server (usable as the control plane's ServerHook)."""
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self, server)
+        self._streams.register(server, ADS_SERVICE, {SOTW.method: SOTW, DELTA.method: DELTA})
 
     async def update_mesh(self, mesh: MeshConfig) -> None:
         """Make ``mesh`` current and queue a push to every stream; does not wait for any client."""
@@ -401,19 +401,3 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     async def close(self) -> None:
         """End every stream with OK and wait until their tasks are gone; new streams are refused."""
         await self._streams.close()
-
-    # -- RPC entry points ---------------------------------------------------------------------------
-
-    async def StreamAggregatedResources(
-        self,
-        request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        await self._streams.serve(SOTW, request_iterator, context)
-
-    async def DeltaAggregatedResources(
-        self,
-        request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        await self._streams.serve(DELTA, request_iterator, context)

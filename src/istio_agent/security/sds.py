@@ -16,14 +16,13 @@ its metrics and log lines.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from envoy.service.discovery.v3 import discovery_pb2
-from envoy.service.secret.v3 import sds_pb2_grpc
 
 from istio_agent import metrics
 from istio_agent.log import scope
@@ -45,6 +44,7 @@ from istio_agent.xds.watch import Policy, Watch
 
 log = scope("sds")
 
+SDS_SERVICE = "envoy.service.secret.v3.SecretDiscoveryService"
 SECRET_TYPE_URL = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 FILE_ROOT_PREFIX = "file-root:"
 MAX_CONCURRENT_STREAMS = 100000
@@ -203,7 +203,14 @@ class SdsServer:
         if self._server is not None:
             raise RuntimeError("SDS server already started")
         server = grpc.aio.server(options=[("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
-        sds_pb2_grpc.add_SecretDiscoveryServiceServicer_to_server(_Servicer(self), server)
+        fetch = grpc.unary_unary_rpc_method_handler(
+            self.fetch,
+            request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+            response_serializer=discovery_pb2.DiscoveryResponse.SerializeToString,
+        )
+        self._streams.register(
+            server, SDS_SERVICE, {"StreamSecrets": SOTW, "DeltaSecrets": DELTA}, {"FetchSecrets": fetch}
+        )
         await uds.start_server_on(server, self._socket_path, "SDS server")
         self._server = server
         log.info("SDS server listening on %s", self._socket_path)
@@ -221,12 +228,7 @@ class SdsServer:
             if stream.watching(SECRET_TYPE_URL, resource_name):
                 stream.push(resource_name, key=resource_name)
 
-    # --- RPC entry points -----------------------------------------------------------------------
-
-    async def stream(
-        self, flavour: Flavour, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
-    ) -> None:
-        await self._streams.serve(flavour, requests, context)
+    # --- FetchSecrets ---------------------------------------------------------------------------
 
     async def fetch(
         self, request: discovery_pb2.DiscoveryRequest, context: grpc.aio.ServicerContext
@@ -248,29 +250,3 @@ class SdsServer:
         )
         sds_pushes.labels(type="request").inc()
         return response
-
-
-class _Servicer(sds_pb2_grpc.SecretDiscoveryServiceServicer):
-    """Adapter from the generated service base class to SdsServer."""
-
-    def __init__(self, server: SdsServer) -> None:
-        self._server = server
-
-    async def StreamSecrets(
-        self,
-        request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        await self._server.stream(SOTW, request_iterator, context)
-
-    async def DeltaSecrets(
-        self,
-        request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        await self._server.stream(DELTA, request_iterator, context)
-
-    async def FetchSecrets(
-        self, request: discovery_pb2.DiscoveryRequest, context: grpc.aio.ServicerContext
-    ) -> discovery_pb2.DiscoveryResponse:
-        return await self._server.fetch(request, context)

@@ -20,6 +20,7 @@ from google.protobuf import any_pb2
 from google.protobuf.message import Message
 from google.rpc import status_pb2
 
+ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 INTERNAL_CODE = 13
 """google.rpc.Code INTERNAL: the code of the agent's NACKs and of unhealthy health reports."""
 

@@ -33,7 +33,7 @@ from istio_agent.config.xds import XdsSettings
 from istio_agent.log import scope
 from istio_agent.security import uds
 from istio_agent.xds import types
-from istio_agent.xds.flavour import DELTA, SOTW, Flavour, Request, error_detail
+from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request, error_detail
 from istio_agent.xds.upstream import DialError, UpstreamDialer
 from istio_agent.xds.wire import RawResponse
 
@@ -84,9 +84,6 @@ def classify(code: grpc.StatusCode, details: str) -> str:
     if any(text in details for text in _EXPECTED_ANY):
         return "cancelled"
     return "error"
-
-
-ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 
 
 def _open_upstream(flavour: Flavour, channel: grpc.aio.Channel, metadata: list[tuple[str, str]]) -> Any:

@@ -53,7 +53,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, NoReturn, TypeVar
 
@@ -228,6 +228,30 @@ class StreamServer(Generic[C, E]):
         self._streams: dict[int, Stream[C, E]] = {}
         self._ids = itertools.count(1)
         self._closing = False
+
+    def register(
+        self,
+        server: grpc.aio.Server,
+        service: str,
+        streams: Mapping[str, Flavour],
+        others: Mapping[str, grpc.RpcMethodHandler] | None = None,
+    ) -> None:
+        """Serve ``service`` on ``server``: its ``streams`` (method name -> flavour) from this core,
+        ``others`` (method name -> handler, e.g. a unary fetch) as given."""
+        handlers = {method: self._handler(flavour) for method, flavour in streams.items()}
+        handlers.update(others or {})
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        server.add_registered_method_handlers(service, handlers)
+
+    def _handler(self, flavour: Flavour) -> grpc.RpcMethodHandler:
+        async def serve(requests: AsyncIterator[Request], context: grpc.aio.ServicerContext) -> None:
+            await self.serve(flavour, requests, context)
+
+        return grpc.stream_stream_rpc_method_handler(
+            serve,
+            request_deserializer=flavour.request_type.FromString,
+            response_serializer=flavour.response_type.SerializeToString,
+        )
 
     @property
     def closing(self) -> bool:
