@@ -38,9 +38,9 @@ from istio_agent.controlplane.xdsgen import (
     ROUTE_TYPE,
     ProxyNode,
     Snapshot,
-    resource_version,
 )
 from istio_agent.protos import nds_pb2
+from istio_agent.xds.flavour import resource_version
 
 M = TypeVar("M", bound=Message)
 RESPONSE_WAIT = 5.0

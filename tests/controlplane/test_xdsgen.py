@@ -30,10 +30,10 @@ from istio_agent.controlplane.xdsgen import (
     Snapshot,
     build_name_table,
     build_snapshot,
-    resource_version,
 )
 from istio_agent.envoy.binary import find_envoy
 from istio_agent.protos import nds_pb2
+from istio_agent.xds.flavour import resource_version
 
 MESH = """
 trustDomain: example.org

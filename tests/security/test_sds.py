@@ -1,4 +1,7 @@
-"""The SDS server over a real Unix socket, driven by a real grpc.aio client."""
+"""The SDS server over a real Unix socket, driven by a real grpc.aio client.
+
+The cases of Istio's ``security/pkg/nodeagent/sds/sdsservice_test.go`` and more (Delta, Fetch, pushes).
+"""
 
 from __future__ import annotations
 
@@ -537,8 +540,8 @@ async def test_pending_pushes_stay_bounded_by_watched_names(server: SdsServer, o
         server.on_secret_update(f"unwatched-{i}")
         server.on_secret_update(WORKLOAD_KEY_CERT)
     # White-box: nothing is queued for names the stream does not watch.
-    [state] = server._streams.values()
-    assert list(state.pending_pushes) == [WORKLOAD_KEY_CERT]
+    [state] = server._streams.streams()
+    assert list(state.pending) == [WORKLOAD_KEY_CERT]
     assert names_of(await stream.response()) == [WORKLOAD_KEY_CERT]
     await stream.expect_silence()
 

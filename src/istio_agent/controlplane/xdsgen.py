@@ -10,7 +10,6 @@ is one definition of each SDS shape.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,11 +91,6 @@ def _parse_node_id(node_id: str) -> tuple[str, str]:
         return name, namespace
     domain_namespace = parts[3].split(".")[0] if len(parts) > 3 else ""
     return parts[2], domain_namespace
-
-
-def resource_version(message: Message) -> str:
-    """A stable version for a resource: hash of its deterministic serialization, 16 hex characters."""
-    return hashlib.sha256(message.SerializeToString(deterministic=True)).hexdigest()[:16]
 
 
 def build_snapshot(mesh: MeshConfig, proxy: ProxyNode) -> Snapshot:

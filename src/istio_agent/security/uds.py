@@ -75,6 +75,21 @@ def make_socket_accessible(path: Path) -> None:
     os.chmod(path, SOCKET_MODE)
 
 
+async def start_server_on(server: grpc.aio.Server, path: Path, what: str) -> None:
+    """Bind ``server`` to the Unix socket ``path`` (a stale file replaced), start it, open the socket.
+
+    Raises OSError naming ``what`` and the path when it cannot listen; the server is stopped then.
+    """
+    prepare_socket_path(path)
+    try:
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
+    except (RuntimeError, OSError) as err:  # grpc reports a failed bind as RuntimeError
+        await server.stop(None)
+        raise OSError(f"{what} could not listen on {path}: {err}") from err
+    make_socket_accessible(path)
+
+
 async def socket_is_healthy(path: Path, timeout: float = 1.0) -> bool:
     """True when ``path`` is a non-regular file on which a gRPC server answers within ``timeout``.
 

@@ -1,4 +1,4 @@
-"""xDS proxy (SotW + Delta) between Envoy and istiod, its upstream dialer, and the agent-handled types."""
+"""xDS: the stream core every xDS server uses, the proxy between Envoy and istiod, its dialer, the agent's types."""
 
 from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
 from istio_agent.xds.proxy import TypeHandler, XdsProxy

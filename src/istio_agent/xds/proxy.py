@@ -1,6 +1,7 @@
 """The agent's xDS proxy: Envoy's ADS streams (SotW and Delta) relayed to istiod, one upstream each.
 
-Behaviour follows Istio's pilot-agent (reference xds.md §2), with three deliberate differences:
+Behaviour follows Istio's pilot-agent (``pkg/istio-agent/xds_proxy.go``; see docs/xds.md), with
+three deliberate differences:
 
 * every downstream stream is served independently; a new stream does not close the previous one;
 * memory is bounded: there are no queues, each direction awaits the write on the other side, so a
@@ -20,26 +21,24 @@ import itertools
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol
 
 import grpc
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
-from google.rpc import status_pb2
 
 from istio_agent import metrics
 from istio_agent.config.xds import XdsSettings
 from istio_agent.log import scope
 from istio_agent.security import uds
 from istio_agent.xds import types
+from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request, error_detail
 from istio_agent.xds.upstream import DialError, UpstreamDialer
 from istio_agent.xds.wire import RawResponse
 
 log = scope("xdsproxy")
 
-INTERNAL_CODE = 13
-"""google.rpc.Code INTERNAL: the code of the agent's NACKs and of unhealthy health reports."""
 STOP_WAIT = 5.0
 """How long stop() waits for the streams to finish their clean-up."""
 _EXPECTED_UNAVAILABLE = ("client disconnected", "error reading from server: EOF", "transport is closing")
@@ -66,9 +65,6 @@ NACKS = metrics.counter(
 )
 PUSHES = metrics.counter("xds_proxy_pushes", "Responses forwarded to Envoy.", ["type_url"])
 
-Request: TypeAlias = discovery_pb2.DiscoveryRequest | discovery_pb2.DeltaDiscoveryRequest
-Response: TypeAlias = discovery_pb2.DiscoveryResponse | discovery_pb2.DeltaDiscoveryResponse
-
 
 class TypeHandler(Protocol):
     """An agent-owned type: its responses go to ``handle`` instead of Envoy."""
@@ -90,69 +86,7 @@ def classify(code: grpc.StatusCode, details: str) -> str:
     return "error"
 
 
-# -- the two protocol flavours ---------------------------------------------------------------------
-class _Flavour(Protocol):
-    name: str
-    method: str
-    request_type: Any
-    response_type: Any
-
-    def agent_request(self, type_url: str) -> Request: ...
-
-    def reply(self, response: Any, error: str | None) -> Request: ...
-
-    def first_resource(self, response: Any) -> any_pb2.Any | None: ...
-
-
-def _error_detail(error: str | None) -> status_pb2.Status | None:
-    return None if error is None else status_pb2.Status(code=INTERNAL_CODE, message=error)
-
-
-class _Sotw:
-    name = "SotW"
-    method = "StreamAggregatedResources"
-    request_type = discovery_pb2.DiscoveryRequest
-    response_type = discovery_pb2.DiscoveryResponse
-
-    def agent_request(self, type_url: str) -> Request:
-        return discovery_pb2.DiscoveryRequest(type_url=type_url)
-
-    def reply(self, response: discovery_pb2.DiscoveryResponse, error: str | None) -> Request:
-        return discovery_pb2.DiscoveryRequest(
-            version_info=response.version_info,
-            type_url=response.type_url,
-            response_nonce=response.nonce,
-            error_detail=_error_detail(error),
-        )
-
-    def first_resource(self, response: discovery_pb2.DiscoveryResponse) -> any_pb2.Any | None:
-        return response.resources[0] if response.resources else None
-
-
-class _Delta:
-    name = "Delta"
-    method = "DeltaAggregatedResources"
-    request_type = discovery_pb2.DeltaDiscoveryRequest
-    response_type = discovery_pb2.DeltaDiscoveryResponse
-
-    def agent_request(self, type_url: str) -> Request:
-        return discovery_pb2.DeltaDiscoveryRequest(type_url=type_url)
-
-    def reply(self, response: discovery_pb2.DeltaDiscoveryResponse, error: str | None) -> Request:
-        return discovery_pb2.DeltaDiscoveryRequest(
-            type_url=response.type_url, response_nonce=response.nonce, error_detail=_error_detail(error)
-        )
-
-    def first_resource(self, response: discovery_pb2.DeltaDiscoveryResponse) -> any_pb2.Any | None:
-        return response.resources[0].resource if response.resources else None
-
-
-SOTW: _Flavour = _Sotw()
-DELTA: _Flavour = _Delta()
-ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
-
-
-def _open_upstream(flavour: _Flavour, channel: grpc.aio.Channel, metadata: list[tuple[str, str]]) -> Any:
+def _open_upstream(flavour: Flavour, channel: grpc.aio.Channel, metadata: list[tuple[str, str]]) -> Any:
     """The upstream stream; responses arrive as :class:`RawResponse` (bytes plus their type URL)."""
     method = channel.stream_stream(
         f"/{ADS_SERVICE}/{flavour.method}",
@@ -185,7 +119,7 @@ class _Outcome:
 @dataclass(eq=False)
 class _Stream:
     id: int
-    flavour: _Flavour
+    flavour: Flavour
     call: Any = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     health_wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -241,20 +175,12 @@ class XdsProxy:
         """Listen on the socket (replacing any stale file) and open it to every local user."""
         if self._server is not None:
             raise RuntimeError("xDS proxy already started")
-        path = self.socket_path
-        uds.prepare_socket_path(path)
         server = grpc.aio.server(options=self._server_options())
         server.add_generic_rpc_handlers((self._rpc_handlers(),))
-        try:
-            server.add_insecure_port(f"unix:{path}")
-            await server.start()
-        except Exception as err:
-            await server.stop(None)
-            raise OSError(f"xDS proxy could not listen on {path}: {err}") from err
+        await uds.start_server_on(server, self.socket_path, "xDS proxy")
         self._server = server
         self._stopping = False
-        uds.make_socket_accessible(path)
-        log.info("xDS proxy listening on %s, upstream %s", path, self._dialer.describe())
+        log.info("xDS proxy listening on %s, upstream %s", self.socket_path, self._dialer.describe())
 
     async def stop(self) -> None:
         """End every stream (OK to Envoy, upstream cancelled and closed), then stop the server."""
@@ -278,7 +204,7 @@ class XdsProxy:
     def _rpc_handlers(self) -> grpc.GenericRpcHandler:
         """ADS with Envoy's requests decoded and istiod's responses written as received (no re-encoding)."""
 
-        def handler(flavour: _Flavour) -> grpc.RpcMethodHandler:
+        def handler(flavour: Flavour) -> grpc.RpcMethodHandler:
             async def serve(requests: AsyncIterator[Request], context: grpc.aio.ServicerContext) -> None:
                 await self.serve(flavour, requests, context)
 
@@ -311,7 +237,7 @@ class XdsProxy:
         The stored report is also sent after the first LDS request of every later stream, so
         istiod learns the current state after a reconnect.
         """
-        detail = None if healthy else status_pb2.Status(code=INTERNAL_CODE, message=message)
+        detail = error_detail(None if healthy else message)
         self._health = (
             discovery_pb2.DiscoveryRequest(type_url=types.HEALTH_INFO, error_detail=detail),
             discovery_pb2.DeltaDiscoveryRequest(type_url=types.HEALTH_INFO, error_detail=detail),
@@ -326,7 +252,7 @@ class XdsProxy:
 
     # -- one downstream stream ------------------------------------------------------------------------
     async def serve(
-        self, flavour: _Flavour, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
+        self, flavour: Flavour, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
     ) -> None:
         if self._stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "xDS proxy is shutting down")
