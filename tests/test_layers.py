@@ -13,7 +13,19 @@ from pathlib import Path
 import istio_agent
 
 SOURCE = Path(istio_agent.__file__).parent
-LEAF_MODULES = {"log", "goformat", "files", "backoff", "metrics", "memory", "__init__"}
+LEAF_MODULES = {
+    "log",
+    "goformat",
+    "files",
+    "backoff",
+    "metrics",
+    "memory",
+    "inotify",
+    "host",
+    "pem",
+    "uds",
+    "__init__",
+}
 """Top-level modules of utilities that import no package of ours: anything may use them."""
 
 

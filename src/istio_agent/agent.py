@@ -28,14 +28,14 @@ from istio_agent.config.security import CERT_CHAIN_FILE, CRL_PATH, KEY_FILE, ROO
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyProcess
 from istio_agent.envoy.supervisor import EnvoySupervisor
+from istio_agent.istiod.tokens import TokenSource, token_source_for
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import nds_pb2
 from istio_agent.security.caclient import CitadelClient
-from istio_agent.security.credentials import TokenSource, token_source_for
 from istio_agent.security.manager import CAClient, SecretManager
 from istio_agent.security.sds import SdsServer
-from istio_agent.security.uds import remove_if_stale
+from istio_agent.uds import remove_if_stale
 from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
 from istio_agent.xds.proxy import TypeHandler, XdsProxy
 from istio_agent.xds.upstream import UpstreamDialer

@@ -20,11 +20,11 @@ from cryptography.x509.oid import NameOID
 
 from istio_agent import goformat, metrics
 from istio_agent.config import SecuritySettings
+from istio_agent.istiod.dial import ClientCertFiles, IstiodEndpoint
+from istio_agent.istiod.tokens import FileTokenSource, StaticTokenSource, TokenSource
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 from istio_agent.security import caclient
 from istio_agent.security.caclient import CAError, CitadelClient
-from istio_agent.security.credentials import FileTokenSource, StaticTokenSource, TokenSource
-from istio_agent.security.istiod import ClientCertFiles, IstiodEndpoint
 
 ISTIOD = "istiod.istio-system.svc"
 CHAIN = ["-----LEAF-----\n", "-----INTERMEDIATE-----\n", "-----ROOT-----"]

@@ -4,7 +4,7 @@ One unary call signs a CSR. The client retries transient failures with a short e
 and, after any failure, dials a fresh channel on the next attempt so a rotated root certificate or
 a newly provisioned client certificate (PROV_CERT) is used without restarting the agent. It also
 re-dials whenever those files change, so an expired client certificate is not kept on the wire.
-Credentials, headers and channels come from ``security/istiod.py``, shared with the xDS proxy.
+Credentials, headers and channels come from ``istiod/dial.py``, shared with the xDS proxy.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from google.protobuf import struct_pb2
 
 from istio_agent import goformat
 from istio_agent.config import SecuritySettings
+from istio_agent.istiod.dial import CredentialError, DialMaterial, IstiodCredentials, IstiodEndpoint
+from istio_agent.istiod.tokens import TokenSource, token_source_for
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
-from istio_agent.security.credentials import TokenSource, token_source_for
-from istio_agent.security.istiod import CredentialError, DialMaterial, IstiodCredentials, IstiodEndpoint
 from istio_agent.security.model import CAError
 
 log = scope("citadelclient")

@@ -24,9 +24,8 @@ import grpc
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
-from istio_agent import metrics
+from istio_agent import metrics, uds
 from istio_agent.log import scope
-from istio_agent.security import uds
 from istio_agent.security.model import ROOT_CERT, SecretError, SecretItem, SecretProvider
 from istio_agent.xds.flavour import (
     DELTA,

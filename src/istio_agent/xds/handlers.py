@@ -12,8 +12,8 @@ from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 
 from istio_agent.log import scope
+from istio_agent.pem import PemError, parse_root_bundle
 from istio_agent.protos import nds_pb2, proxy_config_pb2
-from istio_agent.security.pem import PemError, parse_root_bundle
 from istio_agent.xds.types import NAME_TABLE, PROXY_CONFIG
 
 log = scope("xdsproxy")

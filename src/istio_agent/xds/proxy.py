@@ -28,10 +28,9 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 
-from istio_agent import metrics
+from istio_agent import metrics, uds
 from istio_agent.config.xds import XdsSettings
 from istio_agent.log import scope
-from istio_agent.security import uds
 from istio_agent.xds import types
 from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request, error_detail
 from istio_agent.xds.upstream import DialError, UpstreamDialer

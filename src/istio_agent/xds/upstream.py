@@ -1,6 +1,6 @@
 """Dialling istiod for the xDS proxy: a fresh channel for every downstream stream, as in Istio.
 
-Credentials, headers and the common channel options come from ``security/istiod.py`` (shared with
+Credentials, headers and the common channel options come from ``istiod/dial.py`` (shared with
 the CA client) and are read at each dial: a root certificate replaced on disk, or a client
 certificate re-provisioned, is picked up by the next stream without restarting the agent, while
 streams already open are left alone.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import grpc
 
 from istio_agent.config.xds import XdsSettings
-from istio_agent.security.credentials import FileTokenSource, TokenSource
-from istio_agent.security.istiod import ChannelOptions, CredentialError, IstiodCredentials, IstiodEndpoint
+from istio_agent.istiod.dial import ChannelOptions, CredentialError, IstiodCredentials, IstiodEndpoint
+from istio_agent.istiod.tokens import FileTokenSource, TokenSource
 
 MAX_RECV_BYTES = 2**31 - 1
 """Istio lets istiod send messages of any size (math.MaxInt32): a large mesh has large CDS/EDS pushes."""

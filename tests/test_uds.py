@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from istio_agent.security import uds
+from istio_agent import uds
 
 
 def _mode(path: Path) -> int:

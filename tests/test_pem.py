@@ -8,7 +8,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from istio_agent.security.pem import (
+from istio_agent.pem import (
     PemError,
     certificate_identities,
     concat_certs,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from istio_agent.config import ConfigError, SecuritySettings
-from istio_agent.security.credentials import (
+from istio_agent.istiod.tokens import (
     FileTokenSource,
     StaticTokenSource,
     token_source_for,

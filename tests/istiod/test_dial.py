@@ -15,15 +15,15 @@ import pytest
 from cryptography import x509
 
 from istio_agent.config import ConfigError, SecuritySettings, XdsSettings
-from istio_agent.security import istiod
-from istio_agent.security.credentials import FileTokenSource, StaticTokenSource, TokenSource
-from istio_agent.security.istiod import (
+from istio_agent.istiod import dial
+from istio_agent.istiod.dial import (
     ClientCertFiles,
     CredentialError,
     DialMaterial,
     IstiodCredentials,
     IstiodEndpoint,
 )
+from istio_agent.istiod.tokens import FileTokenSource, StaticTokenSource, TokenSource
 from tests.security.certs import MeshCA, key_to_pem, make_ca, new_key, to_pem
 
 ISTIOD = "istiod.istio-system.svc"
@@ -309,9 +309,9 @@ def test_root_keeps_its_certificates_and_an_unchanged_file_is_parsed_once(
 def test_no_root_configured_means_the_os_bundle(
     pki: MeshCA, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(istiod, "os_ca_bundle", lambda: pki.root)
+    monkeypatch.setattr(dial, "os_ca_bundle", lambda: pki.root)
     assert credentials(tls(None)).material().root == to_pem(pki.ca)
-    monkeypatch.setattr(istiod, "os_ca_bundle", lambda: None)
+    monkeypatch.setattr(dial, "os_ca_bundle", lambda: None)
     assert credentials(tls(None)).material().root is None  # gRPC's built-in roots
 
 

@@ -11,7 +11,7 @@ client's retries and channel re-use, the xDS proxy's channel per stream) stays w
 The rules, the same for both:
 
 - Root: the configured file (or the OS bundle) must hold at least one certificate; blocks that are
-  not certificates are dropped (``security/pem.py``). Anything else is a :class:`CredentialError`.
+  not certificates are dropped (``pem.py``). Anything else is a :class:`CredentialError`.
 - Client certificate: presented only when both files read, parse, match and have not expired;
   otherwise the connection goes out without one and the token may still authenticate it.
 - Token: one that cannot be fetched (OSError) or cannot travel in an ``authorization`` header is not
@@ -33,9 +33,9 @@ from istio_agent.config import SecuritySettings, XdsSettings
 from istio_agent.config.headers import is_header_value
 from istio_agent.config.security import CERT_CHAIN_FILE, KEY_FILE, os_ca_bundle
 from istio_agent.config.xds import DEFAULT_KEEPALIVE_INTERVAL, DEFAULT_KEEPALIVE_TIMEOUT
+from istio_agent.istiod.tokens import TokenSource
 from istio_agent.log import scope
-from istio_agent.security.credentials import TokenSource
-from istio_agent.security.pem import PemError, load_key_cert_pair, parse_certificate, parse_root_bundle
+from istio_agent.pem import PemError, load_key_cert_pair, parse_certificate, parse_root_bundle
 
 Purpose = Literal["CA", "XDS"]
 """What the connection is for: it names the log scope and words the errors as Istio does."""
