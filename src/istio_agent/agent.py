@@ -172,7 +172,7 @@ class Agent:
         self.secret_manager = manager
         if settings.serve_sds:
             crl = Path(CRL_PATH) if plan.settings.enable_ca_crl else None
-            sds = SdsServer(manager, plan.socket_path, crl_path=crl)
+            sds = SdsServer(manager, plan.socket_path, crl_path=crl, registry=self._registry)
             manager.add_update_callback(sds.on_secret_update)
             await _started(stack, "SDS server", sds.start, sds.stop)
             self.sds_server = sds
@@ -237,7 +237,8 @@ class Agent:
             handlers.append(self.name_table)
         if settings.pcds_enabled:
             handlers.append(ProxyConfigHandler(manager.update_trust_bundle))
-        proxy = XdsProxy(settings, handlers=handlers, dialer=self._dialer(settings, tokens))
+        dialer = self._dialer(settings, tokens)
+        proxy = XdsProxy(settings, handlers=handlers, dialer=dialer, registry=self._registry)
         await _started(stack, "xDS proxy", proxy.start, proxy.stop)
         self.xds_proxy = proxy
         log.info("xDS proxy on %s, upstream %s", settings.socket_path, settings.discovery_address)

@@ -159,6 +159,11 @@ class Gauge(_Metric):
     def set(self, value: float) -> None:
         self._value().set(value)
 
+    @property
+    def value(self) -> float:
+        """The current value of a metric without labels (``.labels(...).value`` with them)."""
+        return self._value().value
+
     def _value(self) -> _Value:
         value = self._only()
         assert isinstance(value, _Value)
@@ -311,24 +316,10 @@ def _escape_label(text: str) -> str:
 
 
 REGISTRY = Registry()
-"""The process's registry, for the metrics that are still module globals (see :func:`counter`)."""
-
-
-def counter(name: str, documentation: str, labelnames: Sequence[str] = ()) -> Gauge:
-    """A monotonically increasing metric in :data:`REGISTRY`; call ``.inc()`` only."""
-    return REGISTRY.counter(name, documentation, labelnames)
-
-
-def gauge(name: str, documentation: str, labelnames: Sequence[str] = ()) -> Gauge:
-    return REGISTRY.gauge(name, documentation, labelnames)
-
-
-def histogram(
-    name: str, documentation: str, labelnames: Sequence[str] = (), buckets: Sequence[float] | None = None
-) -> Histogram:
-    return REGISTRY.histogram(name, documentation, labelnames, buckets or DEFAULT_BUCKETS)
+"""The process's default registry: what a subsystem counts into when it is given none (the agent
+gives each subsystem its own registry; tests give theirs)."""
 
 
 def sample(name: str, labels: dict[str, str] | None = None) -> float:
-    """Current value of a metric sample in :data:`REGISTRY` (0 when never set)."""
+    """Current value of a sample of :data:`REGISTRY` by its name without the prefix (0 when never set)."""
     return REGISTRY.sample(PREFIX + name, labels) or 0.0

@@ -17,12 +17,12 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from istio_agent import metrics
 from istio_agent.controlplane.ca import LocalCA
 from istio_agent.controlplane.mesh import MeshConfig
 from istio_agent.controlplane.server import ControlPlane, ControlPlaneError
 from istio_agent.controlplane.tokens import mint_token
 from istio_agent.controlplane.xdsgen import CLUSTER_TYPE
+from istio_agent.metrics import Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 
 from . import key_pem, make_key, spiffe_csr, uri_sans
@@ -50,7 +50,10 @@ def state(tmp_path: Path) -> Path:
 
 @pytest.fixture
 async def plane(mesh_file: Path, state: Path) -> AsyncIterator[ControlPlane]:
-    cp = ControlPlane(mesh_file, state, address="127.0.0.1:0", secure_address="127.0.0.1:0")
+    """A started control plane with a metrics registry of its own."""
+    cp = ControlPlane(
+        mesh_file, state, address="127.0.0.1:0", secure_address="127.0.0.1:0", registry=Registry()
+    )
     await cp.start()
     try:
         yield cp
@@ -113,6 +116,7 @@ async def test_root_written_and_token_auth_over_plaintext(plane: ControlPlane, s
     leaf.verify_directly_issued_by(x509.load_pem_x509_certificate(root_pem))
     lifetime = leaf.not_valid_after_utc - leaf.not_valid_before_utc
     assert abs(lifetime - timedelta(hours=1, minutes=1)) < timedelta(seconds=3)
+    assert plane.metrics.signed.value == 1
 
 
 @pytest.mark.parametrize("server_name", [SERVER_NAME, None, "localhost", "istiod"])
@@ -140,14 +144,12 @@ async def test_zero_validity_means_24h(plane: ControlPlane, state: Path) -> None
 
 @pytest.mark.parametrize("secure", [False, True])
 async def test_no_credentials_is_unauthenticated(plane: ControlPlane, secure: bool) -> None:
-    before = metrics.sample("controlplane_certificate_requests_failed", {"code": "UNAUTHENTICATED"})
     async with tls(plane) if secure else plaintext(plane) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await create(channel, spiffe_csr(make_key(), SLEEP))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert err.value.details() == ("request authenticate failure: no bearer token and no client certificate")
-    after = metrics.sample("controlplane_certificate_requests_failed", {"code": "UNAUTHENTICATED"})
-    assert after == before + 1
+    assert plane.metrics.refused.labels(code="UNAUTHENTICATED").value == 1  # its own registry: no diffing
 
 
 async def test_bad_token_is_unauthenticated(plane: ControlPlane, tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from envoy.service.status.v3 import csds_pb2
 from google.protobuf import json_format, timestamp_pb2
 from google.protobuf.message import Message
 
-from istio_agent import __version__, metrics
+from istio_agent import __version__
 from istio_agent.controlplane.mesh import MeshConfig
 from istio_agent.controlplane.xdsgen import (
     CLUSTER_TYPE,
@@ -41,6 +41,7 @@ from istio_agent.controlplane.xdsgen import (
     Snapshot,
 )
 from istio_agent.log import scope
+from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.xds.flavour import (
     ADS_SERVICE,
     DELTA,
@@ -79,18 +80,26 @@ SnapshotFn = Callable[[MeshConfig, ProxyNode], Snapshot]
 Authorizer = Callable[[grpc.aio.ServicerContext, ProxyNode], Awaitable[None]]
 """Awaited once per stream with the proxy's node; refuses by aborting the context."""
 
-xds_connections = metrics.gauge(
-    "controlplane_xds_connections", "Open ADS streams on the local control plane.", ["flavour"]
-)
-xds_pushes = metrics.counter(
-    "controlplane_xds_pushes", "Discovery responses the local control plane sent, by type.", ["type_url"]
-)
-xds_nacks = metrics.counter(
-    "controlplane_xds_nacks", "Discovery responses clients rejected (NACK), by type.", ["type_url"]
-)
-xds_unknown_type = metrics.counter(
-    "controlplane_xds_unknown_type", "Discovery requests for a type the local control plane does not serve."
-)
+
+class _AdsMetrics:
+    """The local control plane's ADS metrics."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.connections = registry.gauge(
+            "controlplane_xds_connections", "Open ADS streams on the local control plane.", ["flavour"]
+        )
+        self.pushes = registry.counter(
+            "controlplane_xds_pushes",
+            "Discovery responses the local control plane sent, by type.",
+            ["type_url"],
+        )
+        self.nacks = registry.counter(
+            "controlplane_xds_nacks", "Discovery responses clients rejected (NACK), by type.", ["type_url"]
+        )
+        self.unknown_type = registry.counter(
+            "controlplane_xds_unknown_type",
+            "Discovery requests for a type the local control plane does not serve.",
+        )
 
 
 class PushObserver(Protocol):
@@ -163,7 +172,9 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         authorize: Authorizer | None,
         observer: PushObserver | None,
         control_plane: base_pb2.ControlPlane,
+        metrics: _AdsMetrics,
     ) -> None:
+        self._metrics = metrics
         self.mesh = mesh
         self.streams: Callable[[], list[_AdsStream]] = list
         """The open streams (for syncz); set by the server."""
@@ -185,11 +196,11 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         return _Proxy(node)
 
     def opened(self, stream: _AdsStream, request: Request) -> None:
-        xds_connections.labels(flavour=stream.flavour.label).inc()
+        self._metrics.connections.labels(flavour=stream.flavour.label).inc()
         log.info("ADS: new %s connection id=%d node=%s", stream.flavour.label, stream.id, stream.data.node.id)
 
     def closed(self, stream: _AdsStream) -> None:
-        xds_connections.labels(flavour=stream.flavour.label).dec()
+        self._metrics.connections.labels(flavour=stream.flavour.label).dec()
         log.info(
             "ADS: %s connection closed id=%d node=%s", stream.flavour.label, stream.id, stream.data.node.id
         )
@@ -203,7 +214,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         if not type_url:
             log.debug("ADS: connection %d: request without type_url ignored", stream.id)
             return None
-        xds_unknown_type.inc()
+        self._metrics.unknown_type.inc()
         if not stream.data.warned_unknown:
             stream.data.warned_unknown = True
             log.warning(
@@ -265,7 +276,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
 
     def sent(self, stream: _AdsStream, response: Response, names: list[str], cause: str) -> None:
         count = len(response.resources)
-        xds_pushes.labels(type_url=response.type_url).inc()
+        self._metrics.pushes.labels(type_url=response.type_url).inc()
         log.debug(
             "ADS: connection %d: sent %s with %d resources (nonce %s)",
             stream.id,
@@ -286,7 +297,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
                 "ADS: connection %d: NACK of %s for an unknown nonce ignored", stream.id, request.type_url
             )
             return
-        xds_nacks.labels(type_url=watch.type_url).inc()
+        self._metrics.nacks.labels(type_url=watch.type_url).inc()
         log.warning(
             "ADS: %s rejected %s (nonce %s): %s",
             stream.data.node.id,
@@ -348,6 +359,7 @@ class AdsServer:
         authorize: Authorizer | None = None,
         control_plane_id: str = "agentctl-controlplane",
         observer: PushObserver | None = None,
+        registry: Registry = REGISTRY,
     ) -> None:
         identifier = {
             "Component": "istiod",
@@ -361,7 +373,9 @@ class AdsServer:
             },
         }
         control_plane = base_pb2.ControlPlane(identifier=json.dumps(identifier))
-        self._source = _Snapshots(mesh, snapshot_fn, authorize, observer, control_plane)
+        self._source = _Snapshots(
+            mesh, snapshot_fn, authorize, observer, control_plane, _AdsMetrics(registry)
+        )
         self._streams: StreamServer[_Proxy, MeshConfig] = StreamServer(
             self._source, name="ads", log=log, describe="control plane"
         )

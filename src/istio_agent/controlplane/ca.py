@@ -22,7 +22,6 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from istio_agent import metrics
 from istio_agent.files import write_atomic
 
 ROOT_CERT_FILE = "root-cert.pem"
@@ -36,10 +35,6 @@ CLOCK_SKEW = timedelta(minutes=1)
 MIN_RSA_BITS = 2048
 _LOCK_FILE = ".lock"
 _MAX_SHOWN = 200  # characters of a caller-supplied value quoted back in an error
-
-CERTIFICATES_SIGNED = metrics.counter(
-    "controlplane_certificates_signed", "Workload certificates signed by the local control plane CA."
-)
 
 
 class StateError(Exception):
@@ -179,7 +174,6 @@ class LocalCA:
             )
         )
         leaf = builder.sign(self._key, hashes.SHA256())
-        CERTIFICATES_SIGNED.inc()
         return [leaf.public_bytes(serialization.Encoding.PEM).decode(), self.root_pem.decode()]
 
     def issue_serving_cert(self, hosts: list[str]) -> tuple[bytes, bytes]:

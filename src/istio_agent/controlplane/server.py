@@ -34,13 +34,13 @@ import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
-from istio_agent import metrics
 from istio_agent.controlplane.ads import AdsServer, PushObserver
 from istio_agent.controlplane.ca import ROOT_CERT_FILE, InvalidCSR, LocalCA, SigningRefused
 from istio_agent.controlplane.mesh import MeshConfig, MeshError, parse_mesh, read_mesh_bytes
 from istio_agent.controlplane.tokens import TokenError, TokenVerifier
 from istio_agent.controlplane.xdsgen import ProxyNode, build_snapshot
 from istio_agent.log import scope
+from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 from istio_agent.security.filewatch import FileWatcher
 
@@ -59,16 +59,25 @@ _MESH_DEBOUNCE = timedelta(milliseconds=50)
 _CLOSE_TIMEOUT = 1.0
 _SERVER_OPTIONS = [("grpc.so_reuseport", 0)]  # a second control plane must fail to bind, not share the port
 
-CERTIFICATE_REQUESTS_FAILED = metrics.counter(
-    "controlplane_certificate_requests_failed",
-    "CreateCertificate calls the local control plane refused, by gRPC status code.",
-    ["code"],
-)
 
 ServerHook = Callable[[grpc.aio.Server], None]
 """Registers services on a gRPC server; called once for the plaintext and once for the TLS server."""
 MeshListener = Callable[[MeshConfig], Awaitable[None] | None]
 """Called with each newly applied mesh config (not for the initial one, read it from ``mesh``)."""
+
+
+class _PlaneMetrics:
+    """The local control plane's CA metrics."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.signed = registry.counter(
+            "controlplane_certificates_signed", "Workload certificates signed by the local control plane CA."
+        )
+        self.refused = registry.counter(
+            "controlplane_certificate_requests_failed",
+            "CreateCertificate calls the local control plane refused, by gRPC status code.",
+            ["code"],
+        )
 
 
 class ControlPlaneError(Exception):
@@ -318,6 +327,7 @@ class _CertificateService(istio_ca_pb2_grpc.IstioCertificateServiceServicer):
         except SigningRefused as err:
             log.warning("certificate request from %s refused: %s", caller.identity, err.reason)
             await self._abort(context, grpc.StatusCode.PERMISSION_DENIED, err.reason)
+        self._plane.metrics.signed.inc()
         cluster = _metadata_value(context.invocation_metadata(), "clusterid")
         log.info(
             "signed certificate for %s (authenticated by %s, ttl %ds%s)",
@@ -328,9 +338,10 @@ class _CertificateService(istio_ca_pb2_grpc.IstioCertificateServiceServicer):
         )
         return istio_ca_pb2.IstioCertificateResponse(cert_chain=chain)
 
-    @staticmethod
-    async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
-        CERTIFICATE_REQUESTS_FAILED.labels(code=code.name).inc()
+    async def _abort(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str
+    ) -> NoReturn:
+        self._plane.metrics.refused.labels(code=code.name).inc()
         await context.abort(code, details)
         raise AssertionError("context.abort returned")  # it always raises
 
@@ -350,8 +361,11 @@ class ControlPlane:
         secure_address: str = DEFAULT_SECURE_ADDRESS,
         *,
         push_observer: PushObserver | None = None,
+        registry: Registry = REGISTRY,
     ) -> None:
         self._mesh_path = mesh_path
+        self._registry = registry
+        self.metrics = _PlaneMetrics(registry)
         self._push_observer = push_observer
         self._ads: AdsServer | None = None
         self._state_dir = state_dir
@@ -500,7 +514,11 @@ class ControlPlane:
         self._verifier = await asyncio.to_thread(TokenVerifier, self._state_dir)
         tls_context = self._tls_context(await self._serving_hosts(tls_host))
         self._ads = AdsServer(
-            self._mesh, build_snapshot, authorize=self.authorize_proxy, observer=self._push_observer
+            self._mesh,
+            build_snapshot,
+            authorize=self.authorize_proxy,
+            observer=self._push_observer,
+            registry=self._registry,
         )
 
         plain = self._new_server()

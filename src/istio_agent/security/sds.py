@@ -24,8 +24,9 @@ import grpc
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
-from istio_agent import metrics, uds
+from istio_agent import uds
 from istio_agent.log import scope
+from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.security.model import ROOT_CERT, SecretError, SecretItem, SecretProvider
 from istio_agent.xds.flavour import (
     DELTA,
@@ -48,11 +49,6 @@ SECRET_TYPE_URL = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3
 FILE_ROOT_PREFIX = "file-root:"
 MAX_CONCURRENT_STREAMS = 100000
 
-sds_connections = metrics.gauge("sds_connections", "Number of open SDS streams.")
-sds_pushes = metrics.counter("sds_pushes", "SDS responses sent, by cause (request or push).", ["type"])
-sds_nacks = metrics.counter("sds_nacks", "SDS responses rejected by the client (NACK).")
-sds_errors = metrics.counter("sds_errors", "SDS streams ended because a secret could not be generated.")
-
 
 def _version_time() -> str:
     """Local time in RFC 3339 (``Z`` for UTC, like Go's time.RFC3339)."""
@@ -62,12 +58,27 @@ def _version_time() -> str:
     return now.isoformat()
 
 
+class _SdsMetrics:
+    """The SDS server's metrics."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.connections = registry.gauge("sds_connections", "Number of open SDS streams.")
+        self.pushes = registry.counter(
+            "sds_pushes", "SDS responses sent, by cause (request or push).", ["type"]
+        )
+        self.nacks = registry.counter("sds_nacks", "SDS responses rejected by the client (NACK).")
+        self.errors = registry.counter(
+            "sds_errors", "SDS streams ended because a secret could not be generated."
+        )
+
+
 class _Secrets(Source[None, str]):
     """SDS on the stream core: one Secret type whatever a request names; pushes are secret names."""
 
     policy = Policy(ack_sends_added_only=True)
 
-    def __init__(self, provider: SecretProvider, crl_path: Path | None) -> None:
+    def __init__(self, provider: SecretProvider, crl_path: Path | None, metrics: _SdsMetrics) -> None:
+        self._metrics = metrics
         self._provider = provider
         self._crl_path = crl_path
         self._versions = itertools.count(1)
@@ -107,7 +118,7 @@ class _Secrets(Source[None, str]):
             try:
                 item = await self._provider.generate(name)
             except SecretError as err:
-                sds_errors.inc()
+                self._metrics.errors.inc()
                 raise StreamError(
                     grpc.StatusCode.UNKNOWN, f"failed to generate secret for {name}: {err}"
                 ) from err
@@ -121,12 +132,12 @@ class _Secrets(Source[None, str]):
         require_node(request)
 
     def opened(self, stream: Stream[None, str], request: Request) -> None:
-        sds_connections.inc()
+        self._metrics.connections.inc()
         names = stream.flavour.requested_names(request)
         log.info("SDS: new connection id=%d (%s) resources=%s", stream.id, stream.flavour.label, names)
 
     def closed(self, stream: Stream[None, str]) -> None:
-        sds_connections.dec()
+        self._metrics.connections.dec()
         watch = stream.watches.get(SECRET_TYPE_URL)
         names = list(watch.names) if watch is not None else []
         log.info("SDS: connection closed id=%d resources=%s", stream.id, names)
@@ -149,7 +160,7 @@ class _Secrets(Source[None, str]):
         return [(SECRET_TYPE_URL, [event])]
 
     def sending(self, stream: Stream[None, str], response: Response, names: list[str], cause: str) -> None:
-        sds_pushes.labels(type=cause).inc()
+        self._metrics.pushes.labels(type=cause).inc()
         if stream.flavour is SOTW:
             log.debug(
                 "SDS: stream %d: sent %s (%s) version %s", stream.id, names, cause, response.version_info
@@ -158,7 +169,7 @@ class _Secrets(Source[None, str]):
             log.debug("SDS: delta stream %d: sent %s (%s)", stream.id, names, cause)
 
     def nacked(self, stream: Stream[None, str], request: Request, watch: Watch | None) -> None:
-        sds_nacks.inc()
+        self._metrics.nacks.inc()
         message = request.error_detail.message
         if isinstance(request, discovery_pb2.DiscoveryRequest):
             names = unique(request.resource_names)
@@ -181,9 +192,17 @@ class SdsServer:
     Register ``on_secret_update`` as the secret manager's update callback so rotations reach Envoy.
     """
 
-    def __init__(self, provider: SecretProvider, socket_path: Path, *, crl_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        provider: SecretProvider,
+        socket_path: Path,
+        *,
+        crl_path: Path | None = None,
+        registry: Registry = REGISTRY,
+    ) -> None:
         self._socket_path = socket_path
-        self._secrets = _Secrets(provider, crl_path)
+        self._metrics = _SdsMetrics(registry)
+        self._secrets = _Secrets(provider, crl_path, self._metrics)
         self._streams: StreamServer[None, str] = StreamServer(
             self._secrets, name="sds", log=log, describe="SDS server"
         )
@@ -247,5 +266,5 @@ class SdsServer:
             version=self._secrets.next_version(),
             nonce=new_nonce(),
         )
-        sds_pushes.labels(type="request").inc()
+        self._metrics.pushes.labels(type="request").inc()
         return response

@@ -28,9 +28,10 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 
-from istio_agent import metrics, uds
+from istio_agent import uds
 from istio_agent.config.xds import XdsSettings
 from istio_agent.log import scope
+from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.xds import types
 from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request, error_detail
 from istio_agent.xds.upstream import DialError, UpstreamDialer
@@ -46,23 +47,32 @@ _EXPECTED_ANY = (
     "received prior goaway: code: NO_ERROR",
 )
 
-ISTIOD_FAILURES = metrics.counter(
-    "istiod_connection_failures", "Upstream xDS streams that failed before istiod answered."
-)
-ISTIOD_TERMINATIONS = metrics.counter(
-    "istiod_connection_terminations", "Upstream xDS streams that ended, by kind.", ["type"]
-)
-ENVOY_TERMINATIONS = metrics.counter(
-    "envoy_connection_terminations", "Downstream xDS streams ended by Envoy, by kind.", ["type"]
-)
-REQUESTS = metrics.counter("xds_proxy_requests", "xDS requests sent to istiod (Envoy's and the agent's).")
-RESPONSES = metrics.counter("xds_proxy_responses", "xDS responses received from istiod.")
-RECV_MAX = metrics.gauge("pilot_xds_recv_max", "Largest xDS request received from Envoy, in bytes.")
-CONNECTIONS = metrics.gauge("xds_proxy_connections", "Open downstream xDS streams.")
-NACKS = metrics.counter(
-    "xds_proxy_nacks", "Responses rejected by Envoy (NACKs seen on the way up).", ["type_url"]
-)
-PUSHES = metrics.counter("xds_proxy_pushes", "Responses forwarded to Envoy.", ["type_url"])
+
+class _ProxyMetrics:
+    """The xDS proxy's metrics (Istio's names)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.istiod_failures = registry.counter(
+            "istiod_connection_failures", "Upstream xDS streams that failed before istiod answered."
+        )
+        self.istiod_terminations = registry.counter(
+            "istiod_connection_terminations", "Upstream xDS streams that ended, by kind.", ["type"]
+        )
+        self.envoy_terminations = registry.counter(
+            "envoy_connection_terminations", "Downstream xDS streams ended by Envoy, by kind.", ["type"]
+        )
+        self.requests = registry.counter(
+            "xds_proxy_requests", "xDS requests sent to istiod (Envoy's and the agent's)."
+        )
+        self.responses = registry.counter("xds_proxy_responses", "xDS responses received from istiod.")
+        self.recv_max = registry.gauge(
+            "pilot_xds_recv_max", "Largest xDS request received from Envoy, in bytes."
+        )
+        self.connections = registry.gauge("xds_proxy_connections", "Open downstream xDS streams.")
+        self.nacks = registry.counter(
+            "xds_proxy_nacks", "Responses rejected by Envoy (NACKs seen on the way up).", ["type_url"]
+        )
+        self.pushes = registry.counter("xds_proxy_pushes", "Responses forwarded to Envoy.", ["type_url"])
 
 
 class TypeHandler(Protocol):
@@ -145,8 +155,10 @@ class XdsProxy:
         *,
         handlers: Sequence[TypeHandler] = (),
         dialer: UpstreamDialer | None = None,
+        registry: Registry = REGISTRY,
     ) -> None:
         self._settings = settings
+        self._metrics = _ProxyMetrics(registry)
         self._handlers: dict[str, TypeHandler] = {}
         for handler in handlers:
             if handler.type_url in self._handlers:
@@ -257,18 +269,18 @@ class XdsProxy:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "xDS proxy is shutting down")
         stream = _Stream(next(self._ids), flavour)
         self._streams[stream.id] = stream
-        CONNECTIONS.inc()
+        self._metrics.connections.inc()
         log.debug("Envoy opened %s xDS stream %d", flavour.name, stream.id)
         outcome = _Outcome(None)
         try:
             outcome = await self._relay(stream, requests, context)
         except asyncio.CancelledError:
-            ENVOY_TERMINATIONS.labels(type="cancelled").inc()
+            self._metrics.envoy_terminations.labels(type="cancelled").inc()
             log.debug("%s xDS stream %d: cancelled by Envoy", flavour.name, stream.id)
             raise
         finally:
             del self._streams[stream.id]
-            CONNECTIONS.dec()
+            self._metrics.connections.dec()
             stream.finished.set()
         if outcome.code is None:
             return
@@ -284,7 +296,7 @@ class XdsProxy:
         try:
             channel = self._dialer.dial()
         except DialError as err:
-            ISTIOD_FAILURES.inc()
+            self._metrics.istiod_failures.inc()
             self._note_failure(str(err))
             return _Outcome(grpc.StatusCode.UNAVAILABLE, f"xDS upstream {self._dialer.describe()}: {err}")
         try:
@@ -322,17 +334,17 @@ class XdsProxy:
         if stream.stopping or isinstance(error, asyncio.CancelledError):
             return _Outcome(grpc.StatusCode.OK)
         if error is None:
-            ISTIOD_TERMINATIONS.labels(type="cancelled").inc()
+            self._metrics.istiod_terminations.labels(type="cancelled").inc()
             log.debug("%s: upstream %s closed the stream", name, self._dialer.address)
             return _Outcome(grpc.StatusCode.OK)
         if isinstance(error, _UpstreamError):
             details = f"xDS upstream {self._dialer.describe()}: {error.details}"
             kind = classify(error.code, error.details)
             if not stream.answered:
-                ISTIOD_FAILURES.inc()
+                self._metrics.istiod_failures.inc()
                 self._note_failure(f"{error.code.name}: {error.details}")
             else:
-                ISTIOD_TERMINATIONS.labels(type=kind).inc()
+                self._metrics.istiod_terminations.labels(type=kind).inc()
                 level = log.debug if kind == "cancelled" else log.warning
                 level(
                     "%s: upstream %s ended the stream: %s: %s",
@@ -343,7 +355,7 @@ class XdsProxy:
                 )
             return _Outcome(error.code, details)
         if isinstance(error, _DownstreamError):
-            ENVOY_TERMINATIONS.labels(type="error").inc()
+            self._metrics.envoy_terminations.labels(type="error").inc()
             log.warning("%s: Envoy side failed: %s", name, error)
             return _Outcome(None)
         log.error("%s: internal error", name, exc_info=error)
@@ -356,7 +368,7 @@ class XdsProxy:
             await asyncio.gather(*stream.tasks, return_exceptions=True)
         if stream.call is not None and not stream.call.done():
             stream.call.cancel()
-            ISTIOD_TERMINATIONS.labels(type="cancelled").inc()
+            self._metrics.istiod_terminations.labels(type="cancelled").inc()
         await channel.close()
 
     # -- reconnect logging ----------------------------------------------------------------------------
@@ -404,9 +416,9 @@ class XdsProxy:
         size = request.ByteSize()
         if size > self._recv_max:
             self._recv_max = size
-            RECV_MAX.set(size)
+            self._metrics.recv_max.set(size)
         if request.HasField("error_detail"):
-            NACKS.labels(type_url=request.type_url).inc()
+            self._metrics.nacks.labels(type_url=request.type_url).inc()
             log.debug("Envoy rejected %s: %s", request.type_url, request.error_detail.message)
 
     async def _send_initial_requests(self, stream: _Stream) -> None:
@@ -443,7 +455,7 @@ class XdsProxy:
                 raise await self._upstream_error(stream, err) from None
             except asyncio.InvalidStateError as err:
                 raise await self._upstream_error(stream, err) from None
-        REQUESTS.inc()
+        self._metrics.requests.inc()
 
     async def _upstream_error(self, stream: _Stream, err: Exception) -> _UpstreamError:
         if isinstance(err, grpc.aio.AioRpcError):
@@ -469,7 +481,7 @@ class XdsProxy:
             if not stream.answered:
                 stream.answered = True
                 self._note_success()
-            RESPONSES.inc()
+            self._metrics.responses.inc()
             handler = self._handlers.get(response.type_url)
             if handler is not None:
                 await self._handle_agent_type(stream, handler, response)
@@ -482,7 +494,7 @@ class XdsProxy:
                     await context.write(response)
                 except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError) as err:
                     raise _DownstreamError(f"write failed: {err}") from None
-                PUSHES.labels(type_url=response.type_url).inc()
+                self._metrics.pushes.labels(type_url=response.type_url).inc()
 
     async def _handle_agent_type(self, stream: _Stream, handler: TypeHandler, raw: RawResponse) -> None:
         try:
