@@ -7,9 +7,10 @@ ValueError to have the proxy NACK it; the proxy ACKs otherwise.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 from google.protobuf import any_pb2
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from istio_agent.log import scope
 from istio_agent.pem import PemError, parse_root_bundle
@@ -18,11 +19,19 @@ from istio_agent.xds.types import NAME_TABLE, PROXY_CONFIG
 
 log = scope("xdsproxy")
 
+M = TypeVar("M", bound=Message)
 
-def _check_type(resource: any_pb2.Any, expected: str) -> None:
+
+def _decode(resource: any_pb2.Any, expected: str, message: M) -> M:
+    """``resource`` decoded into ``message``; ValueError (a NACK) when it is another type or unreadable."""
     # istiod always sets the Any's type; an empty one is tolerated as Istio's plain unmarshal would.
     if resource.type_url and resource.type_url != expected:
         raise ValueError(f"unexpected resource type {resource.type_url!r}, expected {expected!r}")
+    try:
+        message.ParseFromString(resource.value)
+    except DecodeError as err:
+        raise ValueError(f"cannot decode {type(message).__name__}: {err}") from None
+    return message
 
 
 class NameTableHandler:
@@ -45,12 +54,7 @@ class NameTableHandler:
         self._listeners.append(fn)
 
     def handle(self, resource: any_pb2.Any) -> None:
-        _check_type(resource, NAME_TABLE)
-        table = nds_pb2.NameTable()
-        try:
-            table.ParseFromString(resource.value)
-        except DecodeError as err:
-            raise ValueError(f"cannot decode NameTable: {err}") from None
+        table = _decode(resource, NAME_TABLE, nds_pb2.NameTable())
         self.table = table
         for listener in list(self._listeners):
             try:
@@ -69,12 +73,7 @@ class ProxyConfigHandler:
         self._update = update_trust_bundle
 
     def handle(self, resource: any_pb2.Any) -> None:
-        _check_type(resource, PROXY_CONFIG)
-        config = proxy_config_pb2.ProxyConfig()
-        try:
-            config.ParseFromString(resource.value)
-        except DecodeError as err:
-            raise ValueError(f"cannot decode ProxyConfig: {err}") from None
+        config = _decode(resource, PROXY_CONFIG, proxy_config_pb2.ProxyConfig())
         for index, pem in enumerate(config.ca_certificates_pem):
             try:
                 parse_root_bundle(pem.encode(), f"ProxyConfig.ca_certificates_pem[{index}]")
