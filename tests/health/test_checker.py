@@ -271,3 +271,24 @@ async def test_stop_during_initial_delay_and_during_probe() -> None:
         await task
     assert cancelled.is_set()
     assert events.items == []
+
+
+async def test_a_broken_prober_is_logged_with_its_traceback_once(caplog: pytest.LogCaptureFixture) -> None:
+    class AlwaysBroken:
+        calls = 0
+
+        async def probe(self, timeout: float) -> ProbeOutcome:
+            self.calls += 1
+            raise RuntimeError("boom")
+
+    prober = AlwaysBroken()
+    checker = HealthChecker(config(), [prober], lambda healthy, message: None)
+    task = asyncio.get_running_loop().create_task(checker.run())
+    while prober.calls < 3:
+        await asyncio.sleep(0.01)
+    checker.stop()
+    await task
+    tracebacks = [
+        record for record in caplog.records if record.exc_info and "boom" in str(record.exc_info[1])
+    ]
+    assert len(tracebacks) == 1  # a bug shows once, loudly; later periods fail the check quietly

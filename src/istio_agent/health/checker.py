@@ -56,6 +56,7 @@ class HealthChecker:
         self._stopped = asyncio.Event()
         self._successes = 0
         self._failures = 0
+        self._bugs_logged: set[str] = set()
         self._last: bool | None = None  # last state emitted; None before the first event
 
     @property
@@ -115,9 +116,12 @@ class HealthChecker:
         for prober in self._probers:
             try:
                 outcome = await prober.probe(self._config.timeout)
-            except Exception as err:  # a broken prober is a failed check, not a dead checker
-                log.exception("health prober %r failed", prober)
-                outcome = ProbeOutcome(ProbeResult.UNHEALTHY, f"{type(err).__name__}: {err}")
+            except Exception as err:  # a broken prober (a bug) is a failed check, not a dead checker
+                reason = f"{type(err).__name__}: {err}"
+                if reason not in self._bugs_logged:  # loudly once, not on every period
+                    self._bugs_logged.add(reason)
+                    log.exception("health prober %r failed", prober)
+                outcome = ProbeOutcome(ProbeResult.UNHEALTHY, reason)
             if not outcome.healthy:
                 return outcome
         return ProbeOutcome(ProbeResult.HEALTHY)
