@@ -39,10 +39,10 @@ from istio_agent.controlplane.ca import ROOT_CERT_FILE, InvalidCSR, LocalCA, Sig
 from istio_agent.controlplane.mesh import MeshConfig, MeshError, parse_mesh, read_mesh_bytes
 from istio_agent.controlplane.tokens import TokenError, TokenVerifier
 from istio_agent.controlplane.xdsgen import ProxyNode, build_snapshot
+from istio_agent.filewatch import FileWatcher
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
-from istio_agent.security.filewatch import FileWatcher
 
 log = scope("controlplane")
 
@@ -637,7 +637,7 @@ class ControlPlane:
 
     async def _start_watching(self) -> None:
         """Reload the mesh file whenever it changes (the agent's file watcher: atomic replaces, symlinks)."""
-        watcher = FileWatcher(self._mesh_file_changed, debounce=_MESH_DEBOUNCE)
+        watcher = FileWatcher(self._mesh_file_changed, debounce=_MESH_DEBOUNCE, registry=self._registry)
         watcher.watch("mesh", [self._mesh_path])
         await watcher.start()
         self._watcher = watcher

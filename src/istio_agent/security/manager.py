@@ -24,6 +24,7 @@ from typing import Protocol, TypeVar
 
 from istio_agent.backoff import ExponentialBackoff
 from istio_agent.config.security import SecuritySettings, os_ca_bundle
+from istio_agent.filewatch import FileWatcher
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.pem import (
@@ -35,7 +36,6 @@ from istio_agent.pem import (
     parse_root_bundle,
     validate_signed_chain,
 )
-from istio_agent.security.filewatch import FileWatcher
 from istio_agent.security.keys import KeyOptions, generate_csr
 from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, CAError, SecretError, SecretItem
 from istio_agent.security.output import write_output_certs

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from istio_agent import metrics
+from istio_agent.filewatch import FileWatcher, trace_links
 from istio_agent.inotify import DIRECTORY_CHANGES, Inotify
-from istio_agent.security.filewatch import FileWatcher, trace_links
+from istio_agent.metrics import Registry
 
 CALL_TIMEOUT = 3.0
 QUIET = 0.5
@@ -516,3 +517,40 @@ class TestTraceLinks:
         os.symlink("a", tmp_path / "b")
         _, links = trace_links(tmp_path / "a")
         assert links == {tmp_path / "a", tmp_path / "b"}
+
+
+async def test_nothing_watched_holds_no_inotify_instance(recorder: Recorder) -> None:
+    w = FileWatcher(recorder)
+    await w.start()
+    try:
+        assert w._inotify is None  # instances are limited per user; an agent with no files holds none
+    finally:
+        await w.stop()
+
+
+async def test_no_inotify_instance_left_is_counted_and_retried(
+    tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fs.inotify.max_user_instances reached (every sidecar of a node is uid 1337): start still works."""
+    cert, _ = make_pair(tmp_path)
+    real_init = Inotify.__init__
+    limit_reached = True
+
+    def init(self: Inotify) -> None:
+        if limit_reached:
+            raise OSError(errno.EMFILE, "inotify_init1: Too many open files")
+        real_init(self)
+
+    monkeypatch.setattr(Inotify, "__init__", init)
+    registry = Registry()
+    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50), registry=registry)
+    await w.start()
+    try:
+        w.watch("default", [cert])
+        assert registry.sample("istio_agent_num_file_watcher_failures") == 1
+        limit_reached = False
+        await asyncio.sleep(0.3)  # the first retry comes after 0.1 s
+        atomic_write(cert, "cert v2")
+        await recorder.wait_for("default", 1)
+    finally:
+        await w.stop()

@@ -166,7 +166,10 @@ class FileWatcher:
         self._directories: dict[int, Path] = {}
         self._missing_logged: set[Path] = set()
         self._failed_logged: set[Path] = set()
+        self._running = False
+        self._open_failure_logged = False
         self._inotify: Inotify | None = None
+        """Opened when the first directory is wanted: an agent with nothing to watch holds none."""
         self._backlog: set[Path] = set()
         self._backlog_unknown = False
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -200,27 +203,31 @@ class FileWatcher:
         return set(self._paths.get(resource, ()))
 
     async def start(self) -> None:
-        """Open the watch; changes made after this returns are reported. OSError when inotify cannot open."""
-        if self._inotify is not None:
+        """Start watching; changes made after this returns are reported.
+
+        Never fails: an inotify instance or a watch that cannot be had now (the per-user limits are
+        shared by every sidecar of a node) is counted, logged and retried in the background.
+        """
+        if self._running:
             return
-        inotify = Inotify()
-        asyncio.get_running_loop().add_reader(inotify.fileno(), self._read_events)
-        self._inotify = inotify
+        self._running = True
         self._retry_delay = _RETRY_INITIAL
         self._refresh()
 
     async def stop(self) -> None:
         """Stop watching and drop pending calls; nothing is left running."""
-        inotify, self._inotify = self._inotify, None
-        if inotify is None:
+        if not self._running:
             return
+        self._running = False
         for resource in list(self._timers):
             self._cancel_timer(resource)
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
-        asyncio.get_running_loop().remove_reader(inotify.fileno())
-        inotify.close()
+        inotify, self._inotify = self._inotify, None
+        if inotify is not None:
+            asyncio.get_running_loop().remove_reader(inotify.fileno())
+            inotify.close()
         self._watches.clear()
         self._directories.clear()
         self._wanted = frozenset()
@@ -253,25 +260,46 @@ class FileWatcher:
             log.warning("directory %s of a watched file is missing; watching for it to come back", directory)
         self._missing_logged = missing
         self._wanted = frozenset(directories)
-        if self._inotify is not None:
-            self._sync_watches(self._inotify)
+        if self._running:
+            self._sync_watches()
 
-    def _sync_watches(self, inotify: Inotify) -> None:
+    def _open(self) -> Inotify | None:
+        """The inotify instance, opened now if need be; None (counted, logged once) when it cannot be."""
+        if self._inotify is None:
+            try:
+                inotify = Inotify()
+            except OSError as err:
+                self._metrics.failures.inc()
+                if not self._open_failure_logged:
+                    self._open_failure_logged = True
+                    log.warning("cannot watch files (%s); retrying in the background", err.strerror)
+                return None
+            asyncio.get_running_loop().add_reader(inotify.fileno(), self._read_events)
+            self._inotify = inotify
+            self._open_failure_logged = False
+        return self._inotify
+
+    def _sync_watches(self) -> None:
         """Watch exactly the wanted directories: add the new ones, remove the others, retry failures."""
         for directory in [d for d in self._watches if d not in self._wanted]:
             self._forget(self._watches[directory], remove=True)
+        missing = sorted(self._wanted - self._watches.keys())
         failed: set[Path] = set()
-        for directory in sorted(self._wanted - self._watches.keys()):
-            try:
-                wd = inotify.add_watch(directory)
-            except OSError as err:
-                failed.add(directory)
-                log.debug("watching %s failed: %s", directory, err.strerror)
-                continue
-            self._watches[directory] = wd
-            self._directories[wd] = directory
+        inotify = self._open() if missing else self._inotify
+        if inotify is None:
+            failed.update(missing)  # no instance: counted once in _open, every directory retried
+        else:
+            for directory in missing:
+                try:
+                    wd = inotify.add_watch(directory)
+                except OSError as err:
+                    failed.add(directory)
+                    self._metrics.failures.inc()
+                    log.debug("watching %s failed: %s", directory, err.strerror)
+                    continue
+                self._watches[directory] = wd
+                self._directories[wd] = directory
         if failed:
-            self._metrics.failures.inc(len(failed))
             for directory in failed - self._failed_logged:
                 log.warning("failed to watch directory %s; retrying in the background", directory)
             if self._retry is None:
@@ -293,7 +321,7 @@ class FileWatcher:
 
     def _retry_watches(self) -> None:
         self._retry = None
-        if self._inotify is not None:
+        if self._running:
             self._refresh()
 
     # -- events -----------------------------------------------------------------------------------
@@ -356,7 +384,7 @@ class FileWatcher:
 
     def _schedule(self, resource: str) -> None:
         """(Re)arm the resource's timer: the call happens once events stop for ``debounce``."""
-        if self._inotify is None:
+        if not self._running:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -377,7 +405,7 @@ class FileWatcher:
     def _fire(self, resource: str) -> None:
         self._timers.pop(resource, None)
         self._burst_start.pop(resource, None)
-        if resource not in self._paths or self._inotify is None:
+        if resource not in self._paths or not self._running:
             return
         try:
             self._on_change(resource)
