@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -8,6 +9,7 @@ import re
 import pytest
 
 from istio_agent import log
+from istio_agent.log import report_failure
 
 
 @pytest.fixture(autouse=True)
@@ -41,3 +43,22 @@ def test_scope_levels_and_json() -> None:
 def test_bad_level_is_an_error() -> None:
     with pytest.raises(ValueError, match="invalid log level"):
         log.parse_output_levels("sds:loud")
+
+
+async def test_a_background_task_that_dies_is_reported_when_it_dies(caplog: pytest.LogCaptureFixture) -> None:
+    async def buggy() -> None:
+        raise ZeroDivisionError("a bug")
+
+    task = asyncio.get_running_loop().create_task(buggy())
+    task.add_done_callback(report_failure(logging.getLogger("istio_agent.test"), "the rotation"))
+    await asyncio.gather(task, return_exceptions=True)  # retrieved, as a stop step would: still reported
+    records = [record for record in caplog.records if record.getMessage() == "the rotation failed"]
+    assert len(records) == 1 and "ZeroDivisionError: a bug" in caplog.text
+
+
+async def test_a_cancelled_task_is_not_a_failure(caplog: pytest.LogCaptureFixture) -> None:
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(10))
+    task.add_done_callback(report_failure(logging.getLogger("istio_agent.test"), "the sleep"))
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert "failed" not in caplog.text

@@ -29,7 +29,7 @@ from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyProcess
 from istio_agent.envoy.supervisor import EnvoySupervisor
 from istio_agent.istiod.tokens import TokenSource, token_source_for
-from istio_agent.log import scope
+from istio_agent.log import report_failure, scope
 from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import nds_pb2
 from istio_agent.security.caclient import CitadelClient
@@ -393,6 +393,7 @@ async def _started(
 def _background(stack: AsyncExitStack, name: str, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     """Run ``coroutine`` as a task that the stack cancels (and waits for) when it unwinds."""
     task = asyncio.get_running_loop().create_task(coroutine, name=name)
+    task.add_done_callback(report_failure(log, name))  # when it happens, not when the agent stops
 
     async def cancel() -> None:
         task.cancel()

@@ -7,11 +7,13 @@ Every subsystem logs through a *scope* (``sds``, ``cache``, ``ca``, ...), as Ist
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import TextIO
+from typing import Any, TextIO
 
 ROOT = "istio"
 DEFAULT_SCOPE = "default"
@@ -108,3 +110,17 @@ def configure(
     for name, level in levels.items():
         # Third-party loggers (grpc, asyncio) are addressed by their own names.
         logging.getLogger(name if name in ("grpc", "asyncio") else f"{ROOT}.{name}").setLevel(level)
+
+
+def report_failure(logger: logging.Logger, what: str) -> Callable[[asyncio.Task[Any]], None]:
+    """A done-callback that logs, with its traceback, the exception a background task died of.
+
+    A task that fails is only noticed when someone awaits it; a background task (rotation, health
+    checks, reloads) may never be awaited, so its bug would otherwise be silent until its effect shows.
+    """
+
+    def done(task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("%s failed", what, exc_info=task.exception())
+
+    return done

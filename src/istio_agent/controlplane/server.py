@@ -40,7 +40,7 @@ from istio_agent.controlplane.mesh import MeshConfig, MeshError, parse_mesh, rea
 from istio_agent.controlplane.tokens import TokenError, TokenVerifier
 from istio_agent.controlplane.xdsgen import ProxyNode, build_snapshot
 from istio_agent.filewatch import FileWatcher
-from istio_agent.log import scope
+from istio_agent.log import report_failure, scope
 from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 
@@ -648,6 +648,7 @@ class ControlPlane:
             self._reload = asyncio.get_running_loop().create_task(
                 self._reload_until_current(), name="mesh-reload"
             )
+            self._reload.add_done_callback(report_failure(log, "reloading the mesh file"))
         else:
             self._reload_again = True  # a reload is running: read the file once more when it ends
 

@@ -25,7 +25,7 @@ from typing import Protocol, TypeVar
 from istio_agent.backoff import ExponentialBackoff
 from istio_agent.config.security import SecuritySettings, os_ca_bundle
 from istio_agent.filewatch import FileWatcher
-from istio_agent.log import scope
+from istio_agent.log import report_failure, scope
 from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.pem import (
     PemError,
@@ -372,7 +372,10 @@ class SecretManager:
     def _start_rotation(self, workload: _Workload) -> None:
         if self._workload is not workload:
             return  # stale: replaced meanwhile
-        self._rotation_task = asyncio.get_running_loop().create_task(self._rotate(workload))
+        self._rotation_task = asyncio.get_running_loop().create_task(
+            self._rotate(workload), name="cert-rotation"
+        )
+        self._rotation_task.add_done_callback(report_failure(log, "workload certificate rotation"))
 
     async def _rotate(self, old: _Workload) -> None:
         """Renew with backoff; keep serving ``old`` until a new certificate is in hand."""
@@ -416,6 +419,7 @@ class SecretManager:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(report_failure(log, "writing OUTPUT_CERTS"))
 
     async def _write_output(self, item: SecretItem) -> None:
         directory = self._settings.output_certs
