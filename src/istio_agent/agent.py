@@ -1,10 +1,10 @@
 """The Agent: builds the subsystems from settings, runs them, and stops them in reverse order.
 
-Start order follows Istio's agent (pkg/istio-agent/agent.go): the status port is bound, the DNS
-proxy, secrets and the SDS server, the xDS proxy on ``./etc/istio/proxy/XDS``, then Envoy on a
-generated bootstrap (everything Envoy needs is listening before it starts), then the status server
-and VM health checks. Stopping is the exact reverse, after readiness fails and the status port
-closes; Envoy's drain is its step.
+Start order follows Istio's agent (pilot/cmd/pilot-agent, pkg/istio-agent/agent.go): the status
+server (readiness answers from the start), the DNS proxy, secrets and the SDS server, the xDS proxy
+on ``./etc/istio/proxy/XDS``, then Envoy on a generated bootstrap (everything Envoy needs is
+listening before it starts), then VM health checks. Stopping is the exact reverse, after readiness
+fails and the status port stops accepting; Envoy's drain is its step.
 """
 
 from __future__ import annotations
@@ -159,10 +159,11 @@ class Agent:
 
     async def _start(self, stack: AsyncExitStack) -> None:
         settings = self._settings
-        status_socket = None
         if settings.status is not None and settings.status.enabled:
-            # Bound first: from now on callers wait in the backlog instead of being refused.
-            status_socket = self._bind_status_port(stack, settings.status)
+            # First, as Istio's agent: /healthz/ready answers (not ready, and why) from the start.
+            sock = self._bind_status_port(stack, settings.status)
+            if sock is not None:
+                await self._start_status_server(stack, settings.status, sock)
         if settings.dns is not None and settings.dns.enabled:
             await self._start_dns(stack, settings.dns)  # as Istio: before anything that may need names
         plan = await plan_sds(settings.security)
@@ -180,12 +181,8 @@ class Agent:
             _background(stack, "certificate prewarm", manager.prewarm())
         if settings.xds is not None:
             await self._start_xds_proxy(stack, settings.xds, manager, token_source_for(plan.settings))
-        # Envoy before the status server: Envoy retries the agent's sockets on its own, and its start
-        # overlaps with the status server's; kubelet sees 503 through 15021 until both are up.
         if settings.bootstrap is not None:
             await self._start_envoy(stack, settings.bootstrap)
-        if status_socket is not None and settings.status is not None:
-            await self._start_status_server(stack, settings.status, status_socket)
         if settings.health is not None and self.xds_proxy is not None:
             self._start_health_checks(stack, settings.health, self.xds_proxy)
 
@@ -281,7 +278,10 @@ class Agent:
     async def _start_status_server(
         self, stack: AsyncExitStack, settings: StatusSettings, sock: socket.socket
     ) -> None:
-        """Serve the status port: readiness at once, metrics and app probes built on first use."""
+        """Serve the status port: readiness at once, metrics and app probes built on first use.
+
+        Started before the subsystems it reports on: readiness asks for them when it is asked.
+        """
         from istio_agent.envoy.readiness import EnvoyReadiness
         from istio_agent.status.lazy import LazyHandler
         from istio_agent.status.readiness import DnsReadiness, Prober, Readiness
@@ -298,11 +298,12 @@ class Agent:
                     registry=self._registry,
                 )
             )
-        dns, name_table = self.dns, self.name_table
-        if dns is not None:  # ready once a table from this run answers (a big one is built aside)
-            probers.append(DnsReadiness(lambda: dns.ready))
-        elif name_table is not None:
-            probers.append(DnsReadiness(lambda: name_table.ready))
+        dns_settings, xds_settings = self._settings.dns, self._settings.xds
+        if dns_settings is not None and dns_settings.enabled:
+            # Ready once a table from this run answers (a big one is built aside).
+            probers.append(DnsReadiness(lambda: self.dns is not None and self.dns.ready))
+        elif xds_settings is not None and xds_settings.nds_enabled:
+            probers.append(DnsReadiness(lambda: self.name_table is not None and self.name_table.ready))
         readiness = Readiness(probers)
         self.readiness = readiness
         registry = self._registry
@@ -314,7 +315,7 @@ class Agent:
             readiness,
             metrics=metrics,
             app_probes=probes,
-            ndsz=self.dns.ndsz if self.dns is not None else None,
+            ndsz=lambda: self.dns.ndsz() if self.dns is not None else None,
             on_quit=self._quit,
             on_drain=self._drain,
             metrics_localhost_only=settings.metrics_localhost_only,

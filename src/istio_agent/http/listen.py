@@ -2,7 +2,7 @@
 
 The kernel queues connections on a listening socket at once, so a port bound this way answers
 (after a short wait in the backlog) from the moment it is bound, however long loading the server
-takes; the agent binds its status port like this right after starting Envoy.
+takes; the agent binds its status port like this, first of all, and serves it at once.
 """
 
 from __future__ import annotations
