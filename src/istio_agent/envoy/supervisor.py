@@ -121,7 +121,7 @@ class EnvoySupervisor:
             try:
                 replacement = await self._launch()
                 await replacement.start()
-            except Exception as err:  # the binary vanished, the bootstrap cannot be written: try again later
+            except OSError as err:  # the binary vanished (EnvoyStartError), the bootstrap cannot be written
                 log.error("Restarting Envoy failed: %s", err)
                 started = loop.time()
                 continue  # back off again; `code` stays the last real exit
