@@ -43,6 +43,7 @@ from istio_agent.filewatch import FileWatcher
 from istio_agent.log import report_failure, scope
 from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
+from istio_agent.xds.stream import abort
 
 log = scope("controlplane")
 
@@ -342,8 +343,7 @@ class _CertificateService(istio_ca_pb2_grpc.IstioCertificateServiceServicer):
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str
     ) -> NoReturn:
         self._plane.metrics.refused.labels(code=code.name).inc()
-        await context.abort(code, details)
-        raise AssertionError("context.abort returned")  # it always raises
+        await abort(context, code, details)
 
 
 class ControlPlane:

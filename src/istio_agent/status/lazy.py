@@ -23,10 +23,6 @@ class LazyHandler:
         self._build = build
         self._service: Service | None = None
 
-    @property
-    def built(self) -> bool:
-        return self._service is not None
-
     async def __call__(self, request: Request) -> StreamResponse:
         if self._service is None:
             self._service = self._build()
