@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from istio_agent import metrics
 from istio_agent.filewatch import FileWatcher, trace_links
 from istio_agent.inotify import DIRECTORY_CHANGES, Inotify
 from istio_agent.metrics import Registry
@@ -439,12 +438,12 @@ async def test_unwatchable_directory_is_counted(tmp_path: Path, recorder: Record
     locked = tmp_path / "locked"
     cert, _ = make_pair(locked)
     locked.chmod(0o000)
-    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50))
-    before = metrics.sample("num_file_watcher_failures")
+    registry = Registry()
+    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50), registry=registry)
     await w.start()
     try:
         w.watch("default", [cert])
-        assert metrics.sample("num_file_watcher_failures") > before
+        assert (registry.sample("istio_agent_num_file_watcher_failures") or 0) > 0
     finally:
         await w.stop()
         locked.chmod(0o700)
@@ -468,13 +467,13 @@ async def test_failed_watch_is_counted_and_retried(
         return real_add_watch(self, directory, mask)
 
     monkeypatch.setattr(Inotify, "add_watch", flaky_add_watch)
-    before = metrics.sample("num_file_watcher_failures")
-    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50))
+    registry = Registry()
+    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50), registry=registry)
     await w.start()
     try:
         w.watch("good", [good_cert])
         w.watch("bad", [bad_cert])
-        assert metrics.sample("num_file_watcher_failures") == before + 1
+        assert registry.sample("istio_agent_num_file_watcher_failures") == 1
         atomic_write(good_cert, "cert v2")
         await recorder.wait_for("good", 1)
         blocked.clear()

@@ -318,8 +318,3 @@ def _escape_label(text: str) -> str:
 REGISTRY = Registry()
 """The process's default registry: what a subsystem counts into when it is given none (the agent
 gives each subsystem its own registry; tests give theirs)."""
-
-
-def sample(name: str, labels: dict[str, str] | None = None) -> float:
-    """Current value of a sample of :data:`REGISTRY` by its name without the prefix (0 when never set)."""
-    return REGISTRY.sample(PREFIX + name, labels) or 0.0

@@ -27,7 +27,6 @@ from envoy.service.status.v3 import csds_pb2
 from google.protobuf.message import Message
 from google.rpc import status_pb2
 
-from istio_agent import metrics
 from istio_agent.controlplane.ads import SYNCZ_TYPE, AdsServer, Authorizer, TypeStatus
 from istio_agent.controlplane.mesh import MeshConfig
 from istio_agent.controlplane.xdsgen import (
@@ -39,6 +38,7 @@ from istio_agent.controlplane.xdsgen import (
     ProxyNode,
     Snapshot,
 )
+from istio_agent.metrics import PREFIX, Registry
 from istio_agent.protos import nds_pb2
 from istio_agent.xds.flavour import resource_version
 
@@ -254,8 +254,14 @@ class Harness:
         self.calls: list[tuple[MeshConfig, str]] = []
         self.failing: set[str] = set()
         self.observer = Observer()
+        self.registry = Registry()  # the server's own: tests read absolute values
         self.ads = AdsServer(
-            config, self.snapshot, authorize=authorize, control_plane_id="cp-test", observer=self.observer
+            config,
+            self.snapshot,
+            authorize=authorize,
+            control_plane_id="cp-test",
+            observer=self.observer,
+            registry=self.registry,
         )
         self.server = grpc.aio.server()
         self.ads.register(self.server)
@@ -263,6 +269,9 @@ class Harness:
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         self.stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel)
         self.clients: list[Client] = []
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.registry.sample(PREFIX + name, labels) or 0.0
 
     def snapshot(self, config: MeshConfig, proxy: ProxyNode) -> Snapshot:
         self.calls.append((config, proxy.id))
@@ -324,7 +333,6 @@ def status_of(h: Harness, type_url: str, index: int = 0) -> TypeStatus:
 
 
 async def test_sotw_cds_is_wildcard_and_an_ack_sends_nothing(h: Harness) -> None:
-    before = metrics.sample("controlplane_xds_pushes", {"type_url": CLUSTER_TYPE})
     client = h.sotw()
     await client.request(CLUSTER_TYPE, ["ignored-name"])
     response = await client.response(CLUSTER_TYPE)
@@ -338,7 +346,7 @@ async def test_sotw_cds_is_wildcard_and_an_ack_sends_nothing(h: Harness) -> None
     status = status_of(h, CLUSTER_TYPE)
     assert status.sent_nonce == status.acked_nonce == response.nonce
     assert status.config_status == "SYNCED" and status.version == response.version_info
-    assert metrics.sample("controlplane_xds_pushes", {"type_url": CLUSTER_TYPE}) == before + 1
+    assert h.sample("controlplane_xds_pushes", type_url=CLUSTER_TYPE) == 1
     assert h.observer.acks == [(h.ads.connections()[0].conn_id, CLUSTER_TYPE, response.nonce, None)]
 
     # Same content, same version: the version is a function of the content, not of time.
@@ -348,7 +356,6 @@ async def test_sotw_cds_is_wildcard_and_an_ack_sends_nothing(h: Harness) -> None
 
 
 async def test_sotw_nack_sends_nothing_and_shows_error(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
-    before = metrics.sample("controlplane_xds_nacks", {"type_url": LISTENER_TYPE})
     client = h.sotw()
     await client.request(LISTENER_TYPE)
     response = await client.response(LISTENER_TYPE)
@@ -358,7 +365,7 @@ async def test_sotw_nack_sends_nothing_and_shows_error(h: Harness, caplog: pytes
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert LISTENER_TYPE in warnings[0] and "listener l1: bad port" in warnings[0]
-    assert metrics.sample("controlplane_xds_nacks", {"type_url": LISTENER_TYPE}) == before + 1
+    assert h.sample("controlplane_xds_nacks", type_url=LISTENER_TYPE) == 1
 
     entry = configs[0].generic_xds_configs[0]
     assert entry.type_url == LISTENER_TYPE
@@ -481,7 +488,6 @@ async def test_delta_missing_node_is_rejected(h: Harness) -> None:
 
 
 async def test_unknown_and_empty_types_are_ignored(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
-    before = metrics.sample("controlplane_xds_unknown_type")
     client = h.sotw()
     with caplog.at_level(logging.WARNING, logger="istio.ads"):
         await client.request(UNKNOWN_TYPE, ["x"])
@@ -490,7 +496,7 @@ async def test_unknown_and_empty_types_are_ignored(h: Harness, caplog: pytest.Lo
         await client.barrier()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and UNKNOWN_TYPE in warnings[0]
-    assert metrics.sample("controlplane_xds_unknown_type") == before + 2
+    assert h.sample("controlplane_xds_unknown_type") == 2
     # The stream is still usable.
     response = await client.subscribe(CLUSTER_TYPE)
     assert clusters_of(response) == {"a": "1", "b": "1"}
@@ -651,13 +657,11 @@ def test_config_status_values() -> None:
 
 
 async def test_two_connections_both_receive_a_push(h: Harness) -> None:
-    sotw_before = metrics.sample("controlplane_xds_connections", {"flavour": "sotw"})
-    delta_before = metrics.sample("controlplane_xds_connections", {"flavour": "delta"})
     one, two = h.sotw(), h.delta(OTHER_NODE)
     await one.subscribe(CLUSTER_TYPE)
     await two.subscribe(CLUSTER_TYPE)
-    assert metrics.sample("controlplane_xds_connections", {"flavour": "sotw"}) == sotw_before + 1
-    assert metrics.sample("controlplane_xds_connections", {"flavour": "delta"}) == delta_before + 1
+    assert h.sample("controlplane_xds_connections", flavour="sotw") == 1
+    assert h.sample("controlplane_xds_connections", flavour="delta") == 1
     assert [(c.node_id, c.flavour) for c in h.ads.connections()] == [
         (SLEEP_NODE.id, "sotw"),
         (OTHER_NODE.id, "delta"),
@@ -671,7 +675,7 @@ async def test_two_connections_both_receive_a_push(h: Harness) -> None:
     async with asyncio.timeout(RESPONSE_WAIT):
         while len(h.ads.connections()) != 1:
             await asyncio.sleep(0.01)
-    assert metrics.sample("controlplane_xds_connections", {"flavour": "sotw"}) == sotw_before
+    assert h.sample("controlplane_xds_connections", flavour="sotw") == 0
 
 
 async def test_a_client_that_never_reads_does_not_block_others(h: Harness) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from istio_agent.dns.cache import AnswerCache, cacheable_ttl
 from istio_agent.dns.wire import Query, parse_query
-from istio_agent.metrics import sample
+from tests.dns import sample
 
 SOA = "ns1.example.com. hostmaster.example.com. 1 7200 900 1209600 {minimum}"
 

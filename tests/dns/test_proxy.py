@@ -18,8 +18,8 @@ import pytest
 from istio_agent.config.dns import DnsSettings
 from istio_agent.dns.proxy import BUILD_IN_THREAD_FROM, SAVED_TABLE, DnsProxy, DnsStartError, listen_addresses
 from istio_agent.dns.resolvconf import ResolvConf
-from istio_agent.metrics import sample
 from istio_agent.protos import nds_pb2
+from tests.dns import sample
 from tests.dns.conftest import MANY_COUNT, MANY_NAME
 
 pytestmark = pytest.mark.both_loops

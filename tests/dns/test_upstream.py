@@ -20,7 +20,7 @@ from istio_agent.ctl.local import free_port
 from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.upstream import Forwarder, UpstreamError, shuffled
 from istio_agent.dns.wire import parse_query
-from istio_agent.metrics import sample
+from tests.dns import sample
 
 Respond = Callable[[bytes], list[bytes]]
 

@@ -18,10 +18,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from istio_agent import goformat, metrics
+from istio_agent import goformat
 from istio_agent.config import SecuritySettings
 from istio_agent.istiod.dial import ClientCertFiles, IstiodEndpoint
 from istio_agent.istiod.tokens import FileTokenSource, StaticTokenSource, TokenSource
+from istio_agent.metrics import PREFIX, Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 from istio_agent.security import caclient
 from istio_agent.security.caclient import CAError, CitadelClient
@@ -212,15 +213,21 @@ def make_client(
         ),
         **extra,  # type: ignore[arg-type]
     )
-    return CitadelClient(endpoint, token, cert_signer=cert_signer, sleep=sleeps, rng=lambda: rng)
+    registry = Registry()  # the client's own: tests read its counters, nothing global to diff
+    client = CitadelClient(
+        endpoint, token, cert_signer=cert_signer, sleep=sleeps, rng=lambda: rng, registry=registry
+    )
+    client.registry = registry  # type: ignore[attr-defined]
+    return client
 
 
 @contextlib.contextmanager
-def metric_delta(name: str) -> Iterator[dict[str, float]]:
-    before = metrics.sample(name, CSR_LABELS)
+def metric_delta(client: CitadelClient, name: str) -> Iterator[dict[str, float]]:
+    registry: Registry = client.registry  # type: ignore[attr-defined]
+    before = registry.sample(PREFIX + name, CSR_LABELS) or 0.0
     result: dict[str, float] = {}
     yield result
-    result["delta"] = metrics.sample(name, CSR_LABELS) - before
+    result["delta"] = (registry.sample(PREFIX + name, CSR_LABELS) or 0.0) - before
 
 
 # -- plain requests and errors --------------------------------------------------------------------
@@ -228,7 +235,10 @@ async def test_valid_response_is_returned_unchanged(sleeps: Sleeps) -> None:
     fake = FakeCA()
     async with serve(fake) as address:
         client = make_client(address, sleeps)
-        with metric_delta("num_outgoing_requests") as requests, metric_delta("outgoing_latency") as latency:
+        with (
+            metric_delta(client, "num_outgoing_requests") as requests,
+            metric_delta(client, "outgoing_latency") as latency,
+        ):
             assert await client.csr_sign(CSR, TTL) == CHAIN
         await client.close()
     assert requests["delta"] == 1
@@ -243,7 +253,7 @@ async def test_server_error_message_matches_istio(sleeps: Sleeps) -> None:
     fake = FakeCA(failures=[(grpc.StatusCode.UNKNOWN, "test failure")])
     async with serve(fake) as address:
         client = make_client(address, sleeps)
-        with metric_delta("num_failed_outgoing_requests") as failed, pytest.raises(CAError) as info:
+        with metric_delta(client, "num_failed_outgoing_requests") as failed, pytest.raises(CAError) as info:
             await client.csr_sign(CSR, TTL)
         await client.close()
     assert str(info.value) == "create certificate: rpc error: code = Unknown desc = test failure"
@@ -269,7 +279,7 @@ async def test_unavailable_is_retried_with_backoff_then_succeeds(
     fake = FakeCA(failures=[(grpc.StatusCode.UNAVAILABLE, "overloaded")] * 2)
     async with serve(fake) as address:
         client = make_client(address, sleeps)
-        with metric_delta("num_outgoing_retries") as retries:
+        with metric_delta(client, "num_outgoing_retries") as retries:
             assert await client.csr_sign(CSR, TTL) == CHAIN
         await client.close()
     assert len(fake.seen) == 3
@@ -312,7 +322,7 @@ async def test_non_retryable_code_is_not_retried(sleeps: Sleeps, code: grpc.Stat
     fake = FakeCA(failures=[(code, "no")])
     async with serve(fake) as address:
         client = make_client(address, sleeps)
-        with metric_delta("num_outgoing_retries") as retries, pytest.raises(CAError) as info:
+        with metric_delta(client, "num_outgoing_retries") as retries, pytest.raises(CAError) as info:
             await client.csr_sign(CSR, TTL)
         await client.close()
     assert len(fake.seen) == 1
@@ -517,7 +527,10 @@ async def test_root_file_without_certificates_is_a_clear_error(
     async with serve(fake, server_cert=pki.server) as address:
         client = make_client(address, sleeps, pki=pki)
         no_cert = r"no PEM certificate found in .*root-cert\.pem"
-        with metric_delta("num_failed_outgoing_requests") as failed, pytest.raises(CAError, match=no_cert):
+        with (
+            metric_delta(client, "num_failed_outgoing_requests") as failed,
+            pytest.raises(CAError, match=no_cert),
+        ):
             await client.csr_sign(CSR, TTL)
         await client.close()
     assert fake.seen == []

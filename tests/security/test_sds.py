@@ -22,7 +22,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 from google.rpc import status_pb2
 
-from istio_agent import metrics
+from istio_agent.metrics import PREFIX, Registry
 from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretError, SecretItem
 from istio_agent.security.sds import SECRET_TYPE_URL, SdsServer
 
@@ -151,8 +151,20 @@ def crl_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-async def server(provider: FakeSecretProvider, socket_path: Path, crl_path: Path) -> AsyncIterator[SdsServer]:
-    sds = SdsServer(provider, socket_path, crl_path=crl_path)
+def registry() -> Registry:
+    """The server's own metrics registry: tests read absolute values, no global to diff."""
+    return Registry()
+
+
+def sample(registry: Registry, name: str, **labels: str) -> float:
+    return registry.sample(PREFIX + name, labels) or 0.0
+
+
+@pytest.fixture
+async def server(
+    provider: FakeSecretProvider, socket_path: Path, crl_path: Path, registry: Registry
+) -> AsyncIterator[SdsServer]:
+    sds = SdsServer(provider, socket_path, crl_path=crl_path, registry=registry)
     await sds.start()
     yield sds
     await sds.stop(None)
@@ -343,11 +355,10 @@ async def test_unsubscribe_is_silent_and_stops_pushes(server: SdsServer, open_st
     assert names_of(await stream.response()) == [ROOT_CERT]
 
 
-async def test_nack_is_counted_and_not_answered(open_stream: Any) -> None:
+async def test_nack_is_counted_and_not_answered(open_stream: Any, registry: Registry) -> None:
     stream = open_stream()
     await stream.request([WORKLOAD_KEY_CERT])
     response = await stream.response()
-    before = metrics.sample("sds_nacks")
     await stream.send(
         discovery_pb2.DiscoveryRequest(
             resource_names=[WORKLOAD_KEY_CERT],
@@ -356,7 +367,7 @@ async def test_nack_is_counted_and_not_answered(open_stream: Any) -> None:
         )
     )
     await stream.expect_silence()
-    assert metrics.sample("sds_nacks") == before + 1
+    assert sample(registry, "sds_nacks") == 1
 
 
 async def test_stale_nonce_is_ignored(open_stream: Any) -> None:
@@ -419,16 +430,15 @@ async def test_client_half_close_ends_stream_ok(open_stream: Any, server: SdsSer
 
 
 async def test_unknown_secret_fails_stream_then_succeeds_once_added(
-    open_stream: Any, provider: FakeSecretProvider
+    open_stream: Any, provider: FakeSecretProvider, registry: Registry
 ) -> None:
-    before = metrics.sample("sds_errors")
     stream = open_stream()
     await stream.request(["spiffe-other"])
     err = await stream.error()
     assert err.code() == grpc.StatusCode.UNKNOWN
     assert err.details().startswith("failed to generate secret for spiffe-other: ")
     assert "no secret named" in err.details()
-    assert metrics.sample("sds_errors") == before + 1
+    assert sample(registry, "sds_errors") == 1
 
     provider.items["spiffe-other"] = SecretItem("spiffe-other", certificate_chain=CHAIN_2, private_key=KEY_2)
     retry = open_stream()
@@ -486,7 +496,7 @@ async def test_error_message_never_contains_key_material(
 
 
 async def test_push_reaches_only_streams_watching_the_name(
-    server: SdsServer, open_stream: Any, provider: FakeSecretProvider
+    server: SdsServer, open_stream: Any, provider: FakeSecretProvider, registry: Registry
 ) -> None:
     both, default_only, root_only = open_stream(), open_stream(), open_stream()
     await both.request([WORKLOAD_KEY_CERT, ROOT_CERT])
@@ -496,7 +506,6 @@ async def test_push_reaches_only_streams_watching_the_name(
         await stream.response()
     assert server.stream_count == 3
 
-    before = metrics.sample("sds_pushes", {"type": "push"})
     provider.items[WORKLOAD_KEY_CERT] = SecretItem(
         WORKLOAD_KEY_CERT, certificate_chain=CHAIN_2, private_key=KEY_2
     )
@@ -509,7 +518,7 @@ async def test_push_reaches_only_streams_watching_the_name(
         assert secret.tls_certificate.certificate_chain.inline_bytes == CHAIN_2
         assert secret.tls_certificate.private_key.inline_bytes == KEY_2
     await root_only.expect_silence()
-    assert metrics.sample("sds_pushes", {"type": "push"}) == before + 2
+    assert sample(registry, "sds_pushes", type="push") == 2
 
 
 async def test_push_of_unwatched_name_is_ignored(server: SdsServer, open_stream: Any) -> None:
@@ -707,14 +716,13 @@ async def test_delta_empty_first_request_means_nothing_yet(open_delta: Any) -> N
     assert list(delta_secrets_of(await stream.response())) == [ROOT_CERT]
 
 
-async def test_delta_nack_is_counted_and_not_answered(open_delta: Any) -> None:
+async def test_delta_nack_is_counted_and_not_answered(open_delta: Any, registry: Registry) -> None:
     stream = open_delta()
     await stream.send(delta_request([WORKLOAD_KEY_CERT], node=NODE))
     response = await stream.response()
-    before = metrics.sample("sds_nacks")
     await stream.send(delta_request(nonce=response.nonce, error_detail=status_pb2.Status(message="bad")))
     await stream.expect_silence()
-    assert metrics.sample("sds_nacks") == before + 1
+    assert sample(registry, "sds_nacks") == 1
 
 
 async def test_delta_requires_node_and_reports_generation_errors(open_delta: Any) -> None:
@@ -757,26 +765,24 @@ async def test_stale_socket_file_is_replaced_at_start(
 
 
 async def test_connection_gauge_and_stop_closes_streams(
-    server: SdsServer, open_stream: Any, socket_path: Path
+    server: SdsServer, open_stream: Any, socket_path: Path, registry: Registry
 ) -> None:
-    base = metrics.sample("sds_connections")
     streams = [open_stream(), open_stream()]
     for stream in streams:
         await stream.request([ROOT_CERT])
         await stream.response()
     assert server.stream_count == 2
-    assert metrics.sample("sds_connections") == base + 2
+    assert sample(registry, "sds_connections") == 2
 
     await server.stop(0.1)
     for stream in streams:
         await stream.error()
     assert server.stream_count == 0
-    assert metrics.sample("sds_connections") == base
+    assert sample(registry, "sds_connections") == 0
 
 
-async def test_request_counter(open_stream: Any) -> None:
-    before = metrics.sample("sds_pushes", {"type": "request"})
+async def test_request_counter(open_stream: Any, registry: Registry) -> None:
     stream = open_stream()
     await stream.request([ROOT_CERT])
     await stream.response()
-    assert metrics.sample("sds_pushes", {"type": "request"}) == before + 1
+    assert sample(registry, "sds_pushes", type="request") == 1

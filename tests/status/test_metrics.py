@@ -14,7 +14,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from istio_agent import metrics
 from istio_agent.config.prometheus import PrometheusTargets, ScrapeTarget
 from istio_agent.http.messages import Handler
 from istio_agent.http.server import ServerRunner, TCPSite
@@ -60,6 +59,7 @@ class Servers:
         self.ours: list[ServerRunner] = []
         self.release = asyncio.Event()  # lets hanging fakes finish at teardown
         self.mergers: list[MetricsMerger] = []
+        self.registry = Registry()  # the agent's registry for these tests: nothing global to diff
 
     async def serve_merger(self, handler: Handler) -> int:
         runner = ServerRunner(handler, shutdown_timeout=0.5)
@@ -107,7 +107,7 @@ class Servers:
         body_cap: int = DEFAULT_BODY_CAP,
     ) -> int:
         merger = MetricsMerger(
-            registry if registry is not None else metrics.REGISTRY,
+            registry if registry is not None else self.registry,
             envoy_port=envoy,
             app=app,
             body_cap=body_cap,
@@ -154,12 +154,12 @@ async def scrape(port: int, headers: dict[str, str] | None = None, query: str = 
         return response.headers["Content-Type"], await response.read()
 
 
-def failures(kind: str) -> float:
-    return metrics.sample("scrape_failures_total", {"type": kind})
+def failures(servers: Servers, kind: str) -> float:
+    return servers.registry.sample("istio_agent_scrape_failures_total", {"type": kind}) or 0.0
 
 
-def up(target: str) -> float | None:
-    return metrics.REGISTRY.sample("istio_agent_scrape_target_up", {"target": target})
+def up(servers: Servers, target: str) -> float | None:
+    return servers.registry.sample("istio_agent_scrape_target_up", {"target": target})
 
 
 # --- order and content -------------------------------------------------------------------------
@@ -168,7 +168,6 @@ def up(target: str) -> float | None:
 async def test_agent_then_envoy_then_app(servers: Servers) -> None:
     envoy = await servers.static(ENVOY_BODY)
     app = await servers.static(APP_BODY)
-    before = metrics.sample("scrapes_total")
     port = await servers.merged(envoy=envoy.port, app=targets(app))
     content_type, body = await scrape(port)
     assert content_type == TEXT_CT
@@ -176,13 +175,11 @@ async def test_agent_then_envoy_then_app(servers: Servers) -> None:
     envoy_at = body.index(ENVOY_BODY)
     assert agent_at < envoy_at < body.index(APP_BODY)
     assert body.endswith(APP_BODY)
-    assert metrics.sample("scrapes_total") == before + 1
-    assert (
-        f"istio_agent_scrapes_total {before + 1}".encode() in body
-    )  # this scrape is counted in its own output
+    assert servers.registry.sample("istio_agent_scrapes_total") == 1
+    assert b"istio_agent_scrapes_total 1.0\n" in body  # this scrape is counted in its own output
     assert b"istio_agent_scrape_failures_total" in body
-    assert up("envoy") == 1
-    assert up(f"app:{app.port}/metrics") == 1
+    assert up(servers, "envoy") == 1
+    assert up(servers, f"app:{app.port}/metrics") == 1
 
 
 async def test_agent_registry_rendered_as_text(servers: Servers) -> None:
@@ -430,29 +427,29 @@ async def test_multi_target_failing_target_skipped_format_from_first_success(ser
     broken = await servers.static(b"nope", status=500)
     ok = await servers.static(b"b 2\n# EOF\n", content_type="application/openmetrics-text")
     ok2 = await servers.static(b"c 3\n", content_type="application/openmetrics-text; version=0.0.1")
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=None, app=targets(broken, ok, ok2))
     content_type, body = await scrape(port)
     assert content_type == OM0_CT
     assert body.endswith(b"b 2\nc 3\n# EOF\n")
     assert b"nope" not in body
-    assert failures("application") == before + 1
-    assert up(f"app:{broken.port}/metrics") == 0
-    assert up(f"app:{ok.port}/metrics") == 1
+    assert failures(servers, "application") == before + 1
+    assert up(servers, f"app:{broken.port}/metrics") == 0
+    assert up(servers, f"app:{ok.port}/metrics") == 1
 
 
 async def test_multi_target_all_failing_still_envoy_and_agent(servers: Servers) -> None:
     envoy = await servers.static(ENVOY_BODY)
     down = closed_port()
     bad = await servers.static(b"x", status=404)
-    before = failures("application")
+    before = failures(servers, "application")
     app = PrometheusTargets(targets=(ScrapeTarget(down, "/metrics"), ScrapeTarget(bad.port, "/metrics")))
     port = await servers.merged(envoy=envoy.port, app=app)
     content_type, body = await scrape(port)
     assert content_type == TEXT_CT
     assert b"istio_agent_scrapes_total" in body
     assert body.endswith(ENVOY_BODY)
-    assert failures("application") == before + 2
+    assert failures(servers, "application") == before + 2
 
 
 async def test_multi_target_cap_exactly_kept_one_more_dropped(servers: Servers) -> None:
@@ -461,13 +458,13 @@ async def test_multi_target_cap_exactly_kept_one_more_dropped(servers: Servers) 
     assert len(exact) == DEFAULT_BODY_CAP
     kept = await servers.static(exact)
     dropped = await servers.static(exact + b"\n")
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=None, app=targets(kept, dropped))
     _, body = await scrape(port)
     assert body.endswith(exact)
     assert body.count(line) == len(exact) // len(line)  # the second body is not there at all
-    assert failures("application") == before + 1
-    assert up(f"app:{dropped.port}/metrics") == 0
+    assert failures(servers, "application") == before + 1
+    assert up(servers, f"app:{dropped.port}/metrics") == 0
 
 
 async def test_multi_target_cap_without_content_length(servers: Servers) -> None:
@@ -480,12 +477,12 @@ async def test_multi_target_cap_without_content_length(servers: Servers) -> None
 
     big = await servers.fake(chunked)
     small = await servers.static(b"s 1\n")
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=None, app=targets(big, small), body_cap=1000)
     _, body = await scrape(port)
     assert b"y 1" not in body
     assert body.endswith(b"s 1\n")
-    assert failures("application") == before + 1
+    assert failures(servers, "application") == before + 1
 
 
 # --- single target: streaming, cap, garbage ----------------------------------------------------
@@ -514,7 +511,7 @@ async def test_single_app_100mb_is_cut_at_the_cap_with_bounded_memory(servers: S
     chunk = line * (64 * 1024 // len(line))
     app = await servers.fake(streaming_app(chunk, 100 * 2**20))
     envoy = await servers.static(ENVOY_BODY)
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=envoy.port, app=targets(app))
     tracemalloc.start()
     try:
@@ -536,8 +533,8 @@ async def test_single_app_100mb_is_cut_at_the_cap_with_bounded_memory(servers: S
     assert peak < DEFAULT_BODY_CAP // 2  # buffering the body up to the cap would exceed this
     assert DEFAULT_BODY_CAP - len(line) < received <= DEFAULT_BODY_CAP + 64 * 1024
     assert tail.endswith(line)  # cut at a line boundary: what was sent stays valid
-    assert failures("application") == before + 1
-    assert up(f"app:{app.port}/metrics") == 0
+    assert failures(servers, "application") == before + 1
+    assert up(servers, f"app:{app.port}/metrics") == 0
 
 
 async def test_multi_target_huge_apps_bounded_by_targets_times_cap(servers: Servers) -> None:
@@ -546,7 +543,7 @@ async def test_multi_target_huge_apps_bounded_by_targets_times_cap(servers: Serv
     first = await servers.fake(streaming_app(chunk, 100 * 2**20))
     second = await servers.fake(streaming_app(chunk, 100 * 2**20))
     small = await servers.static(b"small 1\n")
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=None, app=targets(first, second, small), body_cap=cap)
     tracemalloc.start()
     try:
@@ -558,7 +555,7 @@ async def test_multi_target_huge_apps_bounded_by_targets_times_cap(servers: Serv
     assert peak < 3 * cap + 2**20  # two targets buffered up to the cap, plus read chunks
     assert out.endswith(b"small 1\n")
     assert b"m 1" not in out
-    assert failures("application") == before + 2
+    assert failures(servers, "application") == before + 2
 
 
 async def test_client_hanging_up_mid_scrape_closes_upstream(servers: Servers) -> None:
@@ -589,34 +586,34 @@ async def test_single_app_exactly_cap_kept(servers: Servers) -> None:
     cap = 4096
     body = (b"z 1\n" * (cap // 4))[:cap]
     app = await servers.fake(streaming_app(body, len(body)))
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=None, app=targets(app), body_cap=cap)
     _, out = await scrape(port)
     assert out.endswith(body)
-    assert failures("application") == before
-    assert up(f"app:{app.port}/metrics") == 1
+    assert failures(servers, "application") == before
+    assert up(servers, f"app:{app.port}/metrics") == 1
 
 
 async def test_single_app_cap_plus_one_cut_cleanly(servers: Servers) -> None:
     cap = 4096
     body = b"z 1\n" * (cap // 4) + b"w"
     app = await servers.fake(streaming_app(body, len(body)))
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=None, app=targets(app), body_cap=cap)
     _, out = await scrape(port)
     assert out.endswith(b"z 1\n")
     assert b"w" not in out.split(b"z 1\n", 1)[1]
-    assert failures("application") == before + 1
+    assert failures(servers, "application") == before + 1
 
 
 async def test_single_app_content_length_over_cap_not_read(servers: Servers) -> None:
     app = await servers.static(b"q 1\n" * 300)
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=None, app=targets(app), body_cap=1000)
     content_type, out = await scrape(port)
     assert b"q 1" not in out
     assert content_type == TEXT_CT
-    assert failures("application") == before + 1
+    assert failures(servers, "application") == before + 1
 
 
 async def test_single_openmetrics_app_cut_off_still_ends_with_eof(servers: Servers) -> None:
@@ -633,12 +630,12 @@ async def test_garbage_app_body_passed_through_byte_for_byte(servers: Servers) -
     garbage = bytes(range(256)) * 8 + b"\xff\xfe no newline at the end"
     app = await servers.static(garbage, content_type="application/octet-stream")
     envoy = await servers.static(ENVOY_BODY)
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=envoy.port, app=targets(app))
     content_type, out = await scrape(port)
     assert content_type == TEXT_CT
     assert out.endswith(ENVOY_BODY + garbage)
-    assert failures("application") == before
+    assert failures(servers, "application") == before
 
 
 async def test_long_line_garbage_streamed_past_the_hold_limit(servers: Servers) -> None:
@@ -652,13 +649,13 @@ async def test_long_line_garbage_streamed_past_the_hold_limit(servers: Servers) 
 async def test_app_non_200_is_a_failure(servers: Servers) -> None:
     app = await servers.static(b"secret_app_error_page", status=503)
     envoy = await servers.static(ENVOY_BODY)
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=envoy.port, app=targets(app))
     content_type, out = await scrape(port)
     assert content_type == TEXT_CT
     assert out.endswith(ENVOY_BODY)
     assert b"secret_app_error_page" not in out
-    assert failures("application") == before + 1
+    assert failures(servers, "application") == before + 1
 
 
 # --- hanging and missing upstreams --------------------------------------------------------------
@@ -671,14 +668,14 @@ async def test_hanging_app_bounded_by_scrape_timeout(servers: Servers) -> None:
 
     app = await servers.fake(hang)
     envoy = await servers.static(ENVOY_BODY)
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=envoy.port, app=targets(app))
     started = time.monotonic()
     _, out = await scrape(port, headers={"X-Prometheus-Scrape-Timeout-Seconds": "0.5"})
     assert time.monotonic() - started < 3
     assert b"istio_agent_scrapes_total" in out
     assert out.endswith(ENVOY_BODY)
-    assert failures("application") == before + 1
+    assert failures(servers, "application") == before + 1
 
 
 async def test_app_hanging_mid_body_is_cut_at_a_line(servers: Servers) -> None:
@@ -691,12 +688,12 @@ async def test_app_hanging_mid_body_is_cut_at_a_line(servers: Servers) -> None:
 
     app = await servers.fake(stall)
     envoy = await servers.static(ENVOY_BODY)
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=envoy.port, app=targets(app))
     content_type, out = await scrape(port, headers={"X-Prometheus-Scrape-Timeout-Seconds": "0.5"})
     assert content_type == OM1_CT
     assert out.endswith(ENVOY_BODY + b"first_total 1\n# EOF\n")
-    assert failures("application") == before + 1
+    assert failures(servers, "application") == before + 1
 
 
 async def test_hanging_target_among_several(servers: Servers) -> None:
@@ -706,32 +703,32 @@ async def test_hanging_target_among_several(servers: Servers) -> None:
 
     slow = await servers.fake(hang)
     fast = await servers.static(b"fast 1\n")
-    before = failures("application")
+    before = failures(servers, "application")
     port = await servers.merged(envoy=None, app=targets(slow, fast))
     _, out = await scrape(port, headers={"X-Prometheus-Scrape-Timeout-Seconds": "0.5"})
     assert out.endswith(b"fast 1\n")
-    assert failures("application") == before + 1
+    assert failures(servers, "application") == before + 1
 
 
 async def test_envoy_down_still_agent_and_app(servers: Servers) -> None:
     app = await servers.static(APP_BODY)
-    before = failures("envoy")
+    before = failures(servers, "envoy")
     port = await servers.merged(envoy=closed_port(), app=targets(app))
     content_type, out = await scrape(port)
     assert content_type == TEXT_CT
     assert b"istio_agent_scrapes_total" in out
     assert out.endswith(APP_BODY)
-    assert failures("envoy") == before + 1
-    assert up("envoy") == 0
+    assert failures(servers, "envoy") == before + 1
+    assert up(servers, "envoy") == 0
 
 
 async def test_envoy_non_200_is_a_failure(servers: Servers) -> None:
     envoy = await servers.static(b"envoy_error_page", status=500)
-    before = failures("envoy")
+    before = failures(servers, "envoy")
     port = await servers.merged(envoy=envoy.port, app=None)
     _, out = await scrape(port)
     assert b"envoy_error_page" not in out
-    assert failures("envoy") == before + 1
+    assert failures(servers, "envoy") == before + 1
 
 
 async def test_envoy_body_without_trailing_newline_gets_one(servers: Servers) -> None:
@@ -782,7 +779,7 @@ def test_scrape_timeout(header: str | None, expected: float) -> None:
 
 async def test_close_is_idempotent_and_merger_reusable(servers: Servers) -> None:
     envoy = await servers.static(ENVOY_BODY)
-    merger = MetricsMerger(metrics.REGISTRY, envoy_port=envoy.port, app=None)
+    merger = MetricsMerger(Registry(), envoy_port=envoy.port, app=None)
     await merger.close()  # never used: nothing to close
     port = await servers.serve_merger(merger.handle)
     await scrape(port)

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from istio_agent import metrics
 from istio_agent.ctl.local import free_port
 from istio_agent.ctl.static_mtls import direct_response_bootstrap
 from istio_agent.envoy.binary import find_envoy
 from istio_agent.envoy.readiness import CONFIG_FILTER, LIVE_FILTER, EnvoyReadiness, parse_stats
+from istio_agent.metrics import Registry
 from istio_agent.status.readiness import DNS_NOT_READY, DnsReadiness, GrpcBootstrapReadiness, Readiness
 
 FULL_CONFIG = (
@@ -72,17 +72,23 @@ async def admin() -> AsyncIterator[FakeAdmin]:
         await runner.cleanup()
 
 
-def probe(admin: FakeAdmin, started_at: float | None = None) -> EnvoyReadiness:
+def probe(
+    admin: FakeAdmin, started_at: float | None = None, registry: Registry | None = None
+) -> EnvoyReadiness:
     return EnvoyReadiness(
-        "127.0.0.1", admin.port, started_at=time.monotonic() if started_at is None else started_at
+        "127.0.0.1",
+        admin.port,
+        started_at=time.monotonic() if started_at is None else started_at,
+        registry=registry or Registry(),
     )
 
 
 # -- Envoy probe: config stage -----------------------------------------------------------------------
 async def test_full_stats_are_ready_and_record_startup_duration(admin: FakeAdmin) -> None:
-    envoy = probe(admin, started_at=time.monotonic() - 1000)
+    registry = Registry()
+    envoy = probe(admin, started_at=time.monotonic() - 1000, registry=registry)
     assert await envoy.check() is None
-    assert metrics.sample("startup_duration_seconds") >= 1000
+    assert (registry.sample("istio_agent_startup_duration_seconds") or 0) >= 1000
     assert admin.count(CONFIG_FILTER) == 1 and admin.count(LIVE_FILTER) == 1
 
 

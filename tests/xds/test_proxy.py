@@ -20,8 +20,8 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.rpc import status_pb2
 
-from istio_agent import metrics
 from istio_agent.config import XdsSettings
+from istio_agent.metrics import PREFIX, Registry
 from istio_agent.protos import nds_pb2, proxy_config_pb2
 from istio_agent.xds import NameTableHandler, ProxyConfigHandler, XdsProxy
 from istio_agent.xds.types import HEALTH_INFO, NAME_TABLE, PROXY_CONFIG, WORKLOAD
@@ -46,7 +46,9 @@ def settings_for(workdir: Path, address: str, **changes: Any) -> XdsSettings:
 async def running(
     settings: XdsSettings, handlers: tuple[Any, ...] = ()
 ) -> AsyncIterator[tuple[XdsProxy, grpc.aio.Channel]]:
-    proxy = XdsProxy(settings, handlers=handlers)
+    registry = Registry()  # the proxy's own: tests read absolute values
+    proxy = XdsProxy(settings, handlers=handlers, registry=registry)
+    proxy.registry = registry  # type: ignore[attr-defined]
     await proxy.start()
     channel = grpc.aio.insecure_channel(f"unix:{proxy.socket_path}")
     try:
@@ -93,8 +95,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def sample(name: str, **labels: str) -> float:
-    return metrics.sample(name, labels or None)
+def sample(proxy: XdsProxy, name: str, **labels: str) -> float:
+    registry: Registry = proxy.registry  # type: ignore[attr-defined]
+    return registry.sample(PREFIX + name, labels) or 0.0
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = WAIT) -> None:
@@ -106,12 +109,6 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = WAIT) -> No
 # -- relay basics ---------------------------------------------------------------------------------
 @FLAVOURS
 async def test_basic_flow_cds_then_lds(short_tmp: Path, istiod: FakeIstiod, delta: bool) -> None:
-    before = {
-        "requests": sample("xds_proxy_requests"),
-        "responses": sample("xds_proxy_responses"),
-        "pushes": sample("xds_proxy_pushes", type_url=CDS),
-        "connections": sample("xds_proxy_connections"),
-    }
     async with running(settings_for(short_tmp, istiod.address)) as (proxy, channel):
         envoy = EnvoyStream(channel, delta=delta)
         cds = await envoy.send(CDS, node=NODE)
@@ -126,26 +123,25 @@ async def test_basic_flow_cds_then_lds(short_tmp: Path, istiod: FakeIstiod, delt
         await upstream.send(response(LDS, [], delta=delta, nonce="n2"))
         assert (await envoy.recv()).type_url == LDS
         assert proxy.active_streams() == 1
-        assert sample("xds_proxy_connections") - before["connections"] == 1
+        assert sample(proxy, "xds_proxy_connections") == 1
         await envoy.close()
         await wait_until(lambda: proxy.active_streams() == 0)
-        assert sample("xds_proxy_connections") == before["connections"]
-    assert sample("xds_proxy_requests") - before["requests"] == 2
-    assert sample("xds_proxy_responses") - before["responses"] == 2
-    assert sample("xds_proxy_pushes", type_url=CDS) - before["pushes"] == 1
+        assert sample(proxy, "xds_proxy_connections") == 0
+    assert sample(proxy, "xds_proxy_requests") == 2
+    assert sample(proxy, "xds_proxy_responses") == 2
+    assert sample(proxy, "xds_proxy_pushes", type_url=CDS) == 1
 
 
 async def test_envoy_nacks_and_largest_request_are_measured(short_tmp: Path, istiod: FakeIstiod) -> None:
-    nacks = sample("xds_proxy_nacks", type_url=CDS)
-    async with running(settings_for(short_tmp, istiod.address)) as (_, channel):
+    async with running(settings_for(short_tmp, istiod.address)) as (proxy, channel):
         envoy = EnvoyStream(channel)
         await envoy.send(CDS, error_detail=status_pb2.Status(code=3, message="bad cluster"))
         big = await envoy.send(CDS, resource_names=["c" * 100_000])
         upstream = await istiod.next_stream()
         await upstream.recv()
         await upstream.recv()
-        assert sample("xds_proxy_nacks", type_url=CDS) - nacks == 1
-        assert sample("pilot_xds_recv_max") >= big.ByteSize()
+        assert sample(proxy, "xds_proxy_nacks", type_url=CDS) == 1
+        assert sample(proxy, "pilot_xds_recv_max") >= big.ByteSize()
         await envoy.close()
 
 
@@ -320,7 +316,6 @@ async def test_missing_token_sends_no_header_and_works(
 @FLAVOURS
 async def test_unreachable_upstream_fails_downstream_promptly(short_tmp: Path, delta: bool) -> None:
     address = f"127.0.0.1:{free_port()}"
-    failures = sample("istiod_connection_failures")
     async with running(settings_for(short_tmp, address)) as (proxy, channel):
         envoy = EnvoyStream(channel, delta=delta)
         await envoy.send(CDS)
@@ -328,7 +323,7 @@ async def test_unreachable_upstream_fails_downstream_promptly(short_tmp: Path, d
         assert code == grpc.StatusCode.UNAVAILABLE
         assert address in details and "upstream" in details
         await wait_until(lambda: proxy.active_streams() == 0)
-    assert sample("istiod_connection_failures") - failures == 1
+    assert sample(proxy, "istiod_connection_failures") == 1
 
 
 async def test_reconnect_logging_is_one_line_per_run(
@@ -407,7 +402,6 @@ async def test_missing_root_file_fails_downstream_with_reason(short_tmp: Path, i
 async def test_upstream_abort_mid_stream_passes_its_code(
     short_tmp: Path, istiod: FakeIstiod, delta: bool
 ) -> None:
-    terminations = sample("istiod_connection_terminations", type="error")
     async with running(settings_for(short_tmp, istiod.address)) as (proxy, channel):
         envoy = EnvoyStream(channel, delta=delta)
         await envoy.send(CDS)
@@ -420,7 +414,7 @@ async def test_upstream_abort_mid_stream_passes_its_code(
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert "not allowed any more" in details and istiod.address in details
         await wait_until(lambda: proxy.active_streams() == 0)
-    assert sample("istiod_connection_terminations", type="error") - terminations == 1
+    assert sample(proxy, "istiod_connection_terminations", type="error") == 1
 
 
 async def test_upstream_closing_with_ok_ends_downstream_with_ok(short_tmp: Path, istiod: FakeIstiod) -> None:
@@ -477,7 +471,6 @@ async def test_concurrent_streams_are_independent(short_tmp: Path, istiod: FakeI
 
 @FLAVOURS
 async def test_downstream_cancel_cancels_upstream(short_tmp: Path, istiod: FakeIstiod, delta: bool) -> None:
-    envoy_cancelled = sample("envoy_connection_terminations", type="cancelled")
     async with running(settings_for(short_tmp, istiod.address)) as (proxy, channel):
         envoy = EnvoyStream(channel, delta=delta)
         await envoy.send(CDS)
@@ -487,7 +480,7 @@ async def test_downstream_cancel_cancels_upstream(short_tmp: Path, istiod: FakeI
         await asyncio.wait_for(upstream.ended.wait(), WAIT)
         assert upstream.cancelled
         await wait_until(lambda: proxy.active_streams() == 0)
-    assert sample("envoy_connection_terminations", type="cancelled") - envoy_cancelled == 1
+    assert sample(proxy, "envoy_connection_terminations", type="cancelled") == 1
     leftovers = [t for t in asyncio.all_tasks() if t.get_name().startswith("xds-")]
     assert leftovers == []
 
