@@ -163,7 +163,8 @@ class FileWatcher:
         self._wanted: frozenset[Path] = frozenset()
         self._watches: dict[Path, int] = {}
         """Watched directory -> its inotify watch descriptor."""
-        self._directories: dict[int, Path] = {}
+        self._directories: dict[int, set[Path]] = {}
+        """Watch descriptor -> the wanted directories it covers (two paths may be one inode: bind mounts)."""
         self._missing_logged: set[Path] = set()
         self._failed_logged: set[Path] = set()
         self._running = False
@@ -282,7 +283,7 @@ class FileWatcher:
     def _sync_watches(self) -> None:
         """Watch exactly the wanted directories: add the new ones, remove the others, retry failures."""
         for directory in [d for d in self._watches if d not in self._wanted]:
-            self._forget(self._watches[directory], remove=True)
+            self._unwatch(directory)
         missing = sorted(self._wanted - self._watches.keys())
         failed: set[Path] = set()
         inotify = self._open() if missing else self._inotify
@@ -298,7 +299,7 @@ class FileWatcher:
                     log.debug("watching %s failed: %s", directory, err.strerror)
                     continue
                 self._watches[directory] = wd
-                self._directories[wd] = directory
+                self._directories.setdefault(wd, set()).add(directory)
         if failed:
             for directory in failed - self._failed_logged:
                 log.warning("failed to watch directory %s; retrying in the background", directory)
@@ -309,15 +310,24 @@ class FileWatcher:
             self._retry_delay = _RETRY_INITIAL
         self._failed_logged = failed
 
+    def _unwatch(self, directory: Path) -> None:
+        """Stop watching a directory no longer wanted (its watch goes when no other path shares it)."""
+        wd = self._watches.pop(directory)
+        sharing = self._directories.get(wd, set())
+        sharing.discard(directory)
+        if not sharing:
+            self._forget(wd, remove=True)
+
     def _forget(self, wd: int, *, remove: bool) -> None:
-        directory = self._directories.pop(wd, None)
-        if directory is not None and self._watches.get(directory) == wd:
-            del self._watches[directory]
+        """Drop a watch and every directory it covered; ``remove`` it from the kernel if still there."""
+        for directory in self._directories.pop(wd, set()):
+            if self._watches.get(directory) == wd:
+                del self._watches[directory]
         if remove and self._inotify is not None:
             try:
                 self._inotify.remove_watch(wd)
             except OSError as err:
-                log.debug("removing the watch of %s failed: %s", directory, err.strerror)
+                log.debug("removing watch %d failed: %s", wd, err.strerror)
 
     def _retry_watches(self) -> None:
         self._retry = None
@@ -342,10 +352,11 @@ class FileWatcher:
                 log.warning("the kernel dropped file change events; re-reading all watched files")
                 self._backlog_unknown = True
                 continue
-            directory = self._directories.get(event.wd)
-            if directory is None:
+            directories = self._directories.get(event.wd)
+            if not directories:
                 continue  # a watch removed a moment ago
-            self._backlog.add(directory / event.name if event.name else directory)
+            for directory in directories:
+                self._backlog.add(directory / event.name if event.name else directory)
             if not event.name and event.mask & _GONE:
                 # Removed or moved away: re-tracing watches the path again (its new inode, or the
                 # nearest ancestor until it comes back).
