@@ -163,6 +163,7 @@ def test_channel_options() -> None:
         "grpc.keepalive_time_ms": 7000,
         "grpc.keepalive_timeout_ms": 3000,
         "grpc.use_local_subchannel_pool": 1,
+        "grpc.client_idle_timeout_ms": 500,
         "grpc.ssl_target_name_override": ISTIOD,
     }
     assert "grpc.ssl_target_name_override" not in dict(

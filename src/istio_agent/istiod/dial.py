@@ -43,6 +43,19 @@ ChannelOptions = list[tuple[str, str | int]]
 
 _LOG_SCOPES: dict[Purpose, str] = {"CA": "citadelclient", "XDS": "xdsproxy"}
 
+IDLE_TIMEOUT = timedelta(milliseconds=500)
+"""A channel with no call open lets its connection go after this long, and stops reconnecting.
+
+gRPC's C-core keeps a channel reconnecting (with backoff, up to 2 minutes apart) for as long as a
+call object made on it is alive, even after ``close()``: a failed stream's call lingers in
+exception tracebacks and reference cycles until the garbage collector runs. With the default
+idle timeout (30 minutes) a TLS failure left such channels dialling istiod with the old root for
+many minutes after the agent had recovered. Every channel to istiod has a call open for all of
+its useful life (an ADS stream; a CSR), so going idle between calls costs at most one handshake.
+Shorter than gRPC's first reconnect backoff (1 s, less 20 % jitter): a channel whose call has
+ended never dials again.
+"""
+
 
 class CredentialError(Exception):
     """istiod cannot be dialled with the configured files (e.g. the root is missing); the message says why."""
@@ -223,7 +236,8 @@ class IstiodCredentials:
         return key, chain
 
     def channel_options(self) -> ChannelOptions:
-        """The options every channel to istiod gets: keepalive, a private connection, the TLS server name."""
+        """The options every channel to istiod gets: keepalive, a private connection that is let go
+        when no call uses it (:data:`IDLE_TIMEOUT`), the TLS server name."""
         endpoint = self.endpoint
         options: ChannelOptions = [
             ("grpc.keepalive_time_ms", int(endpoint.keepalive_time.total_seconds() * 1000)),
@@ -231,6 +245,7 @@ class IstiodCredentials:
             # A new channel must really dial again (new root, new client certificate), never reuse a
             # connection pooled by another channel.
             ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.client_idle_timeout_ms", int(IDLE_TIMEOUT.total_seconds() * 1000)),
         ]
         if not endpoint.plaintext and endpoint.server_name:
             options.append(("grpc.ssl_target_name_override", endpoint.server_name))
