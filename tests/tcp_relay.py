@@ -16,7 +16,7 @@ class CountingRelay:
     def __init__(self, target_port: int) -> None:
         self._target_port = target_port
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._open: set[asyncio.WriteTransport] = set()
         self.accepted = 0
         self.port = 0
 
@@ -30,33 +30,28 @@ class CountingRelay:
         return self
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
+        """Stop listening and cut every relayed connection (each relay then ends on its own)."""
+        if self._server is None:
+            return
+        self._server.close()
+        while self._open:
+            self._open.pop().abort()
+        await self._server.wait_closed()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+        self._open.add(writer.transport)
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self._target_port)
         except OSError:
+            self._open.discard(writer.transport)
             writer.transport.abort()
-            self._tasks.discard(task)
             return
-        try:
-            await asyncio.gather(_pump(reader, upstream_writer), _pump(upstream_reader, writer))
-        except asyncio.CancelledError:
-            pass  # stop(): asyncio's stream callback would log a cancelled handler as an error
-        finally:
-            for stream in (writer, upstream_writer):
-                stream.transport.abort()
-            self._tasks.discard(task)
+        self._open.add(upstream_writer.transport)
+        await asyncio.gather(_pump(reader, upstream_writer), _pump(upstream_reader, writer))
+        for transport in (writer.transport, upstream_writer.transport):
+            self._open.discard(transport)
+            transport.abort()
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -64,6 +59,5 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         while data := await reader.read(64 * 1024):
             writer.write(data)
             await writer.drain()
-    with contextlib.suppress(OSError):
         if writer.can_write_eof():
             writer.write_eof()

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+
+from istio_agent.controlplane.server import ControlPlane
+from istio_agent.metrics import Registry
 
 
 def make_key() -> ec.EllipticCurvePrivateKey:
@@ -37,3 +45,23 @@ def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 def uri_sans(cert: x509.Certificate) -> list[str]:
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     return san.get_values_for_type(x509.UniformResourceIdentifier)
+
+
+@asynccontextmanager
+async def started_plane(directory: Path, **options: Any) -> AsyncIterator[ControlPlane]:
+    """A control plane on free loopback ports with an empty ``cluster.local`` mesh in ``directory``."""
+    mesh = directory / "mesh.yaml"
+    mesh.write_text("trustDomain: cluster.local\n")
+    plane = ControlPlane(
+        mesh,
+        directory / "state",
+        address="127.0.0.1:0",
+        secure_address="127.0.0.1:0",
+        registry=Registry(),
+        **options,
+    )
+    await plane.start()
+    try:
+        yield plane
+    finally:
+        await plane.stop(0)

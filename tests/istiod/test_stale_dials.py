@@ -26,11 +26,10 @@ from istio_agent.istiod.dial import IstiodEndpoint
 from istio_agent.istiod.tokens import FileTokenSource
 from istio_agent.metrics import Registry
 from istio_agent.security.caclient import CAError, CitadelClient
-from istio_agent.xds import XdsProxy
-from tests.controlplane import make_key, spiffe_csr
+from tests.controlplane import make_key, spiffe_csr, started_plane
 from tests.security.certs import make_ca, to_pem
 from tests.tcp_relay import CountingRelay
-from tests.xds import CDS, EnvoyStream
+from tests.xds import CDS, EnvoyStream, running
 
 ISTIOD = "istiod.istio-system.svc"
 NODE = Node(id="sidecar~127.0.0.1~app-1.default~default.svc.cluster.local")
@@ -54,16 +53,8 @@ def gc_paused() -> Iterator[None]:
 
 @pytest.fixture
 async def plane(tmp_path: Path) -> AsyncIterator[ControlPlane]:
-    mesh = tmp_path / "mesh.yaml"
-    mesh.write_text("trustDomain: cluster.local\n")
-    cp = ControlPlane(
-        mesh, tmp_path / "state", address="127.0.0.1:0", secure_address="127.0.0.1:0", registry=Registry()
-    )
-    await cp.start()
-    try:
+    async with started_plane(tmp_path) as cp:
         yield cp
-    finally:
-        await cp.stop(0)
 
 
 @pytest.fixture
@@ -75,8 +66,13 @@ async def relay(plane: ControlPlane) -> AsyncIterator[CountingRelay]:
         await counting.stop()
 
 
-def wrong_root(path: Path) -> None:
-    path.write_bytes(to_pem(make_ca("not the control plane's CA")[1]))
+def agent_files(directory: Path, plane: ControlPlane) -> tuple[Path, Path]:
+    """A root certificate file holding the wrong CA, and a token the control plane accepts."""
+    root = directory / "root-cert.pem"
+    root.write_bytes(to_pem(make_ca("not the control plane's CA")[1]))
+    token = directory / "istio-token"
+    token.write_text(mint_token(plane.root_cert_path.parent, "default", "app-1"))
+    return root, token
 
 
 async def dials_after_recovery(relay: CountingRelay) -> int:
@@ -89,10 +85,7 @@ async def dials_after_recovery(relay: CountingRelay) -> int:
 async def test_failed_xds_upstreams_stop_dialling(
     short_tmp: Path, plane: ControlPlane, relay: CountingRelay, gc_paused: None
 ) -> None:
-    root = short_tmp / "root-cert.pem"
-    wrong_root(root)
-    token = short_tmp / "istio-token"
-    token.write_text(mint_token(plane.root_cert_path.parent, "default", "app-1"))
+    root, token = agent_files(short_tmp, plane)
     settings = XdsSettings(
         socket_path=short_tmp / "XDS",
         discovery_address=relay.address,
@@ -100,33 +93,25 @@ async def test_failed_xds_upstreams_stop_dialling(
         server_name=ISTIOD,
         token_path=token,
     )
-    proxy = XdsProxy(settings, registry=Registry())
-    await proxy.start()
-    try:
-        async with grpc.aio.insecure_channel(f"unix:{proxy.socket_path}") as channel:
-            for _ in range(FAILED_STREAMS):  # Envoy retrying while the root is wrong
-                failing = EnvoyStream(channel)
-                await failing.send(CDS, node=NODE)
-                code, details = await failing.status()
-                assert code == grpc.StatusCode.UNAVAILABLE, details
-                assert "CERTIFICATE_VERIFY_FAILED" in details
-            root.write_bytes(plane.root_cert_path.read_bytes())
-            envoy = EnvoyStream(channel)
-            await envoy.send(CDS, node=NODE)
-            assert (await envoy.recv()).type_url == CDS  # recovered: one stream, one connection
-            assert await dials_after_recovery(relay) == 0
-            await envoy.close()
-    finally:
-        await proxy.stop()
+    async with running(settings) as (_, channel):
+        for _ in range(FAILED_STREAMS):  # Envoy retrying while the root is wrong
+            failing = EnvoyStream(channel)
+            await failing.send(CDS, node=NODE)
+            code, details = await failing.status()
+            assert code == grpc.StatusCode.UNAVAILABLE, details
+            assert "CERTIFICATE_VERIFY_FAILED" in details
+        root.write_bytes(plane.root_cert_path.read_bytes())
+        envoy = EnvoyStream(channel)
+        await envoy.send(CDS, node=NODE)
+        assert (await envoy.recv()).type_url == CDS  # recovered: one stream, one connection
+        assert await dials_after_recovery(relay) == 0
+        await envoy.close()
 
 
 async def test_failed_ca_connections_stop_dialling(
     tmp_path: Path, plane: ControlPlane, relay: CountingRelay, gc_paused: None
 ) -> None:
-    root = tmp_path / "root-cert.pem"
-    wrong_root(root)
-    token = tmp_path / "istio-token"
-    token.write_text(mint_token(plane.root_cert_path.parent, "default", "app-1"))
+    root, token = agent_files(tmp_path, plane)
     endpoint = IstiodEndpoint(
         purpose="CA", address=relay.address, plaintext=False, root_cert=root, server_name=ISTIOD
     )

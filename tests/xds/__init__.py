@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+
+from istio_agent.config import XdsSettings
+from istio_agent.metrics import Registry
+from istio_agent.xds import XdsProxy
 
 WAIT = 5.0
 """Upper bound for something expected; only reached when a test is failing."""
@@ -226,3 +231,20 @@ class EnvoyStream:
         self.call.cancel()
         self._pump.cancel()
         await asyncio.gather(self._pump, return_exceptions=True)
+
+
+@asynccontextmanager
+async def running(
+    settings: XdsSettings, handlers: tuple[Any, ...] = (), channel_options: Sequence[tuple[str, Any]] = ()
+) -> AsyncIterator[tuple[XdsProxy, grpc.aio.Channel]]:
+    """A started xDS proxy and Envoy's channel to its socket (``channel_options``: Envoy's settings)."""
+    registry = Registry()  # the proxy's own: tests read absolute values
+    proxy = XdsProxy(settings, handlers=handlers, registry=registry)
+    proxy.registry = registry  # type: ignore[attr-defined]
+    await proxy.start()
+    channel = grpc.aio.insecure_channel(f"unix:{proxy.socket_path}", options=list(channel_options))
+    try:
+        yield proxy, channel
+    finally:
+        await channel.close()
+        await proxy.stop()

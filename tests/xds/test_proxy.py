@@ -7,7 +7,6 @@ import logging
 import socket
 import stat
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from istio_agent.protos import nds_pb2, proxy_config_pb2
 from istio_agent.xds import NameTableHandler, ProxyConfigHandler, XdsProxy
 from istio_agent.xds.types import HEALTH_INFO, NAME_TABLE, PROXY_CONFIG, WORKLOAD
 from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
-from tests.xds import CDS, LDS, WAIT, EnvoyStream, FakeIstiod, FakeUpstreamStream
+from tests.xds import CDS, LDS, WAIT, EnvoyStream, FakeIstiod, FakeUpstreamStream, running
 
 NODE = Node(id="sidecar~10.0.0.1~app-1.default~default.svc.cluster.local")
 FLAVOURS = pytest.mark.parametrize("delta", [False, True], ids=["sotw", "delta"])
@@ -40,22 +39,6 @@ def settings_for(workdir: Path, address: str, **changes: Any) -> XdsSettings:
         cluster_id="Kubernetes",
     )
     return replace(settings, **changes)
-
-
-@asynccontextmanager
-async def running(
-    settings: XdsSettings, handlers: tuple[Any, ...] = ()
-) -> AsyncIterator[tuple[XdsProxy, grpc.aio.Channel]]:
-    registry = Registry()  # the proxy's own: tests read absolute values
-    proxy = XdsProxy(settings, handlers=handlers, registry=registry)
-    proxy.registry = registry  # type: ignore[attr-defined]
-    await proxy.start()
-    channel = grpc.aio.insecure_channel(f"unix:{proxy.socket_path}")
-    try:
-        yield proxy, channel
-    finally:
-        await channel.close()
-        await proxy.stop()
 
 
 @pytest.fixture
