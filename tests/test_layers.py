@@ -24,6 +24,7 @@ LEAF_MODULES = {
     "host",
     "pem",
     "uds",
+    "keepalive",
     "__init__",
 }
 """Top-level modules of utilities that import no package of ours: anything may use them."""

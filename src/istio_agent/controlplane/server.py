@@ -34,6 +34,8 @@ import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
+from istio_agent import keepalive
+from istio_agent.config.xds import DEFAULT_KEEPALIVE_INTERVAL, DEFAULT_KEEPALIVE_TIMEOUT
 from istio_agent.controlplane.ads import AdsServer, PushObserver
 from istio_agent.controlplane.ca import ROOT_CERT_FILE, InvalidCSR, LocalCA, SigningRefused
 from istio_agent.controlplane.mesh import MeshConfig, MeshError, parse_mesh, read_mesh_bytes
@@ -362,8 +364,16 @@ class ControlPlane:
         *,
         push_observer: PushObserver | None = None,
         registry: Registry = REGISTRY,
+        keepalive_interval: timedelta = DEFAULT_KEEPALIVE_INTERVAL,
+        keepalive_timeout: timedelta = DEFAULT_KEEPALIVE_TIMEOUT,
     ) -> None:
+        """``keepalive_interval`` / ``keepalive_timeout``: istiod's ``--keepaliveInterval`` and
+        ``--keepaliveTimeout``; clients may ping down to half the interval, as istiod allows."""
         self._mesh_path = mesh_path
+        self._server_options = [
+            *_SERVER_OPTIONS,
+            *keepalive.server_options(keepalive_interval, keepalive_timeout),
+        ]
         self._registry = registry
         self.metrics = _PlaneMetrics(registry)
         self._push_observer = push_observer
@@ -564,7 +574,7 @@ class ControlPlane:
         self._relay = None
 
     def _new_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        server = grpc.aio.server(options=self._server_options)
         istio_ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(_CertificateService(self), server)
         self.ads.register(server)
         for hook in self._hooks:

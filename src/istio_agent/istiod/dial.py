@@ -29,6 +29,7 @@ from typing import Literal
 
 import grpc
 
+from istio_agent import keepalive
 from istio_agent.config import SecuritySettings, XdsSettings
 from istio_agent.config.headers import is_header_value
 from istio_agent.config.security import CERT_CHAIN_FILE, KEY_FILE, os_ca_bundle
@@ -240,8 +241,7 @@ class IstiodCredentials:
         when no call uses it (:data:`IDLE_TIMEOUT`), the TLS server name."""
         endpoint = self.endpoint
         options: ChannelOptions = [
-            ("grpc.keepalive_time_ms", int(endpoint.keepalive_time.total_seconds() * 1000)),
-            ("grpc.keepalive_timeout_ms", int(endpoint.keepalive_timeout.total_seconds() * 1000)),
+            *keepalive.client_options(endpoint.keepalive_time, endpoint.keepalive_timeout),
             # A new channel must really dial again (new root, new client certificate), never reuse a
             # connection pooled by another channel.
             ("grpc.use_local_subchannel_pool", 1),

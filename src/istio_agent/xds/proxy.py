@@ -28,7 +28,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 
-from istio_agent import uds
+from istio_agent import keepalive, uds
 from istio_agent.config.xds import XdsSettings
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
@@ -231,14 +231,11 @@ class XdsProxy:
 
     def _server_options(self) -> list[tuple[str, int]]:
         settings = self._settings
-        interval_ms = int(settings.keepalive_interval.total_seconds() * 1000)
         return [
             ("grpc.max_concurrent_streams", settings.max_streams),
             ("grpc.max_receive_message_length", settings.max_recv_bytes),
-            ("grpc.keepalive_time_ms", interval_ms),
-            ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout.total_seconds() * 1000)),
+            *keepalive.server_options(settings.keepalive_interval, settings.keepalive_timeout),
             ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", interval_ms // 2),
         ]
 
     # -- health ---------------------------------------------------------------------------------------
