@@ -48,10 +48,12 @@ def uri_sans(cert: x509.Certificate) -> list[str]:
 
 
 @asynccontextmanager
-async def started_plane(directory: Path, **options: Any) -> AsyncIterator[ControlPlane]:
-    """A control plane on free loopback ports with an empty ``cluster.local`` mesh in ``directory``."""
+async def started_plane(
+    directory: Path, mesh_yaml: str = "trustDomain: cluster.local\n", **options: Any
+) -> AsyncIterator[ControlPlane]:
+    """A control plane on free loopback ports serving ``mesh_yaml`` (an empty mesh), state in ``directory``."""
     mesh = directory / "mesh.yaml"
-    mesh.write_text("trustDomain: cluster.local\n")
+    mesh.write_text(mesh_yaml)
     plane = ControlPlane(
         mesh,
         directory / "state",

@@ -25,7 +25,7 @@ from istio_agent.controlplane.xdsgen import CLUSTER_TYPE
 from istio_agent.metrics import Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 
-from . import key_pem, make_key, spiffe_csr, uri_sans
+from . import key_pem, make_key, spiffe_csr, started_plane, uri_sans
 
 SLEEP = "spiffe://example.org/ns/default/sa/sleep"
 SERVER_NAME = "istiod.istio-system.svc"
@@ -322,12 +322,20 @@ async def test_stop_closes_both_ports(plane: ControlPlane, state: Path) -> None:
 
 
 async def _first_cds(
-    channel: grpc.aio.Channel, namespace: str, metadata: tuple[tuple[str, str], ...] = ()
+    channel: grpc.aio.Channel,
+    namespace: str,
+    metadata: tuple[tuple[str, str], ...] = (),
+    *,
+    name: str = "sleep",
+    service_account: str = "",
 ) -> Any:
-    """Open ADS as a sidecar in ``namespace`` and return the first response (or raise the stream's error)."""
+    """Open ADS as sidecar ``name`` in ``namespace`` (claiming ``service_account`` when given) and
+    return the first response (or raise the stream's error)."""
     stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
-    node = base_pb2.Node(id=f"sidecar~127.0.0.1~sleep.{namespace}~{namespace}.svc.cluster.local")
-    node.metadata.update({"NAME": "sleep", "NAMESPACE": namespace})
+    node = base_pb2.Node(id=f"sidecar~127.0.0.1~{name}.{namespace}~{namespace}.svc.cluster.local")
+    node.metadata.update({"NAME": name, "NAMESPACE": namespace})
+    if service_account:
+        node.metadata.update({"SERVICE_ACCOUNT": service_account})
     call = stub.StreamAggregatedResources(metadata=metadata)
     await call.write(discovery_pb2.DiscoveryRequest(node=node, type_url=CLUSTER_TYPE))
     try:
@@ -352,7 +360,40 @@ async def test_ads_on_the_tls_port_needs_an_identity_from_the_proxys_namespace(
         with pytest.raises(grpc.aio.AioRpcError) as elsewhere:
             await _first_cds(channel, "prod", bearer)
         assert elsewhere.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert "may not act for a proxy in namespace prod" in (elsewhere.value.details() or "")
+        assert elsewhere.value.details() == (
+            f"authorization failed: no identities ([{SLEEP}]) matched prod/"  # istiod's words
+        )
+
+
+WEB_AND_OTHER = """\
+trustDomain: cluster.local
+workloads:
+- {name: web, serviceAccount: web}
+- {name: other, serviceAccount: other}
+"""
+
+
+async def test_ads_on_the_tls_port_needs_the_proxys_service_account(tmp_path: Path) -> None:
+    async with started_plane(tmp_path, WEB_AND_OTHER) as plane, tls(plane) as channel:
+        web = (("authorization", f"Bearer {token(tmp_path / 'state', 'default', 'web')}"),)
+        identity = "spiffe://cluster.local/ns/default/sa/web"
+        with pytest.raises(grpc.aio.AioRpcError) as claims_other:  # istiod's check, in its words
+            await _first_cds(channel, "default", web, name="web", service_account="other")
+        assert claims_other.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert claims_other.value.details() == (
+            f"authorization failed: no identities ([{identity}]) matched default/other"
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as names_other:  # other's workload, no claim
+            await _first_cds(channel, "default", web, name="other")
+        assert names_other.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert names_other.value.details() == (
+            f"authorization failed: no identities ([{identity}]) matched default/other "
+            "(the service account of workload other.default)"
+        )
+        own = await _first_cds(channel, "default", web, name="web", service_account="web")
+        assert own.type_url == CLUSTER_TYPE
+        unclaimed = await _first_cds(channel, "default", web, name="web")
+        assert unclaimed.type_url == CLUSTER_TYPE
 
 
 async def test_ads_on_the_plaintext_port_does_not_authenticate(plane: ControlPlane) -> None:

@@ -12,7 +12,8 @@ the TLS backend) get every service: the CA, ADS (:mod:`.ads`, fed by :mod:`.xdsg
 file) and whatever :meth:`ControlPlane.add_servicer_hook` adds.
 
 ADS authentication follows istiod: on the TLS port the caller must prove an identity (token or
-client certificate) in the proxy's namespace; the plaintext port, like istiod's 15010, does not ask.
+client certificate) that is the proxy's namespace and service account; the plaintext port, like
+istiod's 15010, does not ask.
 """
 
 from __future__ import annotations
@@ -283,6 +284,16 @@ def _metadata_value(metadata: Sequence[Any] | None, name: str) -> str:
     return ""
 
 
+def _spiffe_namespace_account(identity: str) -> tuple[str, str] | None:
+    """``spiffe://<td>/ns/<ns>/sa/<sa>`` -> ``(ns, sa)``; None for anything else."""
+    if not identity.startswith("spiffe://"):
+        return None
+    parts = identity.removeprefix("spiffe://").split("/")
+    if len(parts) == 5 and parts[1] == "ns" and parts[3] == "sa":
+        return parts[2], parts[4]
+    return None
+
+
 def certificate_identity(cert: x509.Certificate, root: x509.Certificate) -> str:
     """The SPIFFE identity of a client certificate issued by ``root``; ValueError saying why not."""
     try:
@@ -478,19 +489,44 @@ class ControlPlane:
         raise AuthenticationError("; ".join(failures))
 
     async def authorize_proxy(self, context: grpc.aio.ServicerContext, proxy: ProxyNode) -> None:
-        """ADS admission: on the TLS port, an authenticated caller from the proxy's own namespace."""
+        """ADS admission, as istiod's: on the TLS port an authenticated caller whose identity is the
+        proxy's namespace and service account (see :meth:`admission_refusal`)."""
         if self._relay is None or not self._relay.relays(context.peer()):
             return  # the plaintext port, like istiod's 15010, does not authenticate
         try:
             caller = self.authenticate(context)
         except AuthenticationError as err:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authentication failure: {err.reason}")
-        namespace = caller.identity.split("/ns/", 1)[-1].split("/", 1)[0]
-        if proxy.namespace and namespace != proxy.namespace:
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"authorization failed: {caller.identity} may not act for a proxy in namespace {proxy.namespace}",
+        refusal = self.admission_refusal(caller.identity, proxy)
+        if refusal is not None:
+            log.warning(
+                "Unauthorized XDS: %s with identity [%s]: %s", context.peer(), caller.identity, refusal
             )
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"authorization failed: {refusal}")
+
+    def admission_refusal(self, identity: str, proxy: ProxyNode) -> str | None:
+        """Why ``identity`` may not get ``proxy``'s configuration (istiod's words), or None.
+
+        istiod (``checkConnectionIdentity`` in ``pilot/pkg/xds``) requires the identity's namespace
+        to be the proxy's namespace and, when the node claims one (metadata ``SERVICE_ACCOUNT``),
+        its service account to be that one. Here a proxy gets the configuration of the mesh
+        workload its node names, so the identity must also be that workload's service account:
+        otherwise a token for ``web`` would get ``other``'s listeners by naming ``other`` and
+        claiming no service account.
+        """
+        claimed = proxy.metadata.get("SERVICE_ACCOUNT")
+        claimed = claimed if isinstance(claimed, str) else ""
+        namespace, account = _spiffe_namespace_account(identity) or ("", "")
+        mismatch = (proxy.namespace and namespace != proxy.namespace) or (claimed and account != claimed)
+        if not account or mismatch:
+            return f"no identities ([{identity}]) matched {proxy.namespace}/{claimed}"
+        workload = self.mesh.workload(proxy.name, proxy.namespace)
+        if workload is not None and account != workload.service_account:
+            return (
+                f"no identities ([{identity}]) matched {proxy.namespace}/{workload.service_account} "
+                f"(the service account of workload {workload.name}.{workload.namespace})"
+            )
+        return None
 
     @property
     def _token_verifier(self) -> TokenVerifier:
