@@ -203,7 +203,41 @@ def test_missing_token_warns_once_and_sends_no_header(
     caplog.set_level(logging.WARNING)
     for _ in range(3):
         assert [name for name, _ in creds.metadata()] == ["clusterid"]
-    assert len(lines(caplog, "absent")) == 1
+    assert lines(caplog, "absent") == [
+        f"failed to fetch a token from token file {tmp_path / 'absent'}: No such file or directory; "
+        "sending no token"
+    ]
+
+
+def test_token_problems_are_logged_in_the_scope_of_the_client_that_met_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One token source serves both clients, as in Istio; each says what it could not send under its
+    own scope: the xDS proxy's under ``xdsproxy``, the CA client's under ``citadelclient``."""
+    shared = FileTokenSource(tmp_path / "absent")
+    caplog.set_level(logging.WARNING)
+    credentials(plaintext(purpose="XDS"), shared).metadata()
+    assert [r.name for r in caplog.records] == ["istio.xdsproxy"]
+    credentials(plaintext(purpose="CA"), shared).metadata()
+    assert [r.name for r in caplog.records] == ["istio.xdsproxy", "istio.citadelclient"]
+
+
+def test_each_distinct_token_problem_is_logged_and_recovery_resets(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "istio-token"
+    creds = credentials(plaintext(), FileTokenSource(path))
+    caplog.set_level(logging.WARNING)
+    assert creds.token() == ""
+    path.mkdir()  # a different problem: a directory where the token should be
+    assert [creds.token(), creds.token()] == ["", ""]
+    path.rmdir()
+    path.write_text("secret-jwt-value")
+    assert creds.token() == "secret-jwt-value"
+    path.unlink()
+    assert creds.token() == ""  # the first problem again, after a recovery: said again
+    assert len(lines(caplog, "failed to fetch a token")) == 3
+    assert "secret-jwt-value" not in caplog.text
 
 
 @pytest.mark.parametrize("purpose", ["CA", "XDS"])

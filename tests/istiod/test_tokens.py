@@ -1,4 +1,4 @@
-"""Token sources: file re-read on every call, quiet failures, the fetcher factory."""
+"""Token sources: file re-read on every call, failures raised to the caller, the fetcher factory."""
 
 from __future__ import annotations
 
@@ -14,12 +14,6 @@ from istio_agent.istiod.tokens import (
     token_source_for,
 )
 
-LOGGER = "istio.citadelclient"
-
-
-def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
-
 
 def test_file_token_is_reread_and_stripped(tmp_path: Path) -> None:
     path = tmp_path / "istio-token"
@@ -30,48 +24,25 @@ def test_file_token_is_reread_and_stripped(tmp_path: Path) -> None:
     assert source.token() == "second-token"
 
 
-def test_missing_token_file_gives_empty_token_and_one_warning(
+def test_unreadable_token_file_raises_and_logs_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The source is shared by the CA client and the xDS proxy: each logs the problem in its own
+    scope (tests/istiod/test_dial.py), so the source itself stays quiet."""
     caplog.set_level(logging.DEBUG, logger="istio")
     path = tmp_path / "istio-token"
-    source = FileTokenSource(path)
-    assert [source.token() for _ in range(3)] == ["", "", ""]
-    messages = warnings_of(caplog)
-    assert len(messages) == 1
-    assert str(path) in messages[0]
+    with pytest.raises(FileNotFoundError):
+        FileTokenSource(path).token()
+    path.mkdir()
+    with pytest.raises(IsADirectoryError):
+        FileTokenSource(path).token()
+    assert caplog.records == []
 
 
-def test_each_distinct_token_error_is_logged_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="istio")
-    path = tmp_path / "istio-token"
-    source = FileTokenSource(path)
-    source.token()
-    path.mkdir()  # a different error: a directory where the token should be
-    assert source.token() == ""
-    assert source.token() == ""
-    assert len(warnings_of(caplog)) == 2
-
-
-def test_token_recovery_resets_the_warning_and_never_logs_the_token(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.DEBUG, logger="istio")
-    path = tmp_path / "istio-token"
-    source = FileTokenSource(path)
-    assert source.token() == ""
-    path.write_text("secret-jwt-value")
-    assert source.token() == "secret-jwt-value"
-    path.unlink()
-    assert source.token() == ""
-    assert len(warnings_of(caplog)) == 2
-    assert "secret-jwt-value" not in caplog.text
-
-
-def test_undecodable_token_file_is_treated_as_no_token(tmp_path: Path) -> None:
+def test_undecodable_token_file_gives_a_token_no_header_can_carry(tmp_path: Path) -> None:
     path = tmp_path / "istio-token"
     path.write_bytes(b"\xff\xfe\x00bad")
-    assert FileTokenSource(path).token() == ""
+    assert FileTokenSource(path).token() == "\ufffd\ufffd\x00bad"
 
 
 def test_static_token_hides_its_value() -> None:

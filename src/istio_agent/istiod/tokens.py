@@ -1,8 +1,9 @@
 """Token sources (Istio's credential fetchers): the bearer token the agent shows the CA and istiod.
 
 The projected Kubernetes token is rotated by the kubelet, so the file is read on every call. A token
-that cannot be read is not an error: the call goes out without one, because a client certificate
-(PROV_CERT) may still authenticate it, and the CA's own rejection is the clearer message.
+that cannot be read is not an error: the call goes out without one (``istiod/dial.py`` says so in
+the caller's log scope), because a client certificate (PROV_CERT) may still authenticate it, and
+the CA's own rejection is the clearer message.
 """
 
 from __future__ import annotations
@@ -11,9 +12,6 @@ from pathlib import Path
 from typing import Protocol
 
 from istio_agent.config import ConfigError, SecuritySettings
-from istio_agent.log import scope
-
-log = scope("citadelclient")
 
 MOCK_TOKEN = "test_token"
 FILE_JWT_POLICIES = ("third-party-jwt", "first-party-jwt")
@@ -30,29 +28,18 @@ class TokenSource(Protocol):
 
 
 class FileTokenSource:
-    """A token read from a file on every call (the kubelet rotates projected tokens in place)."""
+    """A token read from a file on every call (the kubelet rotates projected tokens in place).
+
+    A file that cannot be read raises OSError and is not logged here: the source is shared by the
+    CA client and the xDS proxy, and each says so once, in its own log scope (``istiod/dial.py``).
+    Bytes that are not UTF-8 become U+FFFD, which no header may hold, so such a token is not sent.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._last_error: str | None = None
 
     def token(self) -> str:
-        try:
-            text = self.path.read_bytes().decode("utf-8")
-        except OSError as err:
-            self._warn_once(f"failed to read token file {self.path}: {err.strerror or type(err).__name__}")
-            return ""
-        except UnicodeDecodeError:
-            self._warn_once(f"failed to read token file {self.path}: not UTF-8 text")
-            return ""
-        self._last_error = None
-        return text.strip()
-
-    def _warn_once(self, message: str) -> None:
-        # Rotation retries call us often; one line per distinct problem is enough to diagnose it.
-        if message != self._last_error:
-            self._last_error = message
-            log.warning("%s; continuing without a token", message)
+        return self.path.read_bytes().decode("utf-8", errors="replace").strip()
 
     def __str__(self) -> str:
         return f"token file {self.path}"
