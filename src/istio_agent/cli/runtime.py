@@ -1,4 +1,4 @@
-"""What every command does to its process before the work starts: grpc's fork handlers, the event loop.
+"""What every command does to its process before the work starts: grpc's fork handlers and log, the event loop.
 
 Kept free of grpc and of the agent's packages: :func:`prepare_process` must run before grpc loads.
 """
@@ -17,7 +17,8 @@ T = TypeVar("T")
 def prepare_process() -> None:
     """Process-wide settings every command makes first; call before grpc is imported.
 
-    grpcio's fork handlers are turned off unless the operator chose otherwise.
+    grpcio's fork handlers are turned off and its C-core log lines quieted (:func:`quiet_grpc_core`)
+    unless the operator chose otherwise.
 
     When a process forks while gRPC's threads are busy, the handlers skip their work ("Other threads
     are currently calling into gRPC, skipping fork() handlers") and the child can die of SIGSEGV before
@@ -26,9 +27,25 @@ def prepare_process() -> None:
     gRPC in a child, so it needs none of what the handlers do. grpc reads the variable when it loads.
     """
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    quiet_grpc_core()
     # Some roots in the OS trust store (SYSTEM roots, file-root:system) have serial number 0, which
     # RFC 5280 forbids; cryptography warns once per process. They are the OS's roots, not ours to fix.
     warnings.filterwarnings("ignore", message="Parsed a serial number which wasn't positive")
+
+
+def quiet_grpc_core() -> None:
+    """gRPC's C-core prints nothing unless the operator asks for it with GRPC_VERBOSITY or GRPC_TRACE.
+
+    C-core writes its own lines straight to stderr in its own format (``I0102 03:04:05.000000 123
+    ssl_transport_security.cc:2563] Handshake failed ...``), which breaks Istio's line format that
+    log pipelines parse, and Python cannot route them into a log scope. What they report reaches
+    the agent's log anyway: a failed call's status carries the cause (a handshake failure's text
+    included), and the CA client and the xDS proxy log it at warn in their scopes. Istio keeps its
+    gRPC library quiet the same way (its ``grpc`` log scope is off by default). Read once, when
+    grpc loads.
+    """
+    if "GRPC_VERBOSITY" not in os.environ and "GRPC_TRACE" not in os.environ:
+        os.environ["GRPC_VERBOSITY"] = "NONE"
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
