@@ -528,14 +528,16 @@ async def test_unreachable_admin_ends_the_drain(
 async def test_drain_is_bounded_by_drain_duration(
     short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
 ) -> None:
-    settings = dataclasses.replace(exit_on_zero_settings(short_tmp, 0), drain_duration=timedelta(seconds=1))
+    # 2 s, not less: on a loaded machine the drain request and the first polls must fit in the bound.
+    settings = dataclasses.replace(exit_on_zero_settings(short_tmp, 0), drain_duration=timedelta(seconds=2))
     async with FakeAdmin([(200, "listener.0.0.0.0_15006.downstream_cx_active: 1")]) as admin:
         settings = dataclasses.replace(settings, proxy_admin_port=admin.port)
         code, elapsed = await drain_with(settings)
-    assert code == -signal.SIGKILL
-    assert 0.9 <= elapsed < 5
-    assert admin.polls >= 2
-    assert "still has active connections 1s after the drain began" in envoy_logs.text
+    seen = f"elapsed {elapsed:.2f}s, {admin.polls} polls, log:\n{envoy_logs.text}"
+    assert code == -signal.SIGKILL, seen
+    assert 1.9 <= elapsed < 8, seen
+    assert admin.polls >= 2, seen
+    assert "still has active connections 2s after the drain began" in envoy_logs.text
     assert "There are no more active connections" not in envoy_logs.text
 
 
