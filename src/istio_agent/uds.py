@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -33,11 +34,12 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def prepare_socket_path(path: Path) -> None:
+def prepare_socket_path(path: Path) -> OSError | None:
     """Make ``path`` ready to be bound: old file gone, parent directories present.
 
     Raises OSError when an existing file cannot be removed or the path is too long for a socket.
-    A parent directory that cannot be created only warns: binding will then fail with its own error.
+    A parent directory that cannot be created only warns (as Istio): binding will then fail, and the
+    error returned here (None when the directory is there) is the reason to give.
     """
     if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
         raise OSError(f"unix socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
@@ -51,6 +53,8 @@ def prepare_socket_path(path: Path) -> None:
         _make_dirs(path.parent)
     except OSError as err:
         log.warning("failed to create directory %s for unix socket: %s", path.parent, err)
+        return err
+    return None
 
 
 def _make_dirs(directory: Path) -> None:
@@ -78,16 +82,32 @@ def make_socket_accessible(path: Path) -> None:
 async def start_server_on(server: grpc.aio.Server, path: Path, what: str) -> None:
     """Bind ``server`` to the Unix socket ``path`` (a stale file replaced), start it, open the socket.
 
-    Raises OSError naming ``what`` and the path when it cannot listen; the server is stopped then.
+    Raises OSError naming ``what``, the path and why when it cannot listen (a read-only directory in a
+    pod that lacks the volume); the server is stopped then.
     """
-    prepare_socket_path(path)
+    try:
+        directory_error = prepare_socket_path(path)
+    except OSError as err:
+        raise OSError(err.errno, f"{what} could not listen on {path}: {err.strerror or err}") from err
     try:
         server.add_insecure_port(f"unix:{path}")
         await server.start()
     except (RuntimeError, OSError) as err:  # grpc reports a failed bind as RuntimeError
         await server.stop(None)
-        raise OSError(f"{what} could not listen on {path}: {err}") from err
+        reason = directory_error or _bind_refusal(path) or err
+        raise OSError(f"{what} could not listen on {path}: {reason}") from err
     make_socket_accessible(path)
+
+
+def _bind_refusal(path: Path) -> OSError | None:
+    """Why the kernel refuses to bind ``path`` (grpc's error only says that binding failed); None if it binds."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(str(path))
+        except OSError as err:
+            return err
+    path.unlink(missing_ok=True)
+    return None
 
 
 async def socket_is_healthy(path: Path, timeout: float = 1.0) -> bool:
