@@ -286,6 +286,47 @@ def test_envoy_restarted_when_asked(mesh: LocalMesh) -> None:
     assert not admin_up(b.ports["admin"])
 
 
+def running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_envoy_dies_with_a_killed_agent_and_a_new_agent_starts(mesh: LocalMesh) -> None:
+    b = mesh.workload("b")
+    mesh.start_controlplane()
+    mesh.start_workload(b)
+    agent = mesh.processes.children["pilot-agent b"]
+    wait_until(lambda: mesh.processes.alive("pilot-agent b") and ready(b.ports["status"]), 60, "b ready")
+    orphan = envoy_pid(agent.pid)
+    assert orphan is not None
+    try:
+        agent.kill()  # SIGKILL: the agent gets no chance to stop Envoy itself
+        agent.wait(10)
+        wait_until(lambda: not running(orphan), 3, "Envoy to die with its agent")
+
+        second = start_agent(mesh, b)
+        wait_until(
+            lambda: mesh.processes.alive("pilot-agent b") and ready(b.ports["status"]), 60, "b ready again"
+        )
+        assert envoy_pid(second.pid) is not None  # ready through its own Envoy, not a leftover one
+        assert "address already in use" not in log_of(b).lower()
+    finally:
+        if running(orphan):
+            os.kill(orphan, signal.SIGKILL)
+
+
 # -- exit codes with a stand-in Envoy (no real Envoy needed) -----------------------------------------
 def fake_envoy(directory: Path, script: str, executable: bool = True) -> Path:
     path = directory / "fake-envoy"
