@@ -24,6 +24,7 @@ from aiohttp import web
 
 from istio_agent.ctl.local import wait_until
 from istio_agent.ctl.localmesh import LocalMesh, Service, Workload
+from tests.procs import running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -284,15 +285,6 @@ def test_envoy_restarted_when_asked(mesh: LocalMesh) -> None:
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(20) == 0
     assert not admin_up(b.ports["admin"])
-
-
-def running(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, dead but not yet reaped by its new parent, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def ready(port: int) -> bool:

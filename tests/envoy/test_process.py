@@ -32,6 +32,7 @@ from istio_agent.envoy.process import (
     envoy_command,
 )
 from tests.bootstrap import make_settings
+from tests.procs import running
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -272,15 +273,6 @@ AGENT = textwrap.dedent(
         asyncio.run(main(Path(sys.argv[1]), Path(sys.argv[2])))
     """
 )
-
-
-def running(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie (dead, not yet reaped by its new parent) does not."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
