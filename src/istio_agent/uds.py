@@ -1,9 +1,12 @@
-"""Unix-domain-socket helpers for the SDS server: preparing the path, permissions, liveness.
+"""Unix-domain-socket helpers for the agent's gRPC servers (SDS, xDS): path, permissions, liveness, limits.
 
 Envoy runs as a different user than the agent in some deployments, so the socket is made
 world-writable while its directory stays 0750. A socket file left behind by a dead agent must
 not block a restart, but a live socket owned by someone else (an external SDS server such as
 SPIRE) must be detected and left alone: both cases are told apart by speaking gRPC to it.
+
+Being world-writable, the sockets take connections from any local process: ``ServerLimits`` says
+how long a connection that does nothing is kept (see its fields).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import os
 import socket
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -24,6 +28,39 @@ SOCKET_DIR_MODE = 0o750
 SOCKET_MODE = 0o666
 MAX_SOCKET_PATH_BYTES = 107
 """sun_path holds 108 bytes including the terminating NUL on Linux."""
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """How long the agent's gRPC servers on Unix sockets keep a connection that does nothing.
+
+    Envoy sends its HTTP/2 preface and settings as soon as it connects and keeps its xDS and SDS
+    streams open for its whole life, so none of these bounds ever touches it.
+    """
+
+    handshake_timeout: float = 10.0
+    """Seconds for a new client to send the HTTP/2 preface and settings (grpc alone waits a minute)."""
+    idle_timeout: float = 300.0
+    """Seconds a connection may hold no call before it is closed with GOAWAY; a client reconnects
+    when it needs one again. Open streams, however quiet, are never idle."""
+    keepalive_time: float = 30.0
+    """Seconds between the server's HTTP/2 pings on a connection (also one that holds streams)."""
+    keepalive_timeout: float = 10.0
+    """Seconds for a ping's answer; a client that stopped answering (frozen, gone) is closed."""
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """The grpc server arguments for these limits."""
+        return [
+            ("grpc.server_handshake_timeout_ms", _ms(self.handshake_timeout)),
+            ("grpc.max_connection_idle_ms", _ms(self.idle_timeout)),
+            ("grpc.keepalive_time_ms", _ms(self.keepalive_time)),
+            ("grpc.keepalive_timeout_ms", _ms(self.keepalive_timeout)),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
 
 
 def _remove(path: Path) -> None:

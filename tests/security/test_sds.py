@@ -22,9 +22,11 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 from google.rpc import status_pb2
 
+from istio_agent import uds
 from istio_agent.metrics import PREFIX, Registry
 from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretError, SecretItem
 from istio_agent.security.sds import SECRET_TYPE_URL, SdsServer
+from tests.uds_clients import idle_http2_client, silent_client
 
 NODE = Node(id="sidecar~10.0.0.1~app-1.default~default.svc.cluster.local")
 RESPONSE_WAIT = 5.0
@@ -786,3 +788,32 @@ async def test_request_counter(open_stream: Any, registry: Registry) -> None:
     await stream.request([ROOT_CERT])
     await stream.response()
     assert sample(registry, "sds_pushes", type="request") == 1
+
+
+# --- connections that do nothing --------------------------------------------------------------------
+
+
+async def test_connections_that_do_nothing_are_closed_and_streams_are_kept(
+    provider: FakeSecretProvider, socket_path: Path
+) -> None:
+    limits = uds.ServerLimits(handshake_timeout=0.3, idle_timeout=0.5)
+    sds = SdsServer(provider, socket_path, limits=limits)
+    await sds.start()
+    try:
+        silent, idle = await asyncio.gather(silent_client(socket_path, 5), idle_http2_client(socket_path, 5))
+        assert silent is not None and silent < 3, (
+            "a client that never sent the HTTP/2 preface stayed connected"
+        )
+        assert idle is not None and idle < 3, "a connection without a call stayed open"
+        async with grpc.aio.insecure_channel(f"unix:{socket_path}") as chan:
+            stream = StreamClient(sds_pb2_grpc.SecretDiscoveryServiceStub(chan).StreamSecrets())
+            try:
+                await stream.request([WORKLOAD_KEY_CERT])
+                first = await stream.response()
+                await asyncio.sleep(1)  # a quiet stream is not an idle connection
+                await stream.request([WORKLOAD_KEY_CERT, ROOT_CERT], first.nonce)
+                assert names_of(await stream.response()) == [ROOT_CERT]
+            finally:
+                await stream.close()
+    finally:
+        await sds.stop(None)

@@ -156,8 +156,15 @@ class XdsProxy:
         handlers: Sequence[TypeHandler] = (),
         dialer: UpstreamDialer | None = None,
         registry: Registry = REGISTRY,
+        limits: uds.ServerLimits | None = None,
     ) -> None:
+        """``limits``: how long connections from Envoy's side that do nothing are kept; by default
+        the server pings every GRPC_KEEPALIVE_INTERVAL and waits GRPC_KEEPALIVE_TIMEOUT, as Istio's."""
         self._settings = settings
+        self._limits = limits or uds.ServerLimits(
+            keepalive_time=settings.keepalive_interval.total_seconds(),
+            keepalive_timeout=settings.keepalive_timeout.total_seconds(),
+        )
         self._metrics = _ProxyMetrics(registry)
         self._handlers: dict[str, TypeHandler] = {}
         for handler in handlers:
@@ -231,14 +238,11 @@ class XdsProxy:
 
     def _server_options(self) -> list[tuple[str, int]]:
         settings = self._settings
-        interval_ms = int(settings.keepalive_interval.total_seconds() * 1000)
         return [
             ("grpc.max_concurrent_streams", settings.max_streams),
             ("grpc.max_receive_message_length", settings.max_recv_bytes),
-            ("grpc.keepalive_time_ms", interval_ms),
-            ("grpc.keepalive_timeout_ms", int(settings.keepalive_timeout.total_seconds() * 1000)),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", interval_ms // 2),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self._limits.keepalive_time * 500)),
+            *self._limits.grpc_options(),
         ]
 
     # -- health ---------------------------------------------------------------------------------------
