@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from istio_agent.cli import runtime
 from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings, read_pod_annotations
 from istio_agent.config.dns import DnsSettings
+from istio_agent.config.env import MAX_DURATION, out_of_range, parse_go_int
 from istio_agent.config.probes import parse_readiness_probe
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyStartError
@@ -228,7 +228,9 @@ def version(short: bool, output: str) -> None:
 DEFAULT_READY_URL = "http://localhost:15021/healthz/ready"
 ALLOWED_DEBUG_PORTS = (15000, 15004, 15020, 15021)
 REQUEST_TIMEOUT_SECONDS = 60.0
-_GO_INT = re.compile(r"[+-]?[0-9]+")
+MAX_SECONDS = int(MAX_DURATION.total_seconds())
+"""Go's time.Duration range, in the units of the flags: no longer wait is possible in Istio's agent."""
+MAX_MILLISECONDS = MAX_SECONDS * 1000
 
 
 class CommandError(Exception):
@@ -245,14 +247,15 @@ class _StrictCommand(click.Command):
             _fail(err.format_message())
 
 
-def _parse_count(name: str, raw: str, minimum: int | None) -> int:
-    """An integer flag or env value as Go's flag parser accepts it, optionally bounded below."""
-    text = raw.strip()
-    if not _GO_INT.fullmatch(text):
-        raise CommandError(f"invalid value {raw!r} for {name}: not an integer")
-    value = int(text)
-    if minimum is not None and value < minimum:
-        raise CommandError(f"invalid value {raw!r} for {name}: must be at least {minimum}")
+def _parse_count(name: str, raw: str, minimum: int | None, maximum: int | None = None) -> int:
+    """An integer flag or env value as Go's flag parser accepts it, within ``minimum..maximum``."""
+    try:
+        value = parse_go_int(raw)
+    except ValueError:
+        raise CommandError(f"invalid value {raw!r} for {name}: not an integer") from None
+    problem = out_of_range(value, minimum, maximum)
+    if problem is not None:
+        raise CommandError(f"invalid value {raw!r} for {name}: {problem}")
     return value
 
 
@@ -351,11 +354,13 @@ def wait(
     try:
         if timeout_seconds is None:
             env_value = Env().text("WAIT_TIMEOUT_SECONDS")
-            timeout = _parse_count("WAIT_TIMEOUT_SECONDS", env_value, 0) if env_value.strip() else 60
+            timeout = (
+                _parse_count("WAIT_TIMEOUT_SECONDS", env_value, 0, MAX_SECONDS) if env_value.strip() else 60
+            )
         else:
-            timeout = _parse_count("--timeoutSeconds", timeout_seconds, 0)
-        request_timeout = _parse_count("--requestTimeoutMillis", request_timeout_millis, 1)
-        period = _parse_count("--periodMillis", period_millis, 1)
+            timeout = _parse_count("--timeoutSeconds", timeout_seconds, 0, MAX_SECONDS)
+        request_timeout = _parse_count("--requestTimeoutMillis", request_timeout_millis, 1, MAX_MILLISECONDS)
+        period = _parse_count("--periodMillis", period_millis, 1, MAX_MILLISECONDS)
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise CommandError(f"invalid --url {url!r}: expected http(s)://host[:port]/path")

@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from istio_agent.config.document import INT32_MAX, Keys, Node, config_errors
-from istio_agent.config.env import ConfigError
+from istio_agent.config.document import Keys, Node, config_errors
+from istio_agent.config.env import INT32_MAX, ConfigError
 
 # --- the model ---------------------------------------------------------------------------------------
 
