@@ -357,6 +357,77 @@ async def test_file_resources(tmp_path: Path) -> None:
         await manager.stop()
 
 
+NOT_A_CERTIFICATE = b"root:x:0:0:root:/root:/bin/bash\n"
+
+
+def unusable_files(tmp_path: Path, ca: FakeCA) -> dict[str, tuple[str, str]]:
+    """Resource names whose files can never load, each with the reason the error must give."""
+    chain, key = write_pair(ca, tmp_path)
+    (tmp_path / "chain.pem").write_bytes(chain)
+    (tmp_path / "key.pem").write_bytes(key)
+    (tmp_path / "passwd").write_bytes(NOT_A_CERTIFICATE)
+    (tmp_path / "key-only.pem").write_bytes(key)
+    (tmp_path / "a-dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")  # reading it would block a worker thread for good
+    return {
+        f"file-root:{tmp_path}/passwd": ("passwd", "no PEM encoded certificate found"),
+        f"file-root:{tmp_path}/key-only.pem": ("key-only.pem", "not a CERTIFICATE"),
+        f"file-root:{tmp_path}/a-dir": ("a-dir", "not a regular file"),
+        f"file-root:{tmp_path}/fifo": ("fifo", "not a regular file"),
+        f"file-cert:{tmp_path}/passwd~{tmp_path}/key.pem": ("passwd", "invalid PEM encoded certificate"),
+        f"file-cert:{tmp_path}/chain.pem~{tmp_path}/passwd": ("passwd", "no PEM PRIVATE KEY block"),
+        f"file-cert:{tmp_path}/chain.pem~{tmp_path}/fifo": ("fifo", "not a regular file"),
+    }
+
+
+async def test_files_that_can_never_load_are_refused_at_once(tmp_path: Path) -> None:
+    """A file that is not what it should be was retried for the 10 s a half-written file gets."""
+    ca = FakeCA()
+    cases = await asyncio.to_thread(unusable_files, tmp_path, ca)  # write_pair runs its own loop
+    manager, _ = await started(make_settings(tmp_path), None)  # the default 10 s retry window
+    try:
+        for name, (path, reason) in cases.items():
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            with pytest.raises(SecretError) as caught:
+                await asyncio.wait_for(manager.generate(name), 5)
+            assert loop.time() - began < 2, name
+            assert f"failed to load {tmp_path}/{path}: " in str(caught.value), name
+            assert reason in str(caught.value), name
+            assert sample(manager, "num_file_secret_failures_total", resource_name=name) == 1
+    finally:
+        await manager.stop()
+
+
+async def test_files_being_written_are_still_waited_for(tmp_path: Path) -> None:
+    """Missing, empty, cut short or a key not yet matching: a writer may be half-way (Istio retries 10 s)."""
+    ca = FakeCA()
+    chain, key = await asyncio.to_thread(write_pair, ca, tmp_path)
+    other_chain, _ = await asyncio.to_thread(write_pair, ca, tmp_path)
+    root, cert, key_file = tmp_path / "root.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+    root.write_bytes(b"")
+    cert.write_bytes(other_chain)
+    key_file.write_bytes(key)
+    late = tmp_path / "late.pem"
+    manager, _ = await started(make_settings(tmp_path), None)
+    try:
+        roots = asyncio.ensure_future(manager.generate(f"file-root:{root}"))
+        pair = asyncio.ensure_future(manager.generate(f"file-cert:{cert}~{key_file}"))
+        appearing = asyncio.ensure_future(manager.generate(f"file-root:{late}"))
+        await asyncio.sleep(0.3)
+        root.write_bytes(pem(ca.root).encode()[:100])  # cut short
+        await asyncio.sleep(0.3)
+        assert not roots.done() and not pair.done() and not appearing.done()
+        root.write_bytes(pem(ca.root).encode())
+        cert.write_bytes(chain)  # the certificate now matches the key
+        late.write_bytes(pem(ca.root).encode())
+        assert (await asyncio.wait_for(roots, 5)).root_cert
+        assert (await asyncio.wait_for(pair, 5)).certificate_chain == chain
+        assert (await asyncio.wait_for(appearing, 5)).root_cert
+    finally:
+        await manager.stop()
+
+
 async def test_trust_bundle_update_re_pushes(tmp_path: Path, ca: FakeCA) -> None:
     manager, recorder = await started(make_settings(tmp_path), ca)
     try:
