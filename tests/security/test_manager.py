@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 from datetime import UTC, datetime, timedelta
@@ -138,6 +139,42 @@ async def test_ca_outage_during_rotation_keeps_serving_current_cert(tmp_path: Pa
         assert ca.calls == 5  # first, three failures, the renewal
     finally:
         await manager.stop()
+
+
+@pytest.mark.parametrize(
+    ("failures", "said", "never"),
+    [
+        (0, "rotated workload certificate; the previous one expires at ", "expired"),
+        # A 2 s certificate (whole seconds in X.509: it lives 1-2 s) is renewed with 0.5-1 s left; the
+        # CA fails 3 times, 0.6 s apart, so the third failure and the renewal come after it expired.
+        (3, "rotated workload certificate; the previous one expired at ", "expires at"),
+    ],
+    ids=["renewed-in-time", "renewed-after-expiry"],
+)
+async def test_rotation_log_says_whether_the_previous_certificate_expired(
+    tmp_path: Path, ca: FakeCA, caplog: pytest.LogCaptureFixture, failures: int, said: str, never: str
+) -> None:
+    """The log said a certificate that was still valid for hours had "expired"."""
+    from istio_agent.backoff import ExponentialBackoff
+
+    caplog.set_level(logging.INFO, logger="istio.cache")
+    settings = make_settings(tmp_path, SECRET_TTL="2s", SECRET_GRACE_PERIOD_RATIO_JITTER="0")
+    manager, recorder = await started(
+        settings, ca, backoff=lambda: ExponentialBackoff(initial=0.6, multiplier=1.0, randomization=0.0)
+    )
+    try:
+        await manager.generate(WORKLOAD_KEY_CERT)
+        ca.fail_next = failures
+        await recorder.wait_for(WORKLOAD_KEY_CERT, timeout=8)
+    finally:
+        await manager.stop()
+    rotated = [r.getMessage() for r in caplog.records if "rotated workload certificate" in r.getMessage()]
+    assert len(rotated) == 1 and rotated[0].startswith(said) and never not in rotated[0], rotated
+    retries = [r.getMessage() for r in caplog.records if "certificate rotation failed" in r.getMessage()]
+    assert len(retries) == failures
+    if failures:
+        assert "(the current certificate expires at " in retries[0]
+        assert "(the current certificate expired at " in retries[-1] and " ago)" in retries[-1]
 
 
 async def test_during_outage_the_cached_cert_is_served(tmp_path: Path, ca: FakeCA) -> None:

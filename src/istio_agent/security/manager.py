@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from istio_agent import goformat
 from istio_agent.backoff import ExponentialBackoff
 from istio_agent.config.security import FILE_LOAD_TIMEOUT, SecuritySettings, os_ca_bundle
 from istio_agent.filewatch import FileWatcher
@@ -407,18 +408,19 @@ class SecretManager:
                     new = await self._sign_new()
                     self._install(new)
                 self._metrics.rotations.inc()
-                log.info("rotated workload certificate (previous expired %s)", old.expires.isoformat())
+                log.info(
+                    "rotated workload certificate; the previous one %s", _expiry(old.expires, self._now())
+                )
                 self._notify(WORKLOAD_KEY_CERT)
                 return
             except SecretError as err:
                 self._metrics.rotation_failures.inc()
                 delay = backoff.next_delay()
-                left = (old.expires - self._now()).total_seconds()
                 log.warning(
-                    "certificate rotation failed: %s; retrying in %.1fs (current certificate valid for %.0fs)",
+                    "certificate rotation failed: %s; retrying in %.1fs (the current certificate %s)",
                     err,
                     delay,
-                    left,
+                    _expiry(old.expires, self._now()),
                 )
                 await asyncio.sleep(delay)
 
@@ -462,6 +464,14 @@ def _non_empty(path: Path) -> bool:
         return path.stat().st_size > 0
     except OSError:
         return False
+
+
+def _expiry(expires: datetime, now: datetime) -> str:
+    """``expires at <time> (in 11h59m59s)``, or ``expired at <time> (5s ago)`` once it has."""
+    left = (expires - now).total_seconds()
+    if left > 0:
+        return f"expires at {expires.isoformat()} (in {goformat.duration(left)})"
+    return f"expired at {expires.isoformat()} ({goformat.duration(-left)} ago)"
 
 
 class _Unloadable(Exception):
