@@ -148,3 +148,13 @@ def test_proxy_config_durations() -> None:
         ProxyConfig().overlay({"terminationDrainDuration": "soon"}, "PROXY_CONFIG")
     with pytest.raises(ConfigError, match=r"drainDuration: must be whole seconds, got 1\.5s"):
         ProxyConfig().overlay({"drainDuration": "1.5s"}, "PROXY_CONFIG")
+
+
+def test_ports_in_addresses_are_ascii_digits() -> None:
+    """str.isdigit() takes Arabic-Indic digits, and int() reads them: "istiod:١٥٠١٢" was port 15012."""
+    from istio_agent.config import dns, proxy_config
+
+    for split in (proxy_config.split_host_port, dns.split_host_port):
+        with pytest.raises(ValueError):
+            split("istiod:\u0661\u0665\u0660\u0661\u0662")
+        assert split("istiod:15012") == ("istiod", 15012)

@@ -51,7 +51,7 @@ def split_host_port(address: str) -> tuple[str, int]:
         host, sep, port = address.rpartition(":")
         if not sep or ":" in host:
             raise ValueError(f"invalid address {address!r} (expected host:port or [ipv6]:port)")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError(f"invalid port in address {address!r}")
     return host, int(port)
 

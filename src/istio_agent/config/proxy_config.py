@@ -229,7 +229,7 @@ def split_host_port(address: str) -> tuple[str, int]:
         host = host[1:-1]
     elif ":" in host:
         raise ValueError(f"{address!r}: an IPv6 address needs brackets, e.g. [::1]:9411")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"{address!r} must be host:port")
     return host, int(port)
 
