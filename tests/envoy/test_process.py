@@ -604,7 +604,9 @@ async def test_drain_is_bounded_by_drain_duration(
     short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
 ) -> None:
     # 2 s, not less: on a loaded machine the drain request and the first polls must fit in the bound.
-    settings = dataclasses.replace(exit_on_zero_settings(short_tmp, 0), drain_duration=timedelta(seconds=2))
+    settings = dataclasses.replace(
+        exit_on_zero_settings(short_tmp, free_port()), drain_duration=timedelta(seconds=2)
+    )
     async with FakeAdmin([(200, "listener.0.0.0.0_15006.downstream_cx_active: 1")]) as admin:
         settings = dataclasses.replace(settings, proxy_admin_port=admin.port)
         code, elapsed = await drain_with(settings)

@@ -23,7 +23,9 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 from google.rpc import status_pb2
 
 from istio_agent import uds
+from istio_agent.config import Env, SecuritySettings
 from istio_agent.metrics import PREFIX, Registry
+from istio_agent.security.manager import SecretManager
 from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretError, SecretItem
 from istio_agent.security.sds import SECRET_TYPE_URL, SdsServer
 from tests.uds_clients import idle_http2_client, silent_client
@@ -598,6 +600,35 @@ async def test_file_root_names_map_to_validation_context(
     secrets = secrets_of(await stream.response())
     assert secrets[name].validation_context.trusted_ca.inline_bytes == ROOT_1
     assert secrets["file-cert:/c~/k"].tls_certificate.private_key.inline_bytes == KEY_2
+
+
+async def test_file_root_naming_a_non_certificate_is_answered_with_an_error(
+    tmp_path: Path, socket_path: Path, registry: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the real secret manager: the stream hung for the 10 s a half-written file is retried."""
+    not_a_certificate = tmp_path / "passwd"
+    not_a_certificate.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    name = f"file-root:{not_a_certificate}"
+    manager = SecretManager(SecuritySettings.from_env(Env({}), tmp_path), None, registry=registry)
+    sds = SdsServer(manager, socket_path, crl_path=None, registry=registry)
+    await manager.start()
+    await sds.start()
+    try:
+        async with grpc.aio.insecure_channel(f"unix:{socket_path}") as channel:
+            stream = StreamClient(sds_pb2_grpc.SecretDiscoveryServiceStub(channel).StreamSecrets())
+            await stream.request([name])
+            err = await stream.error()  # within RESPONSE_WAIT
+            await stream.close()
+    finally:
+        await sds.stop(None)
+        await manager.stop()
+    assert err.code() == grpc.StatusCode.UNKNOWN
+    assert f"failed to load {not_a_certificate}: " in err.details()
+    assert "no PEM encoded certificate found" in err.details()
+    logged = [
+        r for r in caplog.records if r.levelno >= logging.WARNING and str(not_a_certificate) in r.getMessage()
+    ]
+    assert len(logged) == 1, [r.getMessage() for r in logged]
 
 
 # --- FetchSecrets -------------------------------------------------------------------------------------
