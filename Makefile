@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint protos bench demo clean
+.PHONY: test test-fast lint protos bench soak demo clean
 
 # Debian tools the DNS tests and benchmark run against: dnsmasq (upstream resolver and peer), dig, dnsperf.
 DEB_TOOLS := dnsmasq dig dnsperf
@@ -46,6 +46,10 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.startup
 	$(BIN)/python -m bench.metrics
 	$(BIN)/python -m bench.dns
+
+# Ten minutes of the demo mesh under faults (control plane kills, a CA outage, 30-s certificates).
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak
 
 demo: $(STAMP)
 	$(BIN)/agentctl demo

@@ -14,8 +14,9 @@ STRESS = textwrap.dedent(
     from istio_agent.cli.runtime import prepare_process
     prepare_process()  # first, as every entry point does: gRPC's fork handlers off before grpc loads
     import grpc, grpc.aio, uvloop
+    from istio_agent.envoy.process import die_with_parent
 
-    async def main(spawns):
+    async def main(spawns, hook):
         server = grpc.aio.server()
 
         async def echo(request, context):
@@ -35,22 +36,25 @@ STRESS = textwrap.dedent(
         loads = [asyncio.ensure_future(load()) for _ in range(4)]
         crashed = 0
         for _ in range(spawns):
-            child = await asyncio.create_subprocess_exec("/bin/true")
+            # Envoy is spawned with a parent-death hook: the child runs Python between fork and exec.
+            extra = {"preexec_fn": die_with_parent()} if hook else {}
+            child = await asyncio.create_subprocess_exec("/bin/true", **extra)
             crashed += await child.wait() != 0
         busy = False
         await asyncio.gather(*loads)
         print(crashed)
 
-    uvloop.run(main(int(sys.argv[1])))
+    uvloop.run(main(int(sys.argv[1]), sys.argv[2] == "hook"))
     """
 )
 
 
 @pytest.mark.timeout(120)
-def test_children_of_a_busy_grpc_process_do_not_crash() -> None:
+@pytest.mark.parametrize("spawn", ["plain", "hook"])
+def test_children_of_a_busy_grpc_process_do_not_crash(spawn: str) -> None:
     # With grpcio's default fork handlers about 1.6 % of these children died of SIGSEGV before exec,
     # so 500 spawns without a crash would happen by chance about 3 times in 10,000.
     done = subprocess.run(
-        [sys.executable, "-c", STRESS, "500"], capture_output=True, text=True, timeout=110, check=True
+        [sys.executable, "-c", STRESS, "500", spawn], capture_output=True, text=True, timeout=110, check=True
     )
     assert done.stdout.strip() == "0", done.stdout + done.stderr[-2000:]

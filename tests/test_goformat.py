@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from datetime import timedelta
 
 import grpc
 import pytest
@@ -35,7 +36,12 @@ def test_status_code_names() -> None:
         (1, "1s"),
         (1.5, "1.5s"),
         (30, "30s"),
+        (90, "1m30s"),
+        (3600, "1h0m0s"),
+        (-1.5, "-1.5s"),
+        (timedelta(milliseconds=2**31 - 1), "596h31m23.647s"),
+        (timedelta(hours=24), "24h0m0s"),
     ],
 )
-def test_durations(seconds: float, text: str) -> None:
+def test_durations(seconds: float | timedelta, text: str) -> None:
     assert goformat.duration(seconds) == text

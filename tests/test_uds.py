@@ -108,6 +108,16 @@ def test_prepare_warns_when_parent_cannot_be_created(
     assert "failed to create directory" in caplog.text
 
 
+async def test_a_server_that_cannot_listen_says_which_path_and_why(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    server = grpc.aio.server()
+    with pytest.raises(
+        OSError, match=r"xDS proxy could not listen on .*/file/sub/XDS: .*Not a directory: '.*/file/sub'"
+    ):
+        await uds.start_server_on(server, blocker / "sub" / "XDS", "xDS proxy")
+
+
 def test_make_socket_accessible(tmp_path: Path) -> None:
     path = tmp_path / "s.sock"
     _dead_socket(path)

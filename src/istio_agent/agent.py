@@ -319,6 +319,7 @@ class Agent:
             on_quit=self._quit,
             on_drain=self._drain,
             metrics_localhost_only=settings.metrics_localhost_only,
+            registry=registry,
         )
 
         async def stop() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import signal
+from datetime import timedelta
 
 
 def exit_text(returncode: int) -> str:
@@ -31,10 +32,28 @@ def status_code_name(code: enum.Enum) -> str:
     return "".join(part.capitalize() for part in code.name.split("_"))
 
 
-def duration(seconds: float) -> str:
-    """A short Go-style duration: ``0s``, ``1s``, ``1.5s``, ``100ms``, ``2.5ms``."""
+def duration(value: float | timedelta) -> str:
+    """Go's ``time.Duration`` text: ``0s``, ``100ms``, ``2.5ms``, ``1.5s``, ``1m30s``, ``596h31m23.647s``.
+
+    Seconds (a float) or a timedelta; shown to the microsecond (below a second, to 3 decimals of ms).
+    """
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
     if seconds == 0:
         return "0s"
-    if abs(seconds) < 1:
-        return f"{seconds * 1000:.3f}".rstrip("0").rstrip(".") + "ms"
-    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+    sign = "-" if seconds < 0 else ""
+    seconds = abs(seconds)
+    if seconds < 1:
+        return sign + f"{seconds * 1000:.3f}".rstrip("0").rstrip(".") + "ms"
+    micros = round(seconds * 1_000_000) if not isinstance(value, timedelta) else abs(value) // _MICROSECOND
+    hours, micros = divmod(micros, 3_600_000_000)
+    minutes, micros = divmod(micros, 60_000_000)
+    whole, fraction = divmod(micros, 1_000_000)
+    text = f"{whole}.{fraction:06d}".rstrip("0").rstrip(".") + "s"
+    if hours:
+        return f"{sign}{hours}h{minutes}m{text}"
+    if minutes:
+        return f"{sign}{minutes}m{text}"
+    return sign + text
+
+
+_MICROSECOND = timedelta(microseconds=1)

@@ -1,20 +1,27 @@
-"""Unix-domain-socket helpers for the SDS server: preparing the path, permissions, liveness.
+"""Unix-domain-socket helpers for the agent's gRPC servers (SDS, xDS): path, permissions, liveness, limits.
 
 Envoy runs as a different user than the agent in some deployments, so the socket is made
 world-writable while its directory stays 0750. A socket file left behind by a dead agent must
 not block a restart, but a live socket owned by someone else (an external SDS server such as
 SPIRE) must be detected and left alone: both cases are told apart by speaking gRPC to it.
+
+Being world-writable, the sockets take connections from any local process: ``ServerLimits`` says
+how long a connection that does nothing is kept (see its fields).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
 
+from istio_agent import keepalive
 from istio_agent.log import scope
 
 log = scope("sds")
@@ -25,6 +32,43 @@ MAX_SOCKET_PATH_BYTES = 107
 """sun_path holds 108 bytes including the terminating NUL on Linux."""
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """How long the agent's gRPC servers on Unix sockets keep a connection that does nothing.
+
+    Envoy sends its HTTP/2 preface and settings as soon as it connects and keeps its xDS and SDS
+    streams open for its whole life, so none of these bounds ever touches it.
+    """
+
+    handshake_timeout: float = 10.0
+    """Seconds for a new client to send the HTTP/2 preface and settings (grpc alone waits a minute)."""
+    idle_timeout: float = 300.0
+    """Seconds a connection may hold no call before it is closed with GOAWAY; a client reconnects
+    when it needs one again. Open streams, however quiet, are never idle."""
+    keepalive_time: float = 30.0
+    """Seconds between the server's HTTP/2 pings on a connection (also one that holds streams);
+    a client's own pings are accepted down to half of it."""
+    keepalive_timeout: float = 10.0
+    """Seconds for a ping's answer; a client that stopped answering (frozen, gone) is closed."""
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """The grpc server arguments for these limits."""
+        return [
+            ("grpc.server_handshake_timeout_ms", _ms(self.handshake_timeout)),
+            ("grpc.max_connection_idle_ms", _ms(self.idle_timeout)),
+            # Istio's server keepalive: clients may ping down to half the interval.
+            *keepalive.server_options(
+                timedelta(milliseconds=_ms(self.keepalive_time)),
+                timedelta(milliseconds=_ms(self.keepalive_timeout)),
+            ),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
 def _remove(path: Path) -> None:
     """Remove a file, socket, symlink or empty directory (what Go's os.Remove accepts)."""
     if path.is_dir() and not path.is_symlink():
@@ -33,11 +77,12 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def prepare_socket_path(path: Path) -> None:
+def prepare_socket_path(path: Path) -> OSError | None:
     """Make ``path`` ready to be bound: old file gone, parent directories present.
 
     Raises OSError when an existing file cannot be removed or the path is too long for a socket.
-    A parent directory that cannot be created only warns: binding will then fail with its own error.
+    A parent directory that cannot be created only warns (as Istio): binding will then fail, and the
+    error returned here (None when the directory is there) is the reason to give.
     """
     if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
         raise OSError(f"unix socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
@@ -51,6 +96,8 @@ def prepare_socket_path(path: Path) -> None:
         _make_dirs(path.parent)
     except OSError as err:
         log.warning("failed to create directory %s for unix socket: %s", path.parent, err)
+        return err
+    return None
 
 
 def _make_dirs(directory: Path) -> None:
@@ -78,16 +125,32 @@ def make_socket_accessible(path: Path) -> None:
 async def start_server_on(server: grpc.aio.Server, path: Path, what: str) -> None:
     """Bind ``server`` to the Unix socket ``path`` (a stale file replaced), start it, open the socket.
 
-    Raises OSError naming ``what`` and the path when it cannot listen; the server is stopped then.
+    Raises OSError naming ``what``, the path and why when it cannot listen (a read-only directory in a
+    pod that lacks the volume); the server is stopped then.
     """
-    prepare_socket_path(path)
+    try:
+        directory_error = prepare_socket_path(path)
+    except OSError as err:
+        raise OSError(err.errno, f"{what} could not listen on {path}: {err.strerror or err}") from err
     try:
         server.add_insecure_port(f"unix:{path}")
         await server.start()
     except (RuntimeError, OSError) as err:  # grpc reports a failed bind as RuntimeError
         await server.stop(None)
-        raise OSError(f"{what} could not listen on {path}: {err}") from err
+        reason = directory_error or _bind_refusal(path) or err
+        raise OSError(f"{what} could not listen on {path}: {reason}") from err
     make_socket_accessible(path)
+
+
+def _bind_refusal(path: Path) -> OSError | None:
+    """Why the kernel refuses to bind ``path`` (grpc's error only says that binding failed); None if it binds."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(str(path))
+        except OSError as err:
+            return err
+    path.unlink(missing_ok=True)
+    return None
 
 
 async def socket_is_healthy(path: Path, timeout: float = 1.0) -> bool:

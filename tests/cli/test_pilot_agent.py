@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,6 +46,87 @@ def test_bad_settings_exit_255_with_the_reason(short_tmp: Path, env: dict[str, s
     done = run_agent(short_tmp, "proxy", **env)
     assert done.returncode == 255
     assert message in done.stderr + done.stdout
+
+
+OVERFLOW = "99999999999h"  # beyond Go's time.Duration (about 292 years)
+
+
+def plaintext_config(**fields: object) -> str:
+    return json.dumps({"discoveryAddress": "127.0.0.1:15010", **fields})
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SECRET_TTL": OVERFLOW}, f'SECRET_TTL={OVERFLOW!r}: time: invalid duration "{OVERFLOW}"'),
+        ({"FILE_DEBOUNCE_DURATION": OVERFLOW}, "FILE_DEBOUNCE_DURATION"),
+        (
+            {"GRPC_KEEPALIVE_INTERVAL": OVERFLOW},
+            f"GRPC_KEEPALIVE_INTERVAL={OVERFLOW!r}: time: invalid duration",
+        ),
+        ({"GRPC_KEEPALIVE_TIMEOUT": OVERFLOW}, "GRPC_KEEPALIVE_TIMEOUT"),
+        (
+            {"DNS_FORWARD_TIMEOUT": OVERFLOW, "ISTIO_META_DNS_CAPTURE": "true"},
+            f"DNS_FORWARD_TIMEOUT={OVERFLOW!r}: time: invalid duration",
+        ),
+        ({"MINIMUM_DRAIN_DURATION": OVERFLOW}, "MINIMUM_DRAIN_DURATION"),
+        (
+            {"PROXY_CONFIG": plaintext_config(drainDuration=OVERFLOW)},
+            f'drainDuration: time: invalid duration "{OVERFLOW}"',
+        ),
+        ({"PROXY_CONFIG": plaintext_config(terminationDrainDuration=OVERFLOW)}, "terminationDrainDuration"),
+        ({"PROXY_CONFIG": plaintext_config(drainDuration=1e300)}, "drainDuration: time: invalid duration"),
+        (
+            {"PROXY_CONFIG": plaintext_config(terminationDrainDuration="100000h")},
+            "must be between 0s and 24h0m0s",
+        ),
+    ],
+)
+def test_overflowing_durations_exit_255_with_one_line(
+    short_tmp: Path, env: dict[str, str], message: str
+) -> None:
+    """Durations beyond Go's range were an OverflowError traceback and exit 1."""
+    done = run_agent(short_tmp, "proxy", **{"PROXY_CONFIG": plaintext_config(), **env})
+    assert done.returncode == 255, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("Error: ") and done.stderr.count("\n") == 1, done.stderr  # one line
+    assert message in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"WORKLOAD_RSA_KEY_SIZE": "99999999"},
+            "WORKLOAD_RSA_KEY_SIZE='99999999': must be between 2048 and 8192",
+        ),
+        (
+            {"SECRET_GRACE_PERIOD_RATIO": "nan"},
+            "SECRET_GRACE_PERIOD_RATIO='nan': 'nan' is not a finite number",
+        ),
+        ({"ISTIO_GPRC_MAXSTREAMS": "9999999999"}, "must be between 1 and 2147483647"),
+        ({"ISTIO_CPU_LIMIT": "100000"}, "ISTIO_CPU_LIMIT='100000': must be between 0 and 1024"),
+        ({"ENVOY_STATUS_PORT": "70000"}, "ENVOY_STATUS_PORT='70000': must be between 1 and 65535"),
+        (
+            {"DNS_FORWARD_RETRIES": "1000000", "ISTIO_META_DNS_CAPTURE": "true"},
+            "DNS_FORWARD_RETRIES='1000000': must be between 0 and 10",
+        ),
+        (
+            {"PROXY_CONFIG": plaintext_config(concurrency=100000)},
+            "concurrency: must be between 0 and 1024, got 100000",
+        ),
+        (
+            {"PROXY_CONFIG": plaintext_config(proxyAdminPort=0)},
+            "proxyAdminPort: must be between 1 and 65535, got 0",
+        ),
+    ],
+)
+def test_numbers_out_of_bounds_exit_255(short_tmp: Path, env: dict[str, str], message: str) -> None:
+    """An absurd number (a 99999999-bit key pinned a core for minutes) fails the start, naming the setting."""
+    done = run_agent(short_tmp, "proxy", **{"PROXY_CONFIG": plaintext_config(), **env})
+    assert done.returncode == 255, done.stderr
+    assert "Traceback" not in done.stderr
+    assert message in done.stderr
 
 
 def test_missing_ca_root_is_a_clear_error(short_tmp: Path) -> None:

@@ -192,13 +192,16 @@ async def test_timeout_flag_wins_over_env(fake: FakeServer) -> None:
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
-        (["--timeoutSeconds=-1"], {}, "--timeoutSeconds: must be at least 0"),
+        (["--timeoutSeconds=-1"], {}, "--timeoutSeconds: must be between 0 and 9223372036"),
         (["--timeoutSeconds=1.5"], {}, "--timeoutSeconds: not an integer"),
+        (["--timeoutSeconds=99999999999999999999"], {}, "--timeoutSeconds: not an integer"),  # beyond int64
+        (["--timeoutSeconds=9999999999"], {}, "--timeoutSeconds: must be between 0 and 9223372036"),
         (["--periodMillis=abc"], {}, "--periodMillis: not an integer"),
-        (["--periodMillis=0"], {}, "--periodMillis: must be at least 1"),
-        (["--requestTimeoutMillis=-5"], {}, "--requestTimeoutMillis: must be at least 1"),
+        (["--periodMillis=0"], {}, "--periodMillis: must be between 1 and"),
+        (["--requestTimeoutMillis=-5"], {}, "--requestTimeoutMillis: must be between 1 and"),
+        (["--requestTimeoutMillis=9999999999999"], {}, "--requestTimeoutMillis: must be between 1 and"),
         ([], {"WAIT_TIMEOUT_SECONDS": "soon"}, "WAIT_TIMEOUT_SECONDS: not an integer"),
-        ([], {"WAIT_TIMEOUT_SECONDS": "-3"}, "WAIT_TIMEOUT_SECONDS: must be at least 0"),
+        ([], {"WAIT_TIMEOUT_SECONDS": "-3"}, "WAIT_TIMEOUT_SECONDS: must be between 0 and"),
         (["--url=ftp://example/"], {}, "invalid --url"),
         (["--noSuchFlag"], {}, "No such option"),
     ],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from istio_agent.config import ConfigError
@@ -67,6 +69,33 @@ def test_lenient_integers_are_protojsons() -> None:
         root(0).port()
     with pytest.raises(ConfigError, match="doc: required"):
         root(None).port()
+
+
+def test_lenient_integers_take_ascii_digits_only() -> None:
+    with pytest.raises(ConfigError, match="expected an integer, got a string"):
+        root("\u00b2").integer(lenient=True)  # str.isdigit() says yes; int() raised ValueError
+
+
+def test_numbers_are_finite_and_bounded() -> None:
+    assert root(50).number(minimum=0, maximum=100) == 50.0
+    with pytest.raises(ConfigError, match=r"^SOURCE: doc: must be between 0 and 100, got 101$"):
+        root(101).number(minimum=0, maximum=100)
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        root(float("nan")).number()
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        root(10**400).number()
+
+
+def test_durations_are_go_durations_within_bounds() -> None:
+    assert root("1.500s").duration() == timedelta(seconds=1.5)
+    assert root(2).duration() == timedelta(seconds=2)
+    for value in ("99999999999h", 1e300, float("inf"), 10**400):
+        with pytest.raises(ConfigError, match=r"^SOURCE: doc: time: invalid duration"):
+            root(value).duration()
+    with pytest.raises(ConfigError, match=r"^SOURCE: doc: must be at most 24h0m0s, got 25h0m0s$"):
+        root("25h").duration(maximum=timedelta(hours=24))
+    with pytest.raises(ConfigError, match="expected a duration such as 5s, got a boolean"):
+        root(True).duration()
 
 
 def test_lists_maps_and_choices() -> None:

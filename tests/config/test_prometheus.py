@@ -135,7 +135,7 @@ def test_empty_target_port_rejected() -> None:
 
 @pytest.mark.parametrize("port", ["0", "65536", "99999"])
 def test_out_of_range_ports_rejected(port: str) -> None:
-    with pytest.raises(ConfigError, match="out of range"):
+    with pytest.raises(ConfigError, match="must be between 1 and 65535"):
         parse({"port": port})
 
 

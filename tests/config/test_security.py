@@ -59,7 +59,11 @@ def test_ca_address_and_server_name(tmp_path: Path) -> None:
         ({"SECRET_TTL": "soon"}, "SECRET_TTL"),
         ({"SECRET_GRACE_PERIOD_RATIO": "1.5"}, "SECRET_GRACE_PERIOD_RATIO"),
         ({"SECRET_GRACE_PERIOD_RATIO": "half"}, "SECRET_GRACE_PERIOD_RATIO"),
-        ({"WORKLOAD_RSA_KEY_SIZE": "1024"}, "minimum required size of 2048"),
+        ({"WORKLOAD_RSA_KEY_SIZE": "1024"}, "WORKLOAD_RSA_KEY_SIZE=.1024.: must be between 2048 and 8192"),
+        (
+            {"WORKLOAD_RSA_KEY_SIZE": "99999999"},
+            "WORKLOAD_RSA_KEY_SIZE=.99999999.: must be between 2048 and 8192",
+        ),
         ({"ECC_SIGNATURE_ALGORITHM": "ED25519"}, "ECC_SIGNATURE_ALGORITHM"),
         ({"ECC_CURVE": "P521"}, "ECC_CURVE"),
         ({"CA_PROVIDER": "GoogleCA"}, 'CA provider "GoogleCA" not registered'),
@@ -142,5 +146,15 @@ def test_proxy_config_durations() -> None:
     assert ProxyConfig().termination_drain_duration.total_seconds() == 5
     with pytest.raises(ConfigError, match="terminationDrainDuration"):
         ProxyConfig().overlay({"terminationDrainDuration": "soon"}, "PROXY_CONFIG")
-    with pytest.raises(ConfigError, match="drainDuration must be whole seconds"):
+    with pytest.raises(ConfigError, match=r"drainDuration: must be whole seconds, got 1\.5s"):
         ProxyConfig().overlay({"drainDuration": "1.5s"}, "PROXY_CONFIG")
+
+
+def test_ports_in_addresses_are_ascii_digits() -> None:
+    """str.isdigit() takes Arabic-Indic digits, and int() reads them: "istiod:١٥٠١٢" was port 15012."""
+    from istio_agent.config import dns, proxy_config
+
+    for split in (proxy_config.split_host_port, dns.split_host_port):
+        with pytest.raises(ValueError):
+            split("istiod:\u0661\u0665\u0660\u0661\u0662")
+        assert split("istiod:15012") == ("istiod", 15012)

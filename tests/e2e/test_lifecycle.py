@@ -24,6 +24,7 @@ from aiohttp import web
 
 from istio_agent.ctl.local import wait_until
 from istio_agent.ctl.localmesh import LocalMesh, Service, Workload
+from tests.procs import running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -284,6 +285,38 @@ def test_envoy_restarted_when_asked(mesh: LocalMesh) -> None:
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(20) == 0
     assert not admin_up(b.ports["admin"])
+
+
+def ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_envoy_dies_with_a_killed_agent_and_a_new_agent_starts(mesh: LocalMesh) -> None:
+    b = mesh.workload("b")
+    mesh.start_controlplane()
+    mesh.start_workload(b)
+    agent = mesh.processes.children["pilot-agent b"]
+    wait_until(lambda: mesh.processes.alive("pilot-agent b") and ready(b.ports["status"]), 60, "b ready")
+    orphan = envoy_pid(agent.pid)
+    assert orphan is not None
+    try:
+        agent.kill()  # SIGKILL: the agent gets no chance to stop Envoy itself
+        agent.wait(10)
+        wait_until(lambda: not running(orphan), 3, "Envoy to die with its agent")
+
+        second = start_agent(mesh, b)
+        wait_until(
+            lambda: mesh.processes.alive("pilot-agent b") and ready(b.ports["status"]), 60, "b ready again"
+        )
+        assert envoy_pid(second.pid) is not None  # ready through its own Envoy, not a leftover one
+        assert "address already in use" not in log_of(b).lower()
+    finally:
+        if running(orphan):
+            os.kill(orphan, signal.SIGKILL)
 
 
 # -- exit codes with a stand-in Envoy (no real Envoy needed) -----------------------------------------

@@ -12,7 +12,16 @@ import pytest
 
 from istio_agent.http.listen import listening_socket
 from istio_agent.http.messages import Request, Response, StreamResponse
-from istio_agent.http.server import ClientDisconnected, Limits, ServerRunner, SockSite, TCPSite
+from istio_agent.http.server import (
+    CONNECTION_LIMIT,
+    HEADER_TIMEOUT,
+    MALFORMED,
+    ClientDisconnected,
+    Limits,
+    ServerRunner,
+    SockSite,
+    TCPSite,
+)
 
 pytestmark = [pytest.mark.both_loops, pytest.mark.timeout(20)]
 
@@ -243,6 +252,97 @@ async def test_malformed_requests_get_400_and_no_traceback(
     assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer[:80]
     assert b"Connection: close\r\n" in answer and answer.endswith(b"400 Bad Request\n")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+
+
+async def test_bad_requests_are_counted_and_logged_on_one_debug_line(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    rejected: list[str] = []
+    port = await serve(hello, on_reject=rejected.append)
+    with caplog.at_level(logging.DEBUG):
+        answers = await asyncio.gather(*(raw(port, b"GARBAGE " * 2000 + b"\r\n\r\n") for _ in range(200)))
+    assert all(answer.startswith(b"HTTP/1.1 400 Bad Request\r\n") for answer in answers)
+    assert rejected == [MALFORMED] * 200
+    lines = [r for r in caplog.records if r.name == "istio.http"]
+    assert len(lines) == 1 and lines[0].levelno == logging.DEBUG and not lines[0].exc_info
+    assert len(lines[0].getMessage()) < 300  # the offending bytes are not copied into the log
+
+
+async def open_silent(port: int, n: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    return [await asyncio.open_connection("127.0.0.1", port) for _ in range(n)]
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(), seconds) == b""
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
+async def test_silent_and_trickling_connections_are_closed_after_the_header_timeout(serve: Serve) -> None:
+    rejected: list[str] = []
+    port = await serve(hello, limits=Limits(header_timeout=0.3), on_reject=rejected.append)
+    silent = await open_silent(port, 50)
+    trickling_reader, trickling = await asyncio.open_connection("127.0.0.1", port)
+
+    async def trickle() -> None:
+        for byte in b"GET / HTTP/1.1\r\nHost: h\r\n":
+            if trickling.is_closing():
+                return
+            trickling.write(bytes([byte]))
+            await asyncio.sleep(0.05)
+
+    feeder = asyncio.ensure_future(trickle())
+    try:
+        assert all(await asyncio.gather(*(closed_within(reader, 3) for reader, _ in silent)))
+        assert await closed_within(trickling_reader, 3)
+        assert rejected == [HEADER_TIMEOUT] * 51
+    finally:
+        feeder.cancel()
+        for _, writer in [*silent, (trickling_reader, trickling)]:
+            writer.close()
+
+
+async def test_a_kept_alive_connection_may_idle_but_its_next_head_is_bounded(serve: Serve) -> None:
+    rejected: list[str] = []
+    port = await serve(
+        hello, limits=Limits(header_timeout=0.2, keepalive_timeout=5), on_reject=rejected.append
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for _ in range(2):
+            writer.write(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+            await read_response(reader)
+            await asyncio.sleep(0.5)  # idle longer than the header timeout: still open
+        writer.write(b"GET / HTTP/1.1\r\n")  # a head begun and never finished
+        assert await closed_within(reader, 3)
+        assert rejected == [HEADER_TIMEOUT]
+    finally:
+        writer.close()
+
+
+async def test_connections_beyond_the_limit_are_closed_at_once(serve: Serve) -> None:
+    rejected: list[str] = []
+    port = await serve(hello, limits=Limits(max_connections=3), on_reject=rejected.append)
+    held = await open_silent(port, 3)
+    await asyncio.sleep(0.1)
+    (extra_reader, extra_writer), *_ = await open_silent(port, 1)
+    try:
+        assert await closed_within(extra_reader, 3)
+        assert rejected == [CONNECTION_LIMIT]
+        held[0][1].write(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")  # the ones held are served
+        head, _ = await read_response(held[0][0])
+        assert head.startswith(b"HTTP/1.1 200 ")
+        held[1][1].close()
+        await asyncio.sleep(0.1)
+        answer = await raw(port, b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200 ")  # room again once one left
+    finally:
+        extra_writer.close()
+        for _, writer in held:
+            writer.close()
 
 
 async def test_other_http_versions_are_505(serve: Serve) -> None:

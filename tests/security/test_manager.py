@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 from datetime import UTC, datetime, timedelta
@@ -138,6 +139,42 @@ async def test_ca_outage_during_rotation_keeps_serving_current_cert(tmp_path: Pa
         assert ca.calls == 5  # first, three failures, the renewal
     finally:
         await manager.stop()
+
+
+@pytest.mark.parametrize(
+    ("failures", "said", "never"),
+    [
+        (0, "rotated workload certificate; the previous one expires at ", "expired"),
+        # A 2 s certificate (whole seconds in X.509: it lives 1-2 s) is renewed with 0.5-1 s left; the
+        # CA fails 3 times, 0.6 s apart, so the third failure and the renewal come after it expired.
+        (3, "rotated workload certificate; the previous one expired at ", "expires at"),
+    ],
+    ids=["renewed-in-time", "renewed-after-expiry"],
+)
+async def test_rotation_log_says_whether_the_previous_certificate_expired(
+    tmp_path: Path, ca: FakeCA, caplog: pytest.LogCaptureFixture, failures: int, said: str, never: str
+) -> None:
+    """The log said a certificate that was still valid for hours had "expired"."""
+    from istio_agent.backoff import ExponentialBackoff
+
+    caplog.set_level(logging.INFO, logger="istio.cache")
+    settings = make_settings(tmp_path, SECRET_TTL="2s", SECRET_GRACE_PERIOD_RATIO_JITTER="0")
+    manager, recorder = await started(
+        settings, ca, backoff=lambda: ExponentialBackoff(initial=0.6, multiplier=1.0, randomization=0.0)
+    )
+    try:
+        await manager.generate(WORKLOAD_KEY_CERT)
+        ca.fail_next = failures
+        await recorder.wait_for(WORKLOAD_KEY_CERT, timeout=8)
+    finally:
+        await manager.stop()
+    rotated = [r.getMessage() for r in caplog.records if "rotated workload certificate" in r.getMessage()]
+    assert len(rotated) == 1 and rotated[0].startswith(said) and never not in rotated[0], rotated
+    retries = [r.getMessage() for r in caplog.records if "certificate rotation failed" in r.getMessage()]
+    assert len(retries) == failures
+    if failures:
+        assert "(the current certificate expires at " in retries[0]
+        assert "(the current certificate expired at " in retries[-1] and " ago)" in retries[-1]
 
 
 async def test_during_outage_the_cached_cert_is_served(tmp_path: Path, ca: FakeCA) -> None:
@@ -353,6 +390,77 @@ async def test_file_resources(tmp_path: Path) -> None:
         empty.write_text("")
         with pytest.raises(SecretError):
             await manager.generate(f"file-root:{empty}")
+    finally:
+        await manager.stop()
+
+
+NOT_A_CERTIFICATE = b"root:x:0:0:root:/root:/bin/bash\n"
+
+
+def unusable_files(tmp_path: Path, ca: FakeCA) -> dict[str, tuple[str, str]]:
+    """Resource names whose files can never load, each with the reason the error must give."""
+    chain, key = write_pair(ca, tmp_path)
+    (tmp_path / "chain.pem").write_bytes(chain)
+    (tmp_path / "key.pem").write_bytes(key)
+    (tmp_path / "passwd").write_bytes(NOT_A_CERTIFICATE)
+    (tmp_path / "key-only.pem").write_bytes(key)
+    (tmp_path / "a-dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")  # reading it would block a worker thread for good
+    return {
+        f"file-root:{tmp_path}/passwd": ("passwd", "no PEM encoded certificate found"),
+        f"file-root:{tmp_path}/key-only.pem": ("key-only.pem", "not a CERTIFICATE"),
+        f"file-root:{tmp_path}/a-dir": ("a-dir", "not a regular file"),
+        f"file-root:{tmp_path}/fifo": ("fifo", "not a regular file"),
+        f"file-cert:{tmp_path}/passwd~{tmp_path}/key.pem": ("passwd", "invalid PEM encoded certificate"),
+        f"file-cert:{tmp_path}/chain.pem~{tmp_path}/passwd": ("passwd", "no PEM PRIVATE KEY block"),
+        f"file-cert:{tmp_path}/chain.pem~{tmp_path}/fifo": ("fifo", "not a regular file"),
+    }
+
+
+async def test_files_that_can_never_load_are_refused_at_once(tmp_path: Path) -> None:
+    """A file that is not what it should be was retried for the 10 s a half-written file gets."""
+    ca = FakeCA()
+    cases = await asyncio.to_thread(unusable_files, tmp_path, ca)  # write_pair runs its own loop
+    manager, _ = await started(make_settings(tmp_path), None)  # the default 10 s retry window
+    try:
+        for name, (path, reason) in cases.items():
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            with pytest.raises(SecretError) as caught:
+                await asyncio.wait_for(manager.generate(name), 5)
+            assert loop.time() - began < 2, name
+            assert f"failed to load {tmp_path}/{path}: " in str(caught.value), name
+            assert reason in str(caught.value), name
+            assert sample(manager, "num_file_secret_failures_total", resource_name=name) == 1
+    finally:
+        await manager.stop()
+
+
+async def test_files_being_written_are_still_waited_for(tmp_path: Path) -> None:
+    """Missing, empty, cut short or a key not yet matching: a writer may be half-way (Istio retries 10 s)."""
+    ca = FakeCA()
+    chain, key = await asyncio.to_thread(write_pair, ca, tmp_path)
+    other_chain, _ = await asyncio.to_thread(write_pair, ca, tmp_path)
+    root, cert, key_file = tmp_path / "root.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+    root.write_bytes(b"")
+    cert.write_bytes(other_chain)
+    key_file.write_bytes(key)
+    late = tmp_path / "late.pem"
+    manager, _ = await started(make_settings(tmp_path), None)
+    try:
+        roots = asyncio.ensure_future(manager.generate(f"file-root:{root}"))
+        pair = asyncio.ensure_future(manager.generate(f"file-cert:{cert}~{key_file}"))
+        appearing = asyncio.ensure_future(manager.generate(f"file-root:{late}"))
+        await asyncio.sleep(0.3)
+        root.write_bytes(pem(ca.root).encode()[:100])  # cut short
+        await asyncio.sleep(0.3)
+        assert not roots.done() and not pair.done() and not appearing.done()
+        root.write_bytes(pem(ca.root).encode())
+        cert.write_bytes(chain)  # the certificate now matches the key
+        late.write_bytes(pem(ca.root).encode())
+        assert (await asyncio.wait_for(roots, 5)).root_cert
+        assert (await asyncio.wait_for(pair, 5)).certificate_chain == chain
+        assert (await asyncio.wait_for(appearing, 5)).root_cert
     finally:
         await manager.stop()
 

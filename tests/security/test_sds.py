@@ -22,9 +22,13 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 from google.rpc import status_pb2
 
+from istio_agent import uds
+from istio_agent.config import Env, SecuritySettings
 from istio_agent.metrics import PREFIX, Registry
+from istio_agent.security.manager import SecretManager
 from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretError, SecretItem
 from istio_agent.security.sds import SECRET_TYPE_URL, SdsServer
+from tests.uds_clients import idle_http2_client, silent_client
 
 NODE = Node(id="sidecar~10.0.0.1~app-1.default~default.svc.cluster.local")
 RESPONSE_WAIT = 5.0
@@ -598,6 +602,35 @@ async def test_file_root_names_map_to_validation_context(
     assert secrets["file-cert:/c~/k"].tls_certificate.private_key.inline_bytes == KEY_2
 
 
+async def test_file_root_naming_a_non_certificate_is_answered_with_an_error(
+    tmp_path: Path, socket_path: Path, registry: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the real secret manager: the stream hung for the 10 s a half-written file is retried."""
+    not_a_certificate = tmp_path / "passwd"
+    not_a_certificate.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    name = f"file-root:{not_a_certificate}"
+    manager = SecretManager(SecuritySettings.from_env(Env({}), tmp_path), None, registry=registry)
+    sds = SdsServer(manager, socket_path, crl_path=None, registry=registry)
+    await manager.start()
+    await sds.start()
+    try:
+        async with grpc.aio.insecure_channel(f"unix:{socket_path}") as channel:
+            stream = StreamClient(sds_pb2_grpc.SecretDiscoveryServiceStub(channel).StreamSecrets())
+            await stream.request([name])
+            err = await stream.error()  # within RESPONSE_WAIT
+            await stream.close()
+    finally:
+        await sds.stop(None)
+        await manager.stop()
+    assert err.code() == grpc.StatusCode.UNKNOWN
+    assert f"failed to load {not_a_certificate}: " in err.details()
+    assert "no PEM encoded certificate found" in err.details()
+    logged = [
+        r for r in caplog.records if r.levelno >= logging.WARNING and str(not_a_certificate) in r.getMessage()
+    ]
+    assert len(logged) == 1, [r.getMessage() for r in logged]
+
+
 # --- FetchSecrets -------------------------------------------------------------------------------------
 
 
@@ -786,3 +819,32 @@ async def test_request_counter(open_stream: Any, registry: Registry) -> None:
     await stream.request([ROOT_CERT])
     await stream.response()
     assert sample(registry, "sds_pushes", type="request") == 1
+
+
+# --- connections that do nothing --------------------------------------------------------------------
+
+
+async def test_connections_that_do_nothing_are_closed_and_streams_are_kept(
+    provider: FakeSecretProvider, socket_path: Path
+) -> None:
+    limits = uds.ServerLimits(handshake_timeout=0.3, idle_timeout=0.5)
+    sds = SdsServer(provider, socket_path, limits=limits)
+    await sds.start()
+    try:
+        silent, idle = await asyncio.gather(silent_client(socket_path, 5), idle_http2_client(socket_path, 5))
+        assert silent is not None and silent < 3, (
+            "a client that never sent the HTTP/2 preface stayed connected"
+        )
+        assert idle is not None and idle < 3, "a connection without a call stayed open"
+        async with grpc.aio.insecure_channel(f"unix:{socket_path}") as chan:
+            stream = StreamClient(sds_pb2_grpc.SecretDiscoveryServiceStub(chan).StreamSecrets())
+            try:
+                await stream.request([WORKLOAD_KEY_CERT])
+                first = await stream.response()
+                await asyncio.sleep(1)  # a quiet stream is not an idle connection
+                await stream.request([WORKLOAD_KEY_CERT, ROOT_CERT], first.nonce)
+                assert names_of(await stream.response()) == [ROOT_CERT]
+            finally:
+                await stream.close()
+    finally:
+        await sds.stop(None)

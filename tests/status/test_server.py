@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ import aiohttp
 import pytest
 
 from istio_agent.http.messages import Request, Response, StreamResponse
+from istio_agent.http.server import Limits
+from istio_agent.metrics import PREFIX, Registry
 from istio_agent.status.readiness import Readiness
 from istio_agent.status.server import (
     StatusServer,
@@ -545,5 +548,41 @@ async def test_an_endless_request_head_is_cut_off(calls: Calls) -> None:
     try:
         answer = await exchange(status_server.port, b"GET /healthz/ready HTTP/1.1\r\nX: " + b"a" * 100_000)
         assert answer.startswith(b"HTTP/1.1 431 ")  # refused and closed, not waited for
+    finally:
+        await status_server.stop()
+
+
+@pytest.mark.both_loops
+async def test_hostile_clients_are_answered_counted_and_cut_off_without_log_noise(
+    calls: Calls, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry = Registry()
+    status_server = build(calls, limits=Limits(header_timeout=0.3), registry=registry)
+    await status_server.start()
+    port = status_server.port
+
+    def rejected(reason: str) -> float:
+        return registry.sample(PREFIX + "status_rejected_connections", {"reason": reason}) or 0.0
+
+    try:
+        with caplog.at_level(logging.DEBUG):
+            answers = await asyncio.gather(
+                *(exchange(port, b"\x16\x03\x01 not http\r\n\r\n") for _ in range(20))
+            )
+            assert all(answer.startswith(b"HTTP/1.1 400 Bad Request\r\n") for answer in answers)
+            assert rejected("malformed_request") == 20
+
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(20)]
+            closed = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in idle)), 5)
+            assert closed == [b""] * 20  # closed by the server within the header deadline
+            for _, writer in idle:
+                writer.close()
+            assert rejected("header_timeout") == 20
+            assert (
+                await exchange(port, b"GET /healthz/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            ).startswith(b"HTTP/1.1 200 OK")
+        noisy = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+        assert not noisy, [r.getMessage() for r in noisy]
+        assert len([r for r in caplog.records if r.name == "istio.http"]) == 1
     finally:
         await status_server.stop()

@@ -19,12 +19,14 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.rpc import status_pb2
 
+from istio_agent import uds
 from istio_agent.config import XdsSettings
 from istio_agent.metrics import PREFIX, Registry
 from istio_agent.protos import nds_pb2, proxy_config_pb2
 from istio_agent.xds import NameTableHandler, ProxyConfigHandler, XdsProxy
 from istio_agent.xds.types import HEALTH_INFO, NAME_TABLE, PROXY_CONFIG, WORKLOAD
 from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
+from tests.uds_clients import idle_http2_client, silent_client
 from tests.xds import CDS, LDS, WAIT, EnvoyStream, FakeIstiod, FakeUpstreamStream, running
 
 NODE = Node(id="sidecar~10.0.0.1~app-1.default~default.svc.cluster.local")
@@ -517,6 +519,33 @@ async def test_malformed_request_fails_only_its_stream(short_tmp: Path, istiod: 
         assert (await healthy.recv()).nonce == "still-fine"
         await wait_until(lambda: proxy.active_streams() == 1)
         await healthy.close()
+
+
+async def test_connections_that_do_nothing_are_closed_and_streams_are_kept(
+    short_tmp: Path, istiod: FakeIstiod
+) -> None:
+    limits = uds.ServerLimits(handshake_timeout=0.3, idle_timeout=0.5)
+    proxy = XdsProxy(settings_for(short_tmp, istiod.address), limits=limits)
+    await proxy.start()
+    channel = grpc.aio.insecure_channel(f"unix:{proxy.socket_path}")
+    try:
+        path = proxy.socket_path
+        silent, idle = await asyncio.gather(silent_client(path, 5), idle_http2_client(path, 5))
+        assert silent is not None and silent < 3, (
+            "a client that never sent the HTTP/2 preface stayed connected"
+        )
+        assert idle is not None and idle < 3, "a connection without a call stayed open"
+        envoy = EnvoyStream(channel)
+        await envoy.send(CDS, node=NODE)
+        upstream = await istiod.next_stream()
+        await upstream.recv()
+        await asyncio.sleep(1)  # a quiet stream is not an idle connection
+        await upstream.send(response(CDS, [], delta=False))
+        assert (await envoy.recv()).type_url == CDS
+        await envoy.close()
+    finally:
+        await channel.close()
+        await proxy.stop()
 
 
 async def test_stop_ends_streams_and_upstreams(short_tmp: Path, istiod: FakeIstiod) -> None:

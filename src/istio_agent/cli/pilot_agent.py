@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-import re
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import urlsplit
@@ -19,6 +20,7 @@ from istio_agent.cli import runtime
 from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings, read_pod_annotations
 from istio_agent.config.dns import DnsSettings
+from istio_agent.config.env import MAX_DURATION, out_of_range, parse_go_int
 from istio_agent.config.probes import parse_readiness_probe
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyStartError
@@ -32,20 +34,27 @@ if TYPE_CHECKING:
 log = scope("default")
 PROXY_TYPES = ("sidecar", "router", "waypoint", "ztunnel", "agentgateway")
 EXIT_ERROR = 255  # Istio exits with os.Exit(-1) on any command error
+STOP_GRACE_SECONDS = 10.0
+"""Stopping besides Envoy's drain: the drain request (5 s at most), the status server's requests in
+flight (2 s), closing streams, saving the DNS table. Defaults give 15 s, within kubelet's 30 s."""
+LINGER_SECONDS = 1.0
+"""Once stopped, how long exiting may wait for threads still busy (a key being generated)."""
 TOLERANT = {"ignore_unknown_options": True, "allow_extra_args": True}
 
 
-def install_signal_handlers() -> asyncio.Event:
+def install_signal_handlers(on_signal: Callable[[], None] = lambda: None) -> asyncio.Event:
     """An event the first SIGINT/SIGTERM sets; later signals are swallowed, as in Istio.
 
     Installed before anything starts: a signal that arrives while the agent is still starting (Envoy
     may already serve traffic then) must stop it cleanly, not kill the process outright.
+    ``on_signal`` runs at the first signal, even while the agent is still starting.
     """
     stop = asyncio.Event()
 
     def received() -> None:
         if not stop.is_set():
             log.info("received termination signal, shutting down")
+            on_signal()
         stop.set()
 
     loop = asyncio.get_running_loop()
@@ -172,7 +181,13 @@ async def _run_agent(settings: AgentSettings) -> int:
     follow, exits 1, so a supervisor (systemd, a VM's init) sees the failure. An Envoy that cannot
     be executed at all raises OSError (the caller exits 255 naming the binary).
     """
-    signalled = install_signal_handlers()
+    exit_deadline = runtime.ExitDeadline(log)
+    stop_within = stop_deadline(settings)
+    signalled = install_signal_handlers(
+        lambda: exit_deadline.arm(
+            stop_within, 0, f"the agent did not stop within {stop_within:g}s of SIGTERM"
+        )
+    )
     agent = Agent(settings)
     code = 0
     try:
@@ -198,10 +213,31 @@ async def _run_agent(settings: AgentSettings) -> int:
                 task.cancel()
             await asyncio.gather(*waiters, return_exceptions=True)
     except EnvoyStartError as err:
+        code = EXIT_ERROR
         raise OSError(f"cannot start Envoy: {err}") from None
+    except (ConfigError, OSError):
+        code = EXIT_ERROR  # the caller reports it and exits 255
+        raise
+    except BaseException:
+        code = 1  # a bug: Python prints the traceback and exits 1
+        raise
     finally:
+        exit_deadline.arm(stop_within, code, f"the agent did not stop within {stop_within:g}s")
         await agent.stop()
+        exit_deadline.arm(
+            LINGER_SECONDS,
+            code,
+            "the agent stopped; exiting without waiting for work still running in other threads",
+            logging.INFO,
+        )
     return code
+
+
+def stop_deadline(settings: AgentSettings) -> float:
+    """Seconds the agent may take to stop: Envoy's drain (terminationDrainDuration, or drainDuration
+    with EXIT_ON_ZERO_ACTIVE_CONNECTIONS) plus what the other steps need."""
+    drain = settings.bootstrap.drain_budget.total_seconds() if settings.bootstrap is not None else 0.0
+    return drain + STOP_GRACE_SECONDS
 
 
 @main.command()
@@ -228,7 +264,9 @@ def version(short: bool, output: str) -> None:
 DEFAULT_READY_URL = "http://localhost:15021/healthz/ready"
 ALLOWED_DEBUG_PORTS = (15000, 15004, 15020, 15021)
 REQUEST_TIMEOUT_SECONDS = 60.0
-_GO_INT = re.compile(r"[+-]?[0-9]+")
+MAX_SECONDS = int(MAX_DURATION.total_seconds())
+"""Go's time.Duration range, in the units of the flags: no longer wait is possible in Istio's agent."""
+MAX_MILLISECONDS = MAX_SECONDS * 1000
 
 
 class CommandError(Exception):
@@ -245,14 +283,15 @@ class _StrictCommand(click.Command):
             _fail(err.format_message())
 
 
-def _parse_count(name: str, raw: str, minimum: int | None) -> int:
-    """An integer flag or env value as Go's flag parser accepts it, optionally bounded below."""
-    text = raw.strip()
-    if not _GO_INT.fullmatch(text):
-        raise CommandError(f"invalid value {raw!r} for {name}: not an integer")
-    value = int(text)
-    if minimum is not None and value < minimum:
-        raise CommandError(f"invalid value {raw!r} for {name}: must be at least {minimum}")
+def _parse_count(name: str, raw: str, minimum: int | None, maximum: int | None = None) -> int:
+    """An integer flag or env value as Go's flag parser accepts it, within ``minimum..maximum``."""
+    try:
+        value = parse_go_int(raw)
+    except ValueError:
+        raise CommandError(f"invalid value {raw!r} for {name}: not an integer") from None
+    problem = out_of_range(value, minimum, maximum)
+    if problem is not None:
+        raise CommandError(f"invalid value {raw!r} for {name}: {problem}")
     return value
 
 
@@ -351,11 +390,13 @@ def wait(
     try:
         if timeout_seconds is None:
             env_value = Env().text("WAIT_TIMEOUT_SECONDS")
-            timeout = _parse_count("WAIT_TIMEOUT_SECONDS", env_value, 0) if env_value.strip() else 60
+            timeout = (
+                _parse_count("WAIT_TIMEOUT_SECONDS", env_value, 0, MAX_SECONDS) if env_value.strip() else 60
+            )
         else:
-            timeout = _parse_count("--timeoutSeconds", timeout_seconds, 0)
-        request_timeout = _parse_count("--requestTimeoutMillis", request_timeout_millis, 1)
-        period = _parse_count("--periodMillis", period_millis, 1)
+            timeout = _parse_count("--timeoutSeconds", timeout_seconds, 0, MAX_SECONDS)
+        request_timeout = _parse_count("--requestTimeoutMillis", request_timeout_millis, 1, MAX_MILLISECONDS)
+        period = _parse_count("--periodMillis", period_millis, 1, MAX_MILLISECONDS)
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise CommandError(f"invalid --url {url!r}: expected http(s)://host[:port]/path")

@@ -1,4 +1,4 @@
-"""What every command does to its process before the work starts: grpc's fork handlers and log, the event loop.
+"""What every command does to its process: grpc's fork handlers and log, the event loop, a bounded exit.
 
 Kept free of grpc and of the agent's packages: :func:`prepare_process` must run before grpc loads.
 """
@@ -6,7 +6,12 @@ Kept free of grpc and of the agent's packages: :func:`prepare_process` must run 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
+import sys
+import threading
+import time
 import warnings
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -55,3 +60,48 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+class ExitDeadline:
+    """Ends the process at a deadline whatever is still running, as a Go program ends when main returns.
+
+    Stopping runs on the event loop, and Python waits for worker threads when it exits: a stop step
+    that never returns (Envoy that will not die, a CA call that hangs) or a thread busy with work
+    nobody waits for any more (a key being generated) would keep the process alive after SIGTERM,
+    where kubelet then has to SIGKILL it. Once armed, a daemon thread logs why and ends the process
+    with ``os._exit`` at the deadline; a process that finishes earlier never notices it.
+    """
+
+    def __init__(self, log: logging.Logger | logging.LoggerAdapter[logging.Logger]) -> None:
+        self._log = log
+        self._changed = threading.Condition()
+        self._at: float | None = None
+        self._code = 0
+        self._level = logging.ERROR
+        self._message = ""
+
+    def arm(self, seconds: float, code: int, message: str, level: int = logging.ERROR) -> None:
+        """End the process with ``code`` within ``seconds``, logging ``message`` first.
+
+        An earlier deadline armed before stays, with its code and message.
+        """
+        with self._changed:
+            at = time.monotonic() + seconds
+            first = self._at is None
+            if self._at is None or at < self._at:
+                self._at = at
+                self._code, self._level, self._message = code, level, message
+                self._changed.notify()
+        if first:
+            threading.Thread(target=self._wait_and_exit, name="exit-deadline", daemon=True).start()
+
+    def _wait_and_exit(self) -> None:
+        with self._changed:
+            while self._at is not None and (left := self._at - time.monotonic()) > 0:
+                self._changed.wait(left)
+            code, level, message = self._code, self._level, self._message
+        self._log.log(level, "%s (exit status %d)", message, code)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing more to say
+                stream.flush()
+        os._exit(code)

@@ -19,8 +19,14 @@ from typing import Any, Protocol
 from istio_agent import ISTIO_VERSION
 from istio_agent.config import node
 from istio_agent.config.document import DocumentSyntaxError, load_document
-from istio_agent.config.env import ConfigError, Env
-from istio_agent.config.proxy_config import ProxyConfig, resolve_udp_address
+from istio_agent.config.env import ConfigError, Env, out_of_range
+from istio_agent.config.proxy_config import (
+    MAX_CONCURRENCY,
+    MAX_CONNECTION_LIMIT,
+    MAX_DRAIN_DURATION,
+    ProxyConfig,
+    resolve_udp_address,
+)
 from istio_agent.config.security import SecuritySettings
 from istio_agent.log import scope
 
@@ -102,6 +108,14 @@ class BootstrapSettings:
         return all(ipaddress.ip_address(ip).version == 6 for ip in self.ips)
 
     @property
+    def drain_budget(self) -> timedelta:
+        """The longest Envoy's drain may take once the agent stops: terminationDrainDuration, or with
+        EXIT_ON_ZERO_ACTIVE_CONNECTIONS the drainDuration that bounds the wait for zero connections."""
+        if self.exit_on_zero_active_connections:
+            return self.drain_duration
+        return self.termination_drain_duration
+
+    @property
     def localhost(self) -> str:
         return "::1" if self.ipv6_only else "127.0.0.1"
 
@@ -162,23 +176,20 @@ class BootstrapSettings:
         }
         ips = node_ips(env.text("INSTANCE_IP"), host.interface_addresses(), excluded)
         domain = domain or f"{namespace}.svc.cluster.local"
-        status_port = _port(env, "ENVOY_STATUS_PORT", 15021)
-        prometheus_port = _port(env, "ENVOY_PROMETHEUS_PORT", 15090)
+        status_port = env.integer("ENVOY_STATUS_PORT", 15021, minimum=1, maximum=65535)
+        prometheus_port = env.integer("ENVOY_PROMETHEUS_PORT", 15090, minimum=1, maximum=65535)
         exit_on_zero = env.flag("EXIT_ON_ZERO_ACTIVE_CONNECTIONS")
-        minimum_drain = env.duration("MINIMUM_DRAIN_DURATION", timedelta(seconds=5))
-        if minimum_drain < timedelta(0):
-            raise ConfigError(
-                f"invalid value for MINIMUM_DRAIN_DURATION={env.text('MINIMUM_DRAIN_DURATION')!r}: must not be negative"
-            )
+        minimum_drain = env.duration(
+            "MINIMUM_DRAIN_DURATION", timedelta(seconds=5), minimum=timedelta(0), maximum=MAX_DRAIN_DURATION
+        )
         skip_deprecated_logs = env.flag("ENVOY_SKIP_DEPRECATED_LOGS", True)
-        if concurrency < 0:
-            raise ConfigError(f"invalid value for --concurrency={concurrency}: must not be negative")
+        problem = out_of_range(concurrency, 0, MAX_CONCURRENCY)
+        if problem is not None:
+            raise ConfigError(f"invalid value for --concurrency={concurrency}: {problem}")
         if concurrency == 0 and proxy_config.concurrency is not None:
             concurrency = proxy_config.concurrency
         elif concurrency == 0:
-            concurrency = env.integer("ISTIO_CPU_LIMIT", 0)
-            if concurrency < 0:
-                raise ConfigError(f"invalid value for ISTIO_CPU_LIMIT={concurrency}: must not be negative")
+            concurrency = env.integer("ISTIO_CPU_LIMIT", 0, minimum=0, maximum=MAX_CONCURRENCY)
         level, components = split_log_level(log_level, component_log_level)
 
         metadata = node.build_metadata(
@@ -318,13 +329,6 @@ def node_ips(
 
 
 # -- small parsers ----------------------------------------------------------------------------------
-def _port(env: Env, name: str, default: int) -> int:
-    port = env.integer(name, default)
-    if not 0 < port < 65536:
-        raise ConfigError(f"invalid value for {name}={port}: must be a port number (1-65535)")
-    return port
-
-
 def _meta_json(env: Env) -> dict[str, dict[str, Any]]:
     """ISTIO_METAJSON_<KEY> values: each must be a JSON object (LABELS: of strings)."""
     parsed: dict[str, dict[str, Any]] = {}
@@ -371,11 +375,9 @@ def _max_connections(proxy_config: ProxyConfig) -> int:
         ("runtimeValues", proxy_config.runtime_values, "overload.global_downstream_max_connections"),
     ):
         raw = values.get(key, "")
-        if not raw:
-            continue
-        if not raw.isdigit() or int(raw) <= 0:
-            raise ConfigError(f"invalid value for {source} {key}={raw!r}: must be a positive integer")
-        return int(raw)
+        if raw:
+            name = f"{source} {key}"
+            return Env({name: raw}).integer(name, 0, minimum=1, maximum=MAX_CONNECTION_LIMIT)
     return DEFAULT_MAX_DOWNSTREAM_CONNECTIONS
 
 

@@ -23,6 +23,9 @@ DEFAULT_RESOLV_CONF = Path("/etc/resolv.conf")
 VM_RESOLV_CONF = Path("/var/lib/istio/resolv.conf")
 """Read instead of /etc/resolv.conf when root serves port 53 itself (Docker, VMs without iptables)."""
 DEFAULT_FORWARD_TIMEOUT = timedelta(seconds=5)
+MAX_FORWARD_TIMEOUT = timedelta(seconds=30)
+"""No client waits longer for an answer: glibc caps its resolver timeout at 30 s."""
+MAX_FORWARD_RETRIES = 10
 
 _VARIABLES = (
     "ISTIO_META_DNS_CAPTURE",
@@ -48,7 +51,7 @@ def split_host_port(address: str) -> tuple[str, int]:
         host, sep, port = address.rpartition(":")
         if not sep or ":" in host:
             raise ValueError(f"invalid address {address!r} (expected host:port or [ipv6]:port)")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError(f"invalid port in address {address!r}")
     return host, int(port)
 
@@ -126,16 +129,13 @@ class DnsSettings:
                     )
                 listen_address = DEFAULT_LISTEN_ADDRESS
 
-        timeout = values.duration("DNS_FORWARD_TIMEOUT", DEFAULT_FORWARD_TIMEOUT)
-        if timeout <= timedelta(0):
-            raise ConfigError(
-                f"invalid value for DNS_FORWARD_TIMEOUT={values.text('DNS_FORWARD_TIMEOUT')!r}: must be positive"
-            )
-        retries = values.integer("DNS_FORWARD_RETRIES", 0)
-        if retries < 0:
-            raise ConfigError(
-                f"invalid value for DNS_FORWARD_RETRIES={values.text('DNS_FORWARD_RETRIES')!r}: must not be negative"
-            )
+        timeout = values.duration(
+            "DNS_FORWARD_TIMEOUT",
+            DEFAULT_FORWARD_TIMEOUT,
+            minimum=timedelta(milliseconds=1),
+            maximum=MAX_FORWARD_TIMEOUT,
+        )
+        retries = values.integer("DNS_FORWARD_RETRIES", 0, minimum=0, maximum=MAX_FORWARD_RETRIES)
 
         namespace = values.text("POD_NAMESPACE")
         return cls(

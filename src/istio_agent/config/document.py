@@ -12,18 +12,28 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, NoReturn
 
-from istio_agent.config.env import ConfigError
+from istio_agent import goformat
+from istio_agent.config.env import (
+    MAX_DURATION,
+    Bound,
+    ConfigError,
+    out_of_range,
+    parse_go_duration,
+)
 
 ErrorFactory = Callable[[str, str], Exception]
 """Builds the error for ``(where, problem)``: each document has its own prefix and error type."""
 
-INT32_MAX = 2**31 - 1
 _WORD = re.compile(r"[A-Za-z0-9_-]+")
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+_MAX_SECONDS = MAX_DURATION.total_seconds()
 
 
 class Keys(enum.Enum):
@@ -194,19 +204,51 @@ class Node:
             number = value
         elif lenient and isinstance(value, float) and value.is_integer():
             number = int(value)
-        elif lenient and isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        elif lenient and isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
             number = int(value.strip(), 10)
         if number is None:
             self.expect("an integer")
-        if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
-            low = "" if minimum is None else str(minimum)
-            high = "" if maximum is None else str(maximum)
-            if minimum is not None and maximum is not None:
-                self.fail(f"must be between {low} and {high}, got {number}")
-            self.fail(
-                f"must be at least {low}, got {number}" if low else f"must be at most {high}, got {number}"
-            )
+        self._check(number, minimum, maximum, str)
         return number
+
+    def number(self, *, minimum: float | None = None, maximum: float | None = None) -> float:
+        """A finite number (an integer or a decimal) within bounds."""
+        value = self.value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.expect("a number")
+        try:
+            number = float(value)
+        except OverflowError:  # an integer too large for a float
+            number = math.inf
+        if not math.isfinite(number):
+            self.fail(f"must be a finite number, got {value!r}")
+        self._check(number, minimum, maximum, lambda bound: f"{bound:g}")
+        return number
+
+    def duration(self, *, minimum: timedelta | None = None, maximum: timedelta | None = None) -> timedelta:
+        """A duration within bounds: Go's text (``5s``, ``1h30m``, protobuf JSON's ``1.500s``) or a
+        number of seconds; never longer than Go's ``time.Duration`` holds."""
+        value = self.value
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            self.expect("a duration such as 5s")
+        try:
+            if isinstance(value, str):
+                duration = parse_go_duration(value)
+            elif (isinstance(value, float) and not math.isfinite(value)) or abs(value) > _MAX_SECONDS:
+                raise ValueError(f"time: invalid duration {value!r} seconds")
+            else:
+                duration = timedelta(seconds=value)
+        except ValueError as err:
+            self.fail(str(err))
+        self._check(duration, minimum, maximum, goformat.duration)
+        return duration
+
+    def _check(
+        self, value: Bound, minimum: Bound | None, maximum: Bound | None, show: Callable[[Bound], str]
+    ) -> None:
+        problem = out_of_range(value, minimum, maximum, show)
+        if problem is not None:
+            self.fail(f"{problem}, got {show(value)}")
 
     def port(self, *, lenient: bool = False) -> int:
         """A TCP/UDP port, 1 to 65535; null is "required"."""

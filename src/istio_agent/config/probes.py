@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from istio_agent.config.document import INT32_MAX, Keys, Node, config_errors
-from istio_agent.config.env import ConfigError
+from istio_agent.config.document import Keys, Node, config_errors
+from istio_agent.config.env import INT32_MAX, ConfigError, out_of_range
 
 # --- the model ---------------------------------------------------------------------------------------
 
@@ -181,8 +181,9 @@ def _app_prober(path: str, raw: Any) -> AppProber:
     check, port = decoded[0]
     if isinstance(port, str):
         raise ConfigError(f"{_APP_PREFIX}invalid prober config for {path}, the port must be int type")
-    if not 1 <= port <= 65535:  # beyond Istio: a port Go would only fail on at probe time
-        raise ConfigError(f"{_APP_PREFIX}invalid prober config for {path}, port {port} out of range 1-65535")
+    problem = out_of_range(port, 1, 65535)
+    if problem is not None:  # beyond Istio: a port Go would only fail on at probe time
+        raise ConfigError(f"{_APP_PREFIX}invalid prober config for {path}, port {port}: {problem}")
     if timeout < 0:
         raise ConfigError(
             f"{_APP_PREFIX}invalid prober config for {path}, timeoutSeconds must not be negative"

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from istio_agent.config.document import Keys, Node, config_errors
-from istio_agent.config.env import ConfigError
+from istio_agent.config.env import ConfigError, out_of_range
 
 ENV_NAME = "ISTIO_PROMETHEUS_ANNOTATIONS"
 DEFAULT_PATH = "/metrics"
@@ -73,8 +73,9 @@ def _check_port(text: str, field: str, status_port: int) -> int:
     if not _DIGITS.fullmatch(value):
         raise _error(field, f"port {text!r} is not an integer")
     port = int(value)
-    if not 1 <= port <= 65535:
-        raise _error(field, f"port {text!r} is out of range 1..65535")
+    problem = out_of_range(port, 1, 65535)
+    if problem is not None:
+        raise _error(field, f"port {text!r} {problem}")
     if port == status_port:
         raise _error(field, f"port {text!r} is the agent's status port; scraping it would loop")
     reserved = RESERVED_PORTS.get(port)

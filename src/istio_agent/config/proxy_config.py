@@ -17,8 +17,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from istio_agent import goformat
 from istio_agent.config.document import DocumentSyntaxError, Keys, Node, config_errors, load_document
-from istio_agent.config.env import ConfigError, Env, parse_go_duration
+from istio_agent.config.env import INT32_MAX, ConfigError, Env
 from istio_agent.log import scope
 
 log = scope("config")
@@ -29,6 +30,12 @@ INTERCEPTION_MODES = ("REDIRECT", "TPROXY", "NONE")
 SUPPORTED_TRACERS = ("zipkin", "lightstep", "datadog")
 IGNORED_TRACERS = ("stackdriver", "openCensusAgent")
 _STAT_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+MAX_DRAIN_DURATION = timedelta(hours=24)
+"""Beyond Istio (no bound): a drain longer than a day is a typo, and it bounds how long SIGTERM may take."""
+MAX_CONCURRENCY = 1024
+"""Beyond Istio (no bound): Envoy starts a worker thread per unit of concurrency."""
+MAX_CONNECTION_LIMIT = INT32_MAX
+"""Envoy's global downstream connection limit; the default (2147483647) already means "no limit"."""
 
 
 @dataclass(frozen=True)
@@ -143,15 +150,9 @@ class ProxyConfig:
         return updated
 
     def validate(self, source: str = "ProxyConfig") -> None:
+        """Checks that span more than a number's range (each field's range is checked as it is read)."""
         if not _is_host_port(self.discovery_address):
             raise ConfigError(f"{source}: discoveryAddress {self.discovery_address!r} must be host:port")
-        for name in ("proxy_admin_port", "status_port"):
-            if not 0 <= getattr(self, name) < 65536:
-                raise ConfigError(f"{source}: {name} out of range")
-        if self.drain_duration.total_seconds() < 1 or self.drain_duration.total_seconds() % 1:
-            raise ConfigError(f"{source}: drainDuration must be whole seconds, at least 1s")
-        if self.termination_drain_duration < timedelta(0):
-            raise ConfigError(f"{source}: terminationDrainDuration must not be negative")
         if self.control_plane_auth_policy not in ("NONE", "MUTUAL_TLS"):
             raise ConfigError(f"{source}: controlPlaneAuthPolicy must be NONE or MUTUAL_TLS")
         if self.statsd_udp_address and not _is_host_port(self.statsd_udp_address):
@@ -228,7 +229,7 @@ def split_host_port(address: str) -> tuple[str, int]:
         host = host[1:-1]
     elif ":" in host:
         raise ValueError(f"{address!r}: an IPv6 address needs brackets, e.g. [::1]:9411")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ValueError(f"{address!r} must be host:port")
     return host, int(port)
 
@@ -269,24 +270,34 @@ def _string(node: Node) -> str:
     return node.text()
 
 
-def _port_int(node: Node) -> int:
-    """A port-like number: an integer or a numeric string (protojson); ranges are checked by validate()."""
-    return node.integer(minimum=0, lenient=True)
+def _port(node: Node) -> int:
+    """A port as Istio validates it (1-65535); an integer or a numeric string (protojson)."""
+    return node.port(lenient=True)
+
+
+def _status_port(node: Node) -> int:
+    """As a port, but 0 is allowed too: it turns the status server off."""
+    return node.integer(minimum=0, maximum=65535, lenient=True)
+
+
+def _concurrency(node: Node) -> int:
+    return node.integer(minimum=0, maximum=MAX_CONCURRENCY, lenient=True)
 
 
 def _bool(node: Node) -> bool:
     return node.boolean()
 
 
-def _duration(node: Node) -> timedelta:
-    """A ProxyConfig duration: Go syntax (``5s``) as in YAML/JSON protobuf form; bare numbers are seconds."""
-    value = node.value
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        node.expect("a duration such as 5s")
-    try:
-        return timedelta(seconds=value) if isinstance(value, int | float) else parse_go_duration(value)
-    except ValueError as err:
-        node.fail(str(err))
+def _drain_duration(node: Node) -> timedelta:
+    """Envoy's ``--drain-time-s`` takes whole seconds."""
+    duration = node.duration(minimum=timedelta(seconds=1), maximum=MAX_DRAIN_DURATION)
+    if duration.total_seconds() % 1:
+        node.fail(f"must be whole seconds, got {goformat.duration(duration)}")
+    return duration
+
+
+def _termination_drain_duration(node: Node) -> timedelta:
+    return node.duration(minimum=timedelta(0), maximum=MAX_DRAIN_DURATION)
 
 
 def _string_map(node: Node) -> dict[str, str]:
@@ -319,10 +330,7 @@ def _tracing(node: Node) -> Tracing:
         node.fail(f"only one tracer may be set, got {', '.join(tracers)}")
     sampling: float | None = None
     if not fields["sampling"].is_null:
-        value = fields["sampling"].value
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
-            fields["sampling"].fail(f"must be a percentage between 0 and 100, got {value!r}")
-        sampling = float(value)
+        sampling = fields["sampling"].number(minimum=0, maximum=100)  # a percentage
     for name in ("customTags", "tlsSettings"):
         if not fields[name].is_null:
             fields[name].map()  # what is in it is istiod's business
@@ -349,7 +357,7 @@ def _connection_limit(node: Node) -> int | None:
     limit = node.fields(("globalDownstreamConnectionLimit",), Keys.PROTOJSON_LENIENT)[
         "globalDownstreamConnectionLimit"
     ]
-    return None if limit.is_null else _port_int(limit)
+    return None if limit.is_null else limit.integer(minimum=0, maximum=MAX_CONNECTION_LIMIT, lenient=True)
 
 
 def _readiness_probe(node: Node) -> dict[str, Any]:
@@ -365,12 +373,12 @@ _PARSERS: dict[str, Callable[[Node], Any]] = {
     "binary_path": _string,
     "custom_config_file": _string,
     "service_cluster": _string,
-    "proxy_admin_port": _port_int,
-    "status_port": _port_int,
+    "proxy_admin_port": _port,
+    "status_port": _status_port,
     "control_plane_auth_policy": _string,
-    "drain_duration": _duration,
-    "termination_drain_duration": _duration,
-    "concurrency": _port_int,
+    "drain_duration": _drain_duration,
+    "termination_drain_duration": _termination_drain_duration,
+    "concurrency": _concurrency,
     "extra_stat_tags": _stat_tags,
     "proxy_stats_matcher": _stats_matcher,
     "tracing": _tracing,

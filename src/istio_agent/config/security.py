@@ -34,6 +34,15 @@ OS_CA_BUNDLES = (
     "/etc/ssl/certs/ca-certificates",
 )
 KNOWN_CA_PROVIDERS = ("Citadel",)
+MIN_SECRET_TTL = timedelta(seconds=1)
+MIN_RSA_KEY_SIZE = 2048
+"""Istio's minimum (security/pkg/pkiutil/generate_csr.go)."""
+MAX_RSA_KEY_SIZE = 8192
+"""Beyond Istio, which sets no maximum: Go's TLS stack (crypto/tls, proxyless gRPC clients and
+istiod) refuses peers whose RSA key is larger, and generating a larger key takes minutes of CPU."""
+FILE_LOAD_TIMEOUT = timedelta(seconds=10)
+"""How long a mounted certificate file is retried while it may be half-written (Istio's 10 s); the
+retries start at FILE_DEBOUNCE_DURATION, which therefore cannot be longer."""
 KNOWN_CREDENTIAL_FETCHERS = ("JWT", "", "Mock")
 
 
@@ -145,23 +154,12 @@ class SecuritySettings:
     def from_env(cls, env: Env, workdir: Path, proxy_config: ProxyConfig | None = None) -> SecuritySettings:
         """Read Istio's security env vars; raise ConfigError naming the variable on any invalid value."""
         proxy_config = proxy_config or ProxyConfig()
-        ratio = env.number("SECRET_GRACE_PERIOD_RATIO", 0.5)
-        if not 0.0 <= ratio <= 1.0:
-            raise ConfigError(f"invalid value for SECRET_GRACE_PERIOD_RATIO={ratio}: must be between 0 and 1")
-        jitter = env.number("SECRET_GRACE_PERIOD_RATIO_JITTER", 0.01)
-        if not 0.0 <= jitter <= 1.0:
-            raise ConfigError(
-                f"invalid value for SECRET_GRACE_PERIOD_RATIO_JITTER={jitter}: must be between 0 and 1"
-            )
-        ttl = env.duration("SECRET_TTL", timedelta(hours=24))
-        if ttl.total_seconds() < 1:
-            raise ConfigError(f"invalid value for SECRET_TTL={env.text('SECRET_TTL')!r}: must be at least 1s")
-        rsa_bits = env.integer("WORKLOAD_RSA_KEY_SIZE", 2048)
-        if rsa_bits < 2048:
-            raise ConfigError(
-                f"invalid value for WORKLOAD_RSA_KEY_SIZE={rsa_bits}: requested key size does not meet "
-                f"the minimum required size of 2048 (requested: {rsa_bits})"
-            )
+        ratio = env.number("SECRET_GRACE_PERIOD_RATIO", 0.5, minimum=0.0, maximum=1.0)
+        jitter = env.number("SECRET_GRACE_PERIOD_RATIO_JITTER", 0.01, minimum=0.0, maximum=1.0)
+        ttl = env.duration("SECRET_TTL", timedelta(hours=24), minimum=MIN_SECRET_TTL)
+        rsa_bits = env.integer(
+            "WORKLOAD_RSA_KEY_SIZE", 2048, minimum=MIN_RSA_KEY_SIZE, maximum=MAX_RSA_KEY_SIZE
+        )
         ecc_alg = env.text("ECC_SIGNATURE_ALGORITHM")
         if ecc_alg not in ("", "ECDSA"):
             raise ConfigError(
@@ -224,7 +222,12 @@ class SecuritySettings:
             cluster_id=header_value_from_env(env, "ISTIO_META_CLUSTER_ID"),
             cert_signer=env.text("ISTIO_META_CERT_SIGNER"),
             workload_identity_socket_file=socket_file,
-            file_debounce=env.duration("FILE_DEBOUNCE_DURATION", timedelta(milliseconds=100)),
+            file_debounce=env.duration(
+                "FILE_DEBOUNCE_DURATION",
+                timedelta(milliseconds=100),
+                minimum=timedelta(0),
+                maximum=FILE_LOAD_TIMEOUT,
+            ),
             enable_ca_crl=env.flag("PILOT_ENABLE_CA_CRL", True),
             output_world_readable=bool(env.text("KUBERNETES_SERVICE_HOST")),
             cert_chain_file=legacy / CERT_CHAIN_FILE,

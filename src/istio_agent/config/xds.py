@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from istio_agent.config.env import ConfigError, Env
+from istio_agent.config.env import INT32_MAX, ConfigError, Env
 from istio_agent.config.headers import headers_from_env
 from istio_agent.config.proxy_config import ProxyConfig
 from istio_agent.config.security import (
@@ -29,6 +29,8 @@ DEFAULT_MAX_STREAMS = 100000
 DEFAULT_MAX_RECV_BYTES = 4 * 1024 * 1024
 DEFAULT_KEEPALIVE_INTERVAL = timedelta(seconds=30)
 DEFAULT_KEEPALIVE_TIMEOUT = timedelta(seconds=10)
+MAX_GRPC_MILLISECONDS = timedelta(milliseconds=INT32_MAX)
+"""gRPC's channel arguments are C ints: a longer keepalive cannot be passed to it."""
 ISTIOD_HOST = "istiod.istio-system.svc"
 FILE_JWT_POLICIES = ("third-party-jwt", "first-party-jwt")
 TLS_CLIENT_ROOT_CERT = "ISTIO_META_TLS_CLIENT_ROOT_CERT"
@@ -103,10 +105,14 @@ class XdsSettings:
             token_path=token_path,
             cluster_id=security.cluster_id,  # checked as a header value by SecuritySettings.from_env
             headers=headers_from_env(env, "XDS_HEADER_"),
-            keepalive_interval=_positive_duration(env, "GRPC_KEEPALIVE_INTERVAL", DEFAULT_KEEPALIVE_INTERVAL),
-            keepalive_timeout=_positive_duration(env, "GRPC_KEEPALIVE_TIMEOUT", DEFAULT_KEEPALIVE_TIMEOUT),
-            max_streams=_positive_int(env, "ISTIO_GPRC_MAXSTREAMS", DEFAULT_MAX_STREAMS),
-            max_recv_bytes=_positive_int(env, "ISTIO_GPRC_MAXRECVMSGSIZE", DEFAULT_MAX_RECV_BYTES),
+            keepalive_interval=_grpc_milliseconds(env, "GRPC_KEEPALIVE_INTERVAL", DEFAULT_KEEPALIVE_INTERVAL),
+            keepalive_timeout=_grpc_milliseconds(env, "GRPC_KEEPALIVE_TIMEOUT", DEFAULT_KEEPALIVE_TIMEOUT),
+            max_streams=env.integer(
+                "ISTIO_GPRC_MAXSTREAMS", DEFAULT_MAX_STREAMS, minimum=1, maximum=INT32_MAX
+            ),
+            max_recv_bytes=env.integer(
+                "ISTIO_GPRC_MAXRECVMSGSIZE", DEFAULT_MAX_RECV_BYTES, minimum=1, maximum=INT32_MAX
+            ),
             nds_enabled=(proxy_type == "sidecar" and flag("ISTIO_META_DNS_CAPTURE"))
             or flag("ISTIO_META_ENABLE_DNS_SERVER"),
             pcds_enabled=env.flag("PROXY_CONFIG_XDS_AGENT"),
@@ -158,15 +164,6 @@ def _server_name(address: str, istiod_san: str) -> str:
     return ISTIOD_HOST if "localhost" in host else host
 
 
-def _positive_duration(env: Env, name: str, default: timedelta) -> timedelta:
-    value = env.duration(name, default)
-    if value <= timedelta(0):
-        raise ConfigError(f"invalid value for {name}={env.text(name)!r}: must be positive")
-    return value
-
-
-def _positive_int(env: Env, name: str, default: int) -> int:
-    value = env.integer(name, default)
-    if value <= 0:
-        raise ConfigError(f"invalid value for {name}={env.text(name)!r}: must be a positive integer")
-    return value
+def _grpc_milliseconds(env: Env, name: str, default: timedelta) -> timedelta:
+    """A duration gRPC takes as a whole number of milliseconds in a C int: 1ms to about 24 days."""
+    return env.duration(name, default, minimum=timedelta(milliseconds=1), maximum=MAX_GRPC_MILLISECONDS)

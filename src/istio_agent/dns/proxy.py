@@ -30,8 +30,11 @@ log = scope("dns")
 
 BUILD_IN_THREAD_FROM = 2000
 """Hosts from which a table is built in a worker thread (10,000 take about 0.3 s of CPU)."""
-SAVED_TABLE = Path("var/lib/istio/dns/name-table.pb")
-"""Where the last name table is kept, relative to the agent's working directory."""
+SAVED_TABLE = Path("var/lib/istio/data/dns-name-table.pb")
+"""Where the last name table is kept, relative to the agent's working directory: on the pod's
+``istio-data`` volume (an emptyDir at ``/var/lib/istio/data``), the one place in an injected pod that
+is writable and outlives a restart of the container. A table an older agent kept outside it is not
+read: the control plane sends a fresh one on connect."""
 
 
 class CollectorPause:

@@ -7,14 +7,21 @@ One ``EnvoyProcess`` is one run of Envoy; restarting (beyond Istio, ``ENVOY_REST
 drain listeners over the admin API, waits the termination drain period (or, with
 EXIT_ON_ZERO_ACTIVE_CONNECTIONS, until no connection is left, bounded by drainDuration) or until
 Envoy exits, then sends SIGKILL.
+
+Beyond Istio, Envoy dies with the agent: it is started with a parent-death signal (SIGKILL), so an
+agent that is itself SIGKILLed (or crashes) does not leave an Envoy behind holding the workload's
+ports, and the next agent started in the same place can bind them (docs/compatibility.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
+import os
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from istio_agent import goformat
@@ -31,8 +38,42 @@ MAX_STATS_FAILURES = 5  # consecutive failed polls before Envoy is killed anyway
 ACTIVE_CONNECTIONS_PATH = "/stats?usedonly&filter=downstream_cx_active$"
 
 
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal the calling process gets when its parent (thread) dies."""
+PARENT_GONE_EXIT = 127
+"""The child's exit status when the agent died before Envoy could be executed."""
+
+
 class EnvoyStartError(OSError):
     """Envoy could not be executed (missing binary, permissions)."""
+
+
+@functools.cache
+def _prctl() -> Callable[[int, int, int, int, int], int]:
+    """The C library's prctl(2), typed once so that calling it in a forked child allocates nothing new."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn`` that makes the child get ``sig`` when this process dies, however it dies.
+
+    Everything is prepared here, before the fork; the child only makes the prctl call and compares
+    two process ids, then execs. The kernel sends the signal when the *thread* that forked exits:
+    the agent starts Envoy from its event loop, which runs on the main thread for the life of the
+    process. If the agent died between the fork and the prctl call, the child has been re-parented
+    already and would never get the signal: it exits instead of starting an orphan Envoy.
+    """
+    prctl, parent, signum = _prctl(), os.getpid(), int(sig)
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(PARENT_GONE_EXIT)
+
+    return in_child
 
 
 def envoy_command(settings: BootstrapSettings, bootstrap_path: Path) -> list[str]:
@@ -141,7 +182,7 @@ class EnvoyProcess:
         command = self.command()
         log.info("Envoy command: %s", command)
         try:
-            self._process = await asyncio.create_subprocess_exec(*command)
+            self._process = await asyncio.create_subprocess_exec(*command, preexec_fn=die_with_parent())
         except OSError as err:
             self._remove_bootstrap()
             raise EnvoyStartError(err.errno, f"failed to start Envoy {command[0]}: {err.strerror}") from None

@@ -10,8 +10,14 @@ Per connection: keep-alive (idle connections close after ``Limits.keepalive_time
 requests answered in order, HEAD (headers as for GET, no body), ``Expect: 100-continue`` (the 100
 is sent when the handler reads the body; a handler that answers without reading closes the
 connection instead of waiting for a body it never asked for), request head and body size limits
-(431, 413). A malformed request gets a 400 and a closed connection, never a traceback; a handler
-that raises is logged with its traceback once and answered 500.
+(431, 413). A handler that raises is logged with its traceback once and answered 500.
+
+Hostile or broken clients cost little and never flood the log, whoever can reach the port: a
+malformed request gets its 400 (431, 505) and a closed connection; a request head must be complete
+within ``Limits.header_timeout`` (Go's ReadHeaderTimeout: a client that connects and sends nothing,
+or trickles its head, is closed); at most ``Limits.max_connections`` are served at once (more are
+closed at once). Each such connection is reported to the runner's ``on_reject`` (metrics) and
+logged on a debug line at most every ``REJECT_LOG_INTERVAL`` seconds.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
@@ -33,6 +40,17 @@ log = scope("http")
 
 READ_SIZE = 65536
 SHUTDOWN_TIMEOUT = 2.0
+REJECT_LOG_INTERVAL = 10.0
+"""At most one debug line per this many seconds about rejected connections (the rest are counted)."""
+_REJECT_DETAIL_MAX = 120
+"""h11's error text quotes the offending bytes: a log line shows only this many characters of it."""
+
+MALFORMED = "malformed_request"
+HEADER_TIMEOUT = "header_timeout"
+CONNECTION_LIMIT = "connection_limit"
+"""Why a connection was closed without serving a request (``on_reject``'s argument)."""
+
+RejectObserver = Callable[[str], None]
 
 
 class ClientDisconnected(ConnectionResetError):
@@ -48,7 +66,13 @@ class Limits:
     max_body: int = 2**20
     """Request body a handler may read (413 beyond); also the most discarded after a response."""
     keepalive_timeout: float = 75.0
-    """Seconds an idle connection waits for its next request head (aiohttp's default)."""
+    """Seconds an idle kept-alive connection waits for the first byte of its next request (aiohttp's default)."""
+    header_timeout: float = 10.0
+    """Seconds to receive a whole request head: from the connection for the first request, from its
+    first byte for the next ones (Go's ReadHeaderTimeout). Every client of the agent sends its head
+    at once; a slowloris client is closed."""
+    max_connections: int = 512
+    """Connections served at once; more are closed as they come (each holds a file descriptor)."""
 
 
 def reason_phrase(status: int) -> str:
@@ -110,6 +134,7 @@ class _Connection:
         try:
             await self._serve()
         except h11.RemoteProtocolError as err:
+            self._runner.rejected(MALFORMED, self.peer, str(err))
             await self._reject(err)
         except ClientDisconnected:
             log.debug("client %s disconnected during the response", self.peer)
@@ -117,14 +142,12 @@ class _Connection:
             self._writer.close()
 
     async def _serve(self) -> None:
+        first = True
         while not self.closing:
             self.idle = True
-            try:
-                async with asyncio.timeout(self._limits.keepalive_timeout):
-                    event = await self._next_event()
-            except TimeoutError:
-                return
-            if not isinstance(event, h11.Request):  # ConnectionClosed: the client is done
+            event = await self._next_head(first)
+            first = False
+            if not isinstance(event, h11.Request):  # ConnectionClosed, or timed out
                 return
             if event.http_version not in (b"1.0", b"1.1"):
                 raise h11.RemoteProtocolError("unsupported HTTP version", error_status_hint=505)
@@ -135,16 +158,49 @@ class _Connection:
             if not await self._finish_cycle():
                 return
 
+    async def _next_head(self, first: bool) -> h11.Event | type[h11.PAUSED] | None:
+        """The next request head (or ConnectionClosed); None when the client took too long.
+
+        A new connection has ``header_timeout`` for its whole first head. A kept-alive one may stay
+        silent for ``keepalive_timeout`` (closed quietly then), and once its next head has begun
+        (a first byte, or pipelined bytes already here) that head has ``header_timeout`` too.
+        """
+        limits = self._limits
+        loop = asyncio.get_running_loop()
+        begun = first or bool(self._h11.trailing_data[0])
+        try:
+            async with asyncio.timeout(
+                limits.header_timeout if begun else limits.keepalive_timeout
+            ) as deadline:
+                while True:
+                    event = self._h11.next_event()
+                    if event is not h11.NEED_DATA:
+                        return event  # type: ignore[return-value]
+                    data = await self._read()
+                    if data and not begun:
+                        begun = True
+                        deadline.reschedule(loop.time() + limits.header_timeout)
+                    self._h11.receive_data(data)
+        except TimeoutError:
+            if begun:
+                self._runner.rejected(
+                    HEADER_TIMEOUT, self.peer, f"no complete request head within {limits.header_timeout:g}s"
+                )
+            return None
+
     async def _next_event(self) -> h11.Event | type[h11.PAUSED]:
         while True:
             event = self._h11.next_event()
             if event is not h11.NEED_DATA:
                 return event  # type: ignore[return-value]
-            try:
-                data = await self._reader.read(READ_SIZE)
-            except ConnectionError:
-                data = b""
-            self._h11.receive_data(data)
+            self._h11.receive_data(await self._read())
+
+    async def _read(self) -> bytes:
+        """Bytes from the client; b"" (end of stream) when the connection failed (reset, timed out)."""
+        try:
+            return await self._reader.read(READ_SIZE)
+        except OSError:
+            return b""
 
     async def _respond(self, head: h11.Request) -> None:
         self._method = head.method.decode("ascii", "replace")
@@ -263,7 +319,6 @@ class _Connection:
 
     async def _reject(self, err: h11.RemoteProtocolError) -> None:
         """A malformed request: answer its status (400, 431, ...) and close; never a traceback."""
-        log.debug("bad request from %s: %s", self.peer, err)
         if self._writer.is_closing() or self._h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
         status = err.error_status_hint
@@ -293,14 +348,22 @@ class ServerRunner:
     """The handler, the connections and a graceful shutdown; sites feed it connections."""
 
     def __init__(
-        self, handler: Handler, *, limits: Limits | None = None, shutdown_timeout: float = SHUTDOWN_TIMEOUT
+        self,
+        handler: Handler,
+        *,
+        limits: Limits | None = None,
+        shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+        on_reject: RejectObserver | None = None,
     ) -> None:
         self.handler = handler
         self.limits = limits or Limits()
         self.shutdown_timeout = shutdown_timeout
+        self._on_reject = on_reject
         self._connections: dict[_Connection, asyncio.Task[object]] = {}
         self._sites: list[BaseSite] = []
         self._closed = False
+        self._next_reject_log = 0.0
+        self._unlogged_rejects = 0
 
     @property
     def sites(self) -> list[BaseSite]:
@@ -316,12 +379,34 @@ class ServerRunner:
         if self._closed or task is None:
             writer.close()
             return
+        if len(self._connections) >= self.limits.max_connections:
+            writer.close()
+            self.rejected(CONNECTION_LIMIT, writer.get_extra_info("peername"), "too many connections")
+            return
         connection = _Connection(self, reader, writer)
         self._connections[connection] = task
         try:
             await connection.serve()
         finally:
             del self._connections[connection]
+
+    def rejected(self, reason: str, peer: object, detail: str) -> None:
+        """A connection closed without a request served: report it; log it unless a line went out lately."""
+        if self._on_reject is not None:
+            self._on_reject(reason)
+        now = time.monotonic()
+        if now < self._next_reject_log:
+            self._unlogged_rejects += 1
+            return
+        self._next_reject_log = now + REJECT_LOG_INTERVAL
+        more, self._unlogged_rejects = self._unlogged_rejects, 0
+        log.debug(
+            "closed a connection from %s (%s): %s%s",
+            peer,
+            reason,
+            detail[:_REJECT_DETAIL_MAX],
+            f" ({more} more since the last such line)" if more else "",
+        )
 
     async def cleanup(self, timeout: float | None = None) -> None:
         """Stop every site, finish the requests in flight within ``timeout``, cancel the rest."""

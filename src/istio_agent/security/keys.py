@@ -11,10 +11,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
+from istio_agent.config.security import MAX_RSA_KEY_SIZE, MIN_RSA_KEY_SIZE
+
 if TYPE_CHECKING:
     from istio_agent.config import SecuritySettings
 
-MIN_RSA_KEY_SIZE = 2048
 ECDSA = "ECDSA"
 SPIFFE_PREFIX = "spiffe://"
 
@@ -79,6 +80,10 @@ def _new_key(options: KeyOptions) -> tuple[_Key, _Digest]:
         raise CsrError(
             f"requested key size does not meet the minimum required size of {MIN_RSA_KEY_SIZE} "
             f"(requested: {options.rsa_key_size})"
+        )
+    if options.rsa_key_size > MAX_RSA_KEY_SIZE:  # a bigger key pins a core for minutes (and Go refuses it)
+        raise CsrError(
+            f"requested key size exceeds the maximum size of {MAX_RSA_KEY_SIZE} (requested: {options.rsa_key_size})"
         )
     return rsa.generate_private_key(public_exponent=65537, key_size=options.rsa_key_size), hashes.SHA256()
 

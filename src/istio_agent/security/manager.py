@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import random
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from istio_agent import goformat
 from istio_agent.backoff import ExponentialBackoff
-from istio_agent.config.security import SecuritySettings, os_ca_bundle
+from istio_agent.config.security import FILE_LOAD_TIMEOUT, SecuritySettings, os_ca_bundle
 from istio_agent.filewatch import FileWatcher
 from istio_agent.log import report_failure, scope
 from istio_agent.metrics import REGISTRY, Registry
@@ -31,9 +33,10 @@ from istio_agent.pem import (
     PemError,
     concat_certs,
     leaf_not_after,
-    load_key_cert_pair,
     merge_root_bundles,
+    parse_certificate,
     parse_root_bundle,
+    public_keys_match,
     validate_signed_chain,
 )
 from istio_agent.security.keys import KeyOptions, generate_csr
@@ -98,7 +101,7 @@ class SecretManager:
         settings: SecuritySettings,
         ca_client: CAClient | None,
         *,
-        file_load_timeout: float = 10.0,
+        file_load_timeout: float = FILE_LOAD_TIMEOUT.total_seconds(),
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         rng: Callable[[], float] = random.random,
         backoff: Callable[[], ExponentialBackoff] = ExponentialBackoff,
@@ -224,7 +227,14 @@ class SecretManager:
         return candidate if candidate.is_absolute() else self._settings.workdir / candidate
 
     async def _root_from_file(self, name: str, path: Path, *, merge: bool) -> SecretItem:
-        root = await self._retry_file(lambda: parse_root_bundle(path.read_bytes(), str(path)), path)
+        def load() -> bytes:
+            data = _read_mounted(path)
+            try:
+                return parse_root_bundle(data, str(path))
+            except PemError as err:
+                raise _Unloadable(path, str(err)) from None
+
+        root = await self._retry_file(load)
         self._watcher.watch(name, [path])
         if merge:
             self._last_root = root
@@ -233,28 +243,38 @@ class SecretManager:
 
     async def _key_cert_from_files(self, name: str, cert_path: Path, key_path: Path) -> SecretItem:
         def load() -> tuple[bytes, bytes, datetime]:
-            chain, key = cert_path.read_bytes(), key_path.read_bytes()
-            load_key_cert_pair(chain, key)
-            return chain, key, leaf_not_after(chain)
+            chain, key = _read_mounted(cert_path), _read_mounted(key_path)
+            try:
+                certificate = parse_certificate(chain)
+            except PemError as err:
+                raise _Unloadable(cert_path, str(err)) from None
+            try:
+                matches = public_keys_match(key, certificate)
+            except PemError as err:
+                raise _Unloadable(key_path, str(err)) from None
+            if not matches:  # the pair is being replaced one file at a time
+                raise _Unloadable(key_path, "does not match the certificate's public key", transient=True)
+            return chain, key, certificate.not_valid_after_utc
 
-        chain, key, expires = await self._retry_file(load, cert_path)
+        chain, key, expires = await self._retry_file(load)
         # Beyond Istio: the key file is watched too, so a key-only rotation is pushed.
         self._watcher.watch(name, [cert_path, key_path])
         return SecretItem(
             resource_name=name, certificate_chain=chain, private_key=key, created=self._now(), expires=expires
         )
 
-    async def _retry_file(self, load: Callable[[], T], path: Path) -> T:
-        """Retry a mounted-file load: a writer may be half-way through replacing the cert and key."""
+    async def _retry_file(self, load: Callable[[], T]) -> T:
+        """Load mounted files, retrying (as Istio, up to ``file_load_timeout``) only while a writer may
+        be half-way through them; a file that can never load is an error at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._file_load_timeout
         delay = max(self._settings.file_debounce.total_seconds(), 0.01)
         while True:
             try:
                 return await asyncio.to_thread(load)
-            except (OSError, PemError) as err:
-                if loop.time() + delay > deadline:
-                    raise SecretError(f"failed to load {path}: {_reason(err)}") from None
+            except _Unloadable as err:
+                if not err.transient or loop.time() + delay > deadline:
+                    raise SecretError(str(err)) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
@@ -388,18 +408,19 @@ class SecretManager:
                     new = await self._sign_new()
                     self._install(new)
                 self._metrics.rotations.inc()
-                log.info("rotated workload certificate (previous expired %s)", old.expires.isoformat())
+                log.info(
+                    "rotated workload certificate; the previous one %s", _expiry(old.expires, self._now())
+                )
                 self._notify(WORKLOAD_KEY_CERT)
                 return
             except SecretError as err:
                 self._metrics.rotation_failures.inc()
                 delay = backoff.next_delay()
-                left = (old.expires - self._now()).total_seconds()
                 log.warning(
-                    "certificate rotation failed: %s; retrying in %.1fs (current certificate valid for %.0fs)",
+                    "certificate rotation failed: %s; retrying in %.1fs (the current certificate %s)",
                     err,
                     delay,
-                    left,
+                    _expiry(old.expires, self._now()),
                 )
                 await asyncio.sleep(delay)
 
@@ -445,7 +466,39 @@ def _non_empty(path: Path) -> bool:
         return False
 
 
-def _reason(err: Exception) -> str:
-    if isinstance(err, OSError) and err.strerror:
-        return err.strerror.lower() if err.filename is None else f"{err.strerror.lower()}: {err.filename}"
-    return str(err)
+def _expiry(expires: datetime, now: datetime) -> str:
+    """``expires at <time> (in 11h59m59s)``, or ``expired at <time> (5s ago)`` once it has."""
+    left = (expires - now).total_seconds()
+    if left > 0:
+        return f"expires at {expires.isoformat()} (in {goformat.duration(left)})"
+    return f"expired at {expires.isoformat()} ({goformat.duration(-left)} ago)"
+
+
+class _Unloadable(Exception):
+    """Why a mounted file cannot be served; ``transient`` when a writer may be half-way through it."""
+
+    def __init__(self, path: Path, reason: str, *, transient: bool = False) -> None:
+        super().__init__(f"failed to load {path}: {reason}")
+        self.transient = transient
+
+
+def _read_mounted(path: Path) -> bytes:
+    """A mounted certificate or key file's bytes.
+
+    Missing, empty, or ending inside a PEM block: a writer may be about to finish it (transient).
+    Not a regular file (a directory; a FIFO or device, whose read could block a thread for good) or
+    unreadable: final.
+    """
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise _Unloadable(path, "not a regular file")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise _Unloadable(path, "no such file or directory", transient=True) from None
+    except OSError as err:
+        raise _Unloadable(path, (err.strerror or str(err)).lower()) from None
+    if not data.strip():
+        raise _Unloadable(path, "file is empty", transient=True)
+    if data.rfind(b"-----BEGIN ") > data.rfind(b"-----END "):
+        raise _Unloadable(path, "a PEM block is cut short", transient=True)
+    return data

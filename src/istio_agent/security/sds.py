@@ -199,8 +199,11 @@ class SdsServer:
         *,
         crl_path: Path | None = None,
         registry: Registry = REGISTRY,
+        limits: uds.ServerLimits | None = None,
     ) -> None:
+        """``limits``: how long connections that do nothing are kept (``uds.ServerLimits``' defaults)."""
         self._socket_path = socket_path
+        self._limits = limits or uds.ServerLimits()
         self._metrics = _SdsMetrics(registry)
         self._secrets = _Secrets(provider, crl_path, self._metrics)
         self._streams: StreamServer[None, str] = StreamServer(
@@ -220,7 +223,8 @@ class SdsServer:
         """Bind the socket (replacing any old file), start serving, open it to every local user."""
         if self._server is not None:
             raise RuntimeError("SDS server already started")
-        server = grpc.aio.server(options=[("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS)])
+        options = [("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS), *self._limits.grpc_options()]
+        server = grpc.aio.server(options=options)
         fetch = grpc.unary_unary_rpc_method_handler(
             self.fetch,
             request_deserializer=discovery_pb2.DiscoveryRequest.FromString,

@@ -31,8 +31,9 @@ from types import ModuleType
 from typing import Any
 
 from istio_agent.http.messages import Handler, Request, Response, StreamResponse
-from istio_agent.http.server import BaseSite, ServerRunner, SockSite, TCPSite
+from istio_agent.http.server import BaseSite, Limits, ServerRunner, SockSite, TCPSite
 from istio_agent.log import scope
+from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.status.readiness import Readiness
 
 log = scope("status")
@@ -131,8 +132,29 @@ def _text(status: int, text: str) -> Response:
     return Response(status, text=text, content_type=TEXT)
 
 
+class _StatusMetrics:
+    """The status server's own metrics."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.rejected = registry.counter(
+            "status_rejected_connections",
+            "Connections to the status port closed without serving a request, by reason "
+            "(malformed_request, header_timeout, connection_limit).",
+            ["reason"],
+        )
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
+
+
 class StatusServer:
-    """HTTP server on the agent's status port; ``start()`` binds, ``close_listener()`` stops accepting."""
+    """HTTP server on the agent's status port; ``start()`` binds, ``close_listener()`` stops accepting.
+
+    It listens on every address by default, so anyone who can reach the pod can send it anything:
+    ``limits`` (the HTTP stack's defaults unless given) bound what a client can hold, and malformed
+    or stalled connections are counted in ``istio_agent_status_rejected_connections``, never logged
+    above debug.
+    """
 
     def __init__(
         self,
@@ -146,6 +168,8 @@ class StatusServer:
         on_quit: Callable[[], None] | None = None,
         on_drain: Callable[[], Awaitable[None]] | None = None,
         metrics_localhost_only: bool = False,
+        limits: Limits | None = None,
+        registry: Registry = REGISTRY,
     ) -> None:
         self._host = host
         self._requested_port = port
@@ -156,6 +180,8 @@ class StatusServer:
         self._on_quit = on_quit
         self._on_drain = on_drain
         self._metrics_localhost_only = metrics_localhost_only
+        self._limits = limits
+        self._own_metrics = _StatusMetrics(registry)
         self._runner: ServerRunner | None = None
         self._site: BaseSite | None = None
         self._port = 0
@@ -173,7 +199,12 @@ class StatusServer:
         """
         if self._runner is not None:
             raise RuntimeError("status server already started")
-        runner = ServerRunner(self._handle, shutdown_timeout=SHUTDOWN_TIMEOUT)
+        runner = ServerRunner(
+            self._handle,
+            limits=self._limits,
+            shutdown_timeout=SHUTDOWN_TIMEOUT,
+            on_reject=self._own_metrics.reject,
+        )
         site: BaseSite = (
             SockSite(runner, sock) if sock is not None else TCPSite(runner, self._host, self._requested_port)
         )

@@ -28,7 +28,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 
-from istio_agent import keepalive, uds
+from istio_agent import uds
 from istio_agent.config.xds import XdsSettings
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
@@ -156,8 +156,15 @@ class XdsProxy:
         handlers: Sequence[TypeHandler] = (),
         dialer: UpstreamDialer | None = None,
         registry: Registry = REGISTRY,
+        limits: uds.ServerLimits | None = None,
     ) -> None:
+        """``limits``: how long connections from Envoy's side that do nothing are kept; by default
+        the server pings every GRPC_KEEPALIVE_INTERVAL and waits GRPC_KEEPALIVE_TIMEOUT, as Istio's."""
         self._settings = settings
+        self._limits = limits or uds.ServerLimits(
+            keepalive_time=settings.keepalive_interval.total_seconds(),
+            keepalive_timeout=settings.keepalive_timeout.total_seconds(),
+        )
         self._metrics = _ProxyMetrics(registry)
         self._handlers: dict[str, TypeHandler] = {}
         for handler in handlers:
@@ -234,8 +241,7 @@ class XdsProxy:
         return [
             ("grpc.max_concurrent_streams", settings.max_streams),
             ("grpc.max_receive_message_length", settings.max_recv_bytes),
-            *keepalive.server_options(settings.keepalive_interval, settings.keepalive_timeout),
-            ("grpc.keepalive_permit_without_calls", 1),
+            *self._limits.grpc_options(),
         ]
 
     # -- health ---------------------------------------------------------------------------------------
