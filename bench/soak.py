@@ -89,6 +89,7 @@ class Report:
     kills: int = 0
     outages: list[str] = field(default_factory=list)
     faults: list[tuple[datetime, datetime]] = field(default_factory=list)
+    rss_by_minute: dict[str, list[float]] = field(default_factory=dict)
     fds_gained: dict[str, list[str]] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     expected_warnings: int = 0
@@ -252,8 +253,12 @@ def run_soak(plan: Plan, base: Path, say: Callable[[str], None] = print) -> Repo
         outage_at = plan.duration / 2
         next_kill = plan.kill_every
         outage_done = False
+        report.rss_by_minute = {name: [report.usage_start[name].rss_mb] for name in agents}
         while (elapsed := time.monotonic() - started) < plan.duration:
             mesh.processes.alive(*(f"pilot-agent {name}" for name in agents))
+            if elapsed >= 60 * len(report.rss_by_minute["a"]):
+                for name, pid in agents.items():
+                    report.rss_by_minute[name].append(usage(pid).rss_mb)
             if not outage_done and elapsed >= outage_at:
                 ca_outage(mesh, watch, plan, step, report)
                 outage_done = True
@@ -340,6 +345,9 @@ def print_report(plan: Plan, report: Report, say: Callable[[str], None] = print)
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         say("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    for name, samples in report.rss_by_minute.items():
+        if len(samples) > 1:
+            say(f"  agent {name} RSS each minute (MB): {' '.join(f'{mb:.1f}' for mb in samples)}")
     for name, kinds in report.fds_gained.items():
         if kinds:
             say(f"  agent {name} file descriptors changed: {', '.join(kinds)}")
