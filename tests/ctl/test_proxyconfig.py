@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,26 @@ async def test_diff_with_an_agent_that_is_not_there(tmp_path: Path) -> None:
     port = free_port()
     with pytest.raises(SecretsError, match=f"^the agent at 127.0.0.1:{port}: cannot connect"):
         await run(SecretQuery(file=str(envoy), diff=True, agent=f"127.0.0.1:{port}"), print, print)
+
+
+async def test_an_address_that_accepts_but_never_answers_times_out() -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(SecretsError, match=rf"^Envoy's admin at {address} did not answer within 0.3s$"):
+            await run(SecretQuery(address=address, timeout=0.3), print, print)
+
+
+async def test_something_that_is_not_envoys_admin_is_named() -> None:
+    """The agent's status port given as Envoy's admin: a 404, said with its body."""
+    server = StatusServer("127.0.0.1", 0, Readiness([]))
+    await server.start()
+    try:
+        address = f"127.0.0.1:{server.port}"
+        with pytest.raises(
+            SecretsError, match=rf"^Envoy's admin at {address} answered 404: 404 page not found"
+        ):
+            await run(SecretQuery(address=address), print, print)
+    finally:
+        await server.stop()

@@ -178,7 +178,7 @@ async def fetch_dump(address: str, timeout: float) -> dict[str, Any]:
     status, body = await _get(address, CONFIG_DUMP_TARGET, "Envoy's admin", timeout)
     if status != 200:
         raise SecretsError(
-            f"Envoy's admin at {address} answered {status}: {body[:200].decode(errors='replace')}"
+            f"Envoy's admin at {address} answered {status}: {body[:200].decode(errors='replace').strip()}"
         )
     return parse_dump(body, f"the answer of {address}")
 
