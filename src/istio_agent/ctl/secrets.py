@@ -50,15 +50,20 @@ class SecretItem:
 
     name: str
     data: str = ""
+    """The PEM text of the chain or bundle (empty when Envoy has none, or for the agent's side)."""
     source: str = ""
+    """Who holds it besides Envoy: the agent's address after ``diff`` (the NODE AGENT column)."""
     destination: str = ""
     state: str = ""
+    """Envoy's: ``WARMING``, ``ACTIVE`` or ``STATIC``; empty for the agent's side."""
     trust_domain: str = ""
     valid: bool = False
+    """VALID CERT: the first certificate valid now, and for a chain, the chain verified."""
     serial_number: str = ""
     not_after: str = ""
     not_before: str = ""
     type: str = ""
+    """``CA`` or ``Cert Chain``, from the first certificate's basic constraints."""
     is_bundle: bool = False
     """A validation context (trust bundle), as opposed to a certificate chain."""
     certificates: tuple[CertificateSummary, ...] = ()
@@ -112,8 +117,10 @@ class FileCheck:
     envoy: str
     """``SAME``, ``DIFFERENT``, ``NOT IN ENVOY`` or ``ERROR``."""
     md5: str = ""
+    """Of the file's bytes, to compare with an ``md5sum`` taken elsewhere."""
     sha256: str = ""
     serial_number: str = ""
+    """Of the file's first certificate."""
     error: str = ""
 
     def as_json(self) -> dict[str, Any]:
