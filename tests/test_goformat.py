@@ -45,3 +45,17 @@ def test_status_code_names() -> None:
 )
 def test_durations(seconds: float | timedelta, text: str) -> None:
     assert goformat.duration(seconds) == text
+
+
+def test_tabwrite_aligns_column_blocks_as_go() -> None:
+    # Go: tabwriter.NewWriter(w, 0, 8, 2, ' ', 0) fed "a\tbb\tc\n", "ccc\td\n", "e\tf\tg\th\n"
+    lines = [["a", "bb", "c"], ["ccc", "d"], ["e", "f", "g", "h"]]
+    assert goformat.tabwrite(lines, padding=2) == "a    bb  c\nccc  d\ne    f  g  h\n"
+
+
+def test_tabwrite_pads_empty_cells_but_leaves_no_trailing_spaces() -> None:
+    lines = [["NAME", "TYPE", "STATE", "LAST"], ["x", "", "WARMING", ""], ["longer", "CA", "ACTIVE", "z"]]
+    assert goformat.tabwrite(lines, padding=5) == (
+        "NAME       TYPE     STATE       LAST\nx                   WARMING\nlonger     CA       ACTIVE      z\n"
+    )
+    assert goformat.tabwrite([]) == ""

@@ -275,6 +275,14 @@ class Agent:
         stack.callback(sock.close)  # a no-op once the server has closed it
         return sock
 
+    def _secrets_view(self) -> dict[str, Any] | None:
+        """``/debug/secrets``; its module is imported on the first request, off the start-up path."""
+        if self.secret_manager is None:
+            return None
+        from istio_agent.security.debug import secrets_view
+
+        return secrets_view(self.secret_manager)
+
     async def _start_status_server(
         self, stack: AsyncExitStack, settings: StatusSettings, sock: socket.socket
     ) -> None:
@@ -316,6 +324,7 @@ class Agent:
             metrics=metrics,
             app_probes=probes,
             ndsz=lambda: self.dns.ndsz() if self.dns is not None else None,
+            secrets=self._secrets_view,
             on_quit=self._quit,
             on_drain=self._drain,
             metrics_localhost_only=settings.metrics_localhost_only,

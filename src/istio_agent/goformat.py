@@ -57,3 +57,45 @@ def duration(value: float | timedelta) -> str:
 
 
 _MICROSECOND = timedelta(microseconds=1)
+
+
+def tabwrite(lines: list[list[str]], *, minwidth: int = 0, padding: int = 1) -> str:
+    """Go's ``text/tabwriter`` with a space pad character and no flags, as istioctl prints tables.
+
+    Each line is a list of cells; every cell but the last is tab-terminated, so the last one is
+    not part of a column (Go's rule). Columns are aligned per block of consecutive lines that have
+    that column, each cell padded to the block's widest cell plus ``padding``. Trailing spaces
+    (from empty trailing cells) are dropped, as in istioctl's golden outputs.
+    """
+    widths: list[int] = []
+    out: list[str] = []
+
+    def write_lines(start: int, end: int) -> None:
+        for line in lines[start:end]:
+            text = "".join(
+                cell.ljust(widths[j]) if j < len(widths) and j < len(line) - 1 else cell
+                for j, cell in enumerate(line)
+            )
+            out.append(text.rstrip(" ") + "\n")
+
+    def format_block(start: int, end: int) -> None:
+        column = len(widths)
+        this = start
+        while this < end:
+            if column >= len(lines[this]) - 1:
+                this += 1
+                continue
+            write_lines(start, this)
+            start = this
+            width = minwidth
+            while this < end and column < len(lines[this]) - 1:
+                width = max(width, len(lines[this][column]) + padding)
+                this += 1
+            widths.append(width)
+            format_block(start, this)
+            widths.pop()
+            start = this
+        write_lines(start, end)
+
+    format_block(0, len(lines))
+    return "".join(out)

@@ -13,10 +13,11 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
 
 from istio_agent.log import scope
@@ -224,6 +225,142 @@ def certificate_identities(cert: x509.Certificate) -> list[str]:
     except ValueError as e:
         raise PemError(f"failed to read the certificate's subject alternative names: {e}") from None
     return list(san.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def parse_certificates(data: bytes | str) -> list[x509.Certificate]:
+    """Every CERTIFICATE block of a chain or bundle, in order; PemError when one does not parse or none is there."""
+    certs = []
+    for index, block in enumerate(b for b in _scan(_as_bytes(data)) if b.label == CERTIFICATE):
+        if block.der is None:
+            raise PemError(f"certificate {index}: invalid PEM encoded certificate (bad base64)")
+        try:
+            certs.append(_load_der(block.der))
+        except PemError as e:
+            raise PemError(f"certificate {index}: {e}") from None
+    if not certs:
+        raise PemError("no PEM encoded certificate found")
+    return certs
+
+
+@dataclass(frozen=True)
+class CertificateSummary:
+    """What operators compare about a certificate: never key material, only public facts and a fingerprint."""
+
+    serial_number: str
+    """Lowercase hex without padding, as Go's ``%x`` of the serial (istioctl's SERIAL NUMBER)."""
+    subject: str
+    issuer: str
+    not_before: datetime
+    not_after: datetime
+    is_ca: bool
+    uris: tuple[str, ...]
+    dns_names: tuple[str, ...]
+    sha256: str
+    """Hex SHA-256 of the DER encoding (the certificate's fingerprint)."""
+
+    @classmethod
+    def of(cls, cert: x509.Certificate) -> CertificateSummary:
+        try:
+            is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        except (x509.ExtensionNotFound, ValueError):
+            is_ca = False
+        try:
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            uris = tuple(san.get_values_for_type(x509.UniformResourceIdentifier))
+            dns_names = tuple(san.get_values_for_type(x509.DNSName))
+        except (x509.ExtensionNotFound, ValueError):
+            uris, dns_names = (), ()
+        return cls(
+            serial_number=format(cert.serial_number, "x"),
+            subject=cert.subject.rfc4514_string(),
+            issuer=cert.issuer.rfc4514_string(),
+            not_before=cert.not_valid_before_utc,
+            not_after=cert.not_valid_after_utc,
+            is_ca=is_ca,
+            uris=uris,
+            dns_names=dns_names,
+            sha256=cert.fingerprint(hashes.SHA256()).hex(),
+        )
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CertificateSummary:
+        """The inverse of ``as_json`` (what ``/debug/secrets`` sends); missing fields are empty."""
+
+        def moment(key: str) -> datetime:
+            try:
+                return datetime.strptime(str(data.get(key, "")), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+            except ValueError:
+                return datetime.min.replace(tzinfo=UTC)
+
+        return cls(
+            serial_number=str(data.get("serial_number", "")),
+            subject=str(data.get("subject", "")),
+            issuer=str(data.get("issuer", "")),
+            not_before=moment("not_before"),
+            not_after=moment("not_after"),
+            is_ca=bool(data.get("is_ca", False)),
+            uris=tuple(str(u) for u in data.get("uris") or ()),
+            dns_names=tuple(str(d) for d in data.get("dns_names") or ()),
+            sha256=str(data.get("sha256", "")),
+        )
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "serial_number": self.serial_number,
+            "subject": self.subject,
+            "issuer": self.issuer,
+            "not_before": rfc3339(self.not_before),
+            "not_after": rfc3339(self.not_after),
+            "is_ca": self.is_ca,
+            "uris": list(self.uris),
+            "dns_names": list(self.dns_names),
+            "sha256": self.sha256,
+        }
+
+
+def rfc3339(moment: datetime) -> str:
+    """Go's ``time.RFC3339`` of a UTC time: ``2023-05-16T01:32:52Z`` (istioctl's NOT AFTER / NOT BEFORE)."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def chain_problem(
+    chain: Sequence[x509.Certificate], anchors: Sequence[x509.Certificate], now: datetime
+) -> str | None:
+    """Why ``chain`` (leaf first) does not lead to one of ``anchors``, or None when it does.
+
+    Each step must be signed by its issuer (found in the rest of the chain, or among the anchors)
+    and every certificate above the leaf must be valid at ``now`` (the leaf's own validity is
+    reported separately). A certificate equal to an anchor ends the walk.
+    """
+    anchor_ders = {a.public_bytes(serialization.Encoding.DER) for a in anchors}
+    current, rest = chain[0], list(chain[1:])
+    for _ in range(len(chain) + 1):
+        if current is not chain[0] and current.public_bytes(serialization.Encoding.DER) in anchor_ders:
+            return None
+        for anchor in anchors:
+            if _issued_by(current, anchor):
+                return None
+        issuer = next((c for c in rest if _issued_by(current, c)), None)
+        if issuer is None:
+            return (
+                f"no certificate of the trust bundle issued {_describe(current.subject)} "
+                f"(its issuer is {_describe(current.issuer)})"
+            )
+        rest.remove(issuer)
+        if not issuer.not_valid_before_utc <= now <= issuer.not_valid_after_utc:
+            return f"issuer {_describe(issuer.subject)} is not valid now (not after {rfc3339(issuer.not_valid_after_utc)})"
+        current = issuer
+    return "the chain does not end at a certificate of the trust bundle"
+
+
+def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
+    if cert.issuer != issuer.subject:
+        return False
+    try:
+        cert.verify_directly_issued_by(issuer)
+    except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
+        return False
+    return True
 
 
 def _load_private_key(pem: bytes) -> PrivateKeyTypes:

@@ -44,6 +44,7 @@ class Calls:
     probes: list[str] = field(default_factory=list)
     quit: int = 0
     ndsz: dict[str, Any] | None = None
+    secrets: dict[str, Any] | None = None
     metrics_body: str = "agent_metric 1\n"
 
 
@@ -63,6 +64,7 @@ def build(calls: Calls, host: str = "127.0.0.1", **kwargs: object) -> StatusServ
         "metrics": metrics,
         "app_probes": probes,
         "ndsz": lambda: calls.ndsz,
+        "secrets": lambda: calls.secrets,
         "on_quit": on_quit,
     }
     options.update(kwargs)
@@ -191,6 +193,35 @@ async def test_ndsz_serves_the_dns_view_as_json(
     status, body, response = await fetch(client, "GET", url(server, "/debug/ndsz"))
     assert (status, response.content_type) == (200, "application/json")
     assert json.loads(body) == calls.ndsz
+
+
+# -- secrets ----------------------------------------------------------------------------------------------
+async def test_secrets_view_is_json_for_loopback_get_only(
+    server: StatusServer, calls: Calls, client: aiohttp.ClientSession
+) -> None:
+    status, body, response = await fetch(client, "GET", url(server, "/debug/secrets"))
+    assert (status, body, response.content_type) == (404, "{}", "application/json")  # no secret manager yet
+    calls.secrets = {"secrets": [{"resource_name": "default", "certificates": []}], "files": []}
+    status, body, response = await fetch(client, "GET", url(server, "/debug/secrets"))
+    assert (status, response.content_type) == (200, "application/json")
+    assert json.loads(body) == calls.secrets
+    for method in ("POST", "PUT", "DELETE"):
+        assert (await fetch(client, method, url(server, "/debug/secrets")))[:2] == (
+            405,
+            "Method Not Allowed\n",
+        )
+
+
+@pytest.mark.parametrize(
+    "peer", [("192.0.2.9", 4000), ("10.1.2.3", 5), ("::ffff:10.0.0.1", 6), ("fe80::1", 7)]
+)
+async def test_secrets_view_refuses_remote_peers(calls: Calls, peer: tuple[str, int]) -> None:
+    """Checked on the request's peer, so it holds even where the host has no non-loopback address."""
+    calls.secrets = {"secrets": [], "files": []}
+    status_server = build(calls)
+    response = await status_server._handle(Request("GET", "/debug/secrets", peer=peer))
+    assert isinstance(response, Response)
+    assert (response.status, response.body) == (403, b"Only requests from localhost are allowed\n")
 
 
 # -- quit / drain -------------------------------------------------------------------------------------
@@ -339,6 +370,7 @@ async def test_remote_callers_are_forbidden(calls: Calls, client: aiohttp.Client
             ("GET", "/quitquitquit"),
             ("POST", "/drain"),
             ("GET", "/debug/ndsz"),
+            ("GET", "/debug/secrets"),
             ("GET", "/metrics"),
             ("GET", "/stats/prometheus"),
         ):

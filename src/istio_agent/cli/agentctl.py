@@ -130,5 +130,58 @@ def demo(keep: bool) -> None:
     raise SystemExit(code)
 
 
+@main.group("proxy-config")
+def proxy_config() -> None:
+    """Show what an Envoy holds (as istioctl proxy-config)."""
+
+
+@proxy_config.command("secret")
+@click.argument("target", required=False)
+@click.option("-f", "--file", "dump_file", help="an Envoy config_dump file instead of an admin address")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Choice(["short", "json", "yaml", "items"]),
+    default="short",
+    show_default=True,
+    help="short: the table; json|yaml: the SecretsConfigDump (as istioctl); items: the items as JSON",
+)
+@click.option("-v", "--verbose", is_flag=True, help="add EXPIRES (relative to now) and CHAIN columns")
+@click.option("--diff", is_flag=True, help="compare with what the agent holds and the cert files on disk")
+@click.option(
+    "--agent",
+    "agent_address",
+    default="127.0.0.1:15020",
+    show_default=True,
+    help="the agent's status address for --diff (its /debug/secrets answers loopback only)",
+)
+@click.option(
+    "--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.1), help="seconds per request"
+)
+def proxy_config_secret(
+    target: str | None,
+    dump_file: str | None,
+    output: str,
+    verbose: bool,
+    diff: bool,
+    agent_address: str,
+    timeout: float,
+) -> None:
+    """Envoy's secrets from TARGET (its admin HOST:PORT, default 127.0.0.1:15000, or a config_dump file).
+
+    VALID CERT is false for an expired or not-yet-valid certificate and for a chain that does not
+    lead to a trust bundle the same Envoy holds; why goes to stderr. See docs/proxy-config-secret.md.
+    """
+    from istio_agent.ctl.proxyconfig import SecretQuery, resolve_target, run
+    from istio_agent.ctl.secrets import SecretsError
+
+    try:
+        address, path = resolve_target(target, dump_file)
+        query = SecretQuery(address, path, output, verbose, diff, agent_address, timeout)
+        runtime.run(run(query, click.echo, lambda line: click.echo(line, err=True)))
+    except SecretsError as err:
+        raise click.ClickException(str(err)) from None
+
+
 if __name__ == "__main__":
     main(prog_name="agentctl")

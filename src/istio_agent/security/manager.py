@@ -80,6 +80,21 @@ class CAClient(Protocol):
 
 
 @dataclass(frozen=True)
+class HeldSecret:
+    """What the agent holds for one resource name, for operators (``/debug/secrets``): never the key.
+
+    ``certificates`` is the chain of a key/cert secret or the bundle of a root; ``source`` is the
+    file it came from, or None when the CA signed it.
+    """
+
+    resource_name: str
+    certificates: bytes
+    is_root: bool
+    source: Path | None
+    since: datetime
+
+
+@dataclass(frozen=True)
 class _Workload:
     """The one cached workload certificate (Istio caches exactly one)."""
 
@@ -125,6 +140,8 @@ class SecretManager:
         self._rotation_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._output_lock = asyncio.Lock()
+        self._served: dict[str, HeldSecret] = {}
+        self._file_sources: dict[str, Path] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def add_update_callback(self, callback: Callable[[str], None]) -> None:
@@ -149,11 +166,46 @@ class SecretManager:
     async def generate(self, resource_name: str) -> SecretItem:
         """Return the secret for an SDS resource name; raise SecretError with the reason."""
         item = await self._from_files(resource_name)
+        source = self._file_sources.get(resource_name) if item is not None else None
         if item is None:
             item = await self._from_workload(resource_name)
         if resource_name in (WORKLOAD_KEY_CERT, ROOT_CERT) and self._settings.output_certs is not None:
             await self._write_output(item)
+        self._served[resource_name] = HeldSecret(
+            resource_name=resource_name,
+            certificates=item.root_cert if item.is_root else item.certificate_chain,
+            is_root=item.is_root,
+            source=source,
+            since=self._now(),
+        )
         return item
+
+    def held(self) -> list[HeldSecret]:
+        """The secrets the agent holds now, by resource name, without keys (a read-only snapshot).
+
+        What it last served, except that a CA-signed ``default`` and ``ROOTCA`` are the cached
+        workload certificate: after a rotation that is the new one even if no push reached Envoy
+        yet, which is exactly the mismatch an operator looks for.
+        """
+        held = dict(self._served)
+        workload = self._workload
+        if workload is not None:
+            for name in (WORKLOAD_KEY_CERT, ROOT_CERT):
+                if name in held and held[name].source is None:
+                    item = self._item(name, workload)
+                    held[name] = HeldSecret(
+                        resource_name=name,
+                        certificates=item.root_cert if item.is_root else item.certificate_chain,
+                        is_root=item.is_root,
+                        source=None,
+                        since=workload.created if name == WORKLOAD_KEY_CERT else held[name].since,
+                    )
+        return [held[name] for name in sorted(held)]
+
+    @property
+    def output_dir(self) -> Path | None:
+        """OUTPUT_CERTS, where the agent writes the workload's key, chain and root for other consumers."""
+        return self._settings.output_certs
 
     async def prewarm(self) -> None:
         """Fetch ``default`` then ``ROOTCA`` before Envoy asks, retrying with backoff until both succeed.
@@ -236,6 +288,7 @@ class SecretManager:
 
         root = await self._retry_file(load)
         self._watcher.watch(name, [path])
+        self._file_sources[name] = path
         if merge:
             self._last_root = root
             root = merge_root_bundles(self._trust_bundle, root)
@@ -259,6 +312,7 @@ class SecretManager:
         chain, key, expires = await self._retry_file(load)
         # Beyond Istio: the key file is watched too, so a key-only rotation is pushed.
         self._watcher.watch(name, [cert_path, key_path])
+        self._file_sources[name] = cert_path
         return SecretItem(
             resource_name=name, certificate_chain=chain, private_key=key, created=self._now(), expires=expires
         )

@@ -1,4 +1,4 @@
-"""The agent's status server (port 15020): readiness, merged metrics, app probes, quit/drain, ndsz.
+"""The agent's status server (port 15020): readiness, merged metrics, app probes, quit/drain, debug views.
 
 One server binds the port at start-up and answers ``/healthz/ready`` from that moment on; there is
 no second server and no hand-over. It loads only the HTTP server and readiness: the merged-metrics
@@ -165,6 +165,7 @@ class StatusServer:
         metrics: Handler | None = None,
         app_probes: Handler | None = None,
         ndsz: Callable[[], dict[str, Any] | None] | None = None,
+        secrets: Callable[[], dict[str, Any] | None] | None = None,
         on_quit: Callable[[], None] | None = None,
         on_drain: Callable[[], Awaitable[None]] | None = None,
         metrics_localhost_only: bool = False,
@@ -177,6 +178,7 @@ class StatusServer:
         self._metrics = metrics
         self._app_probes = app_probes
         self._ndsz_view = ndsz
+        self._secrets_view = secrets
         self._on_quit = on_quit
         self._on_drain = on_drain
         self._metrics_localhost_only = metrics_localhost_only
@@ -262,6 +264,8 @@ class StatusServer:
             return await self._drain(request)
         if path == "/debug/ndsz":
             return self._ndsz(request)
+        if path == "/debug/secrets":
+            return self._secrets(request)
         return _text(404, NOT_FOUND)
 
     async def _ready(self) -> Response:
@@ -323,5 +327,16 @@ class StatusServer:
             return _text(403, FORBIDDEN)
         view = self._ndsz_view() if self._ndsz_view is not None else None
         if view is None:  # DNS proxy off, or no table yet
+            return Response(404, text="{}", content_type="application/json")
+        return Response(text=json.dumps(view, indent=2), content_type="application/json")
+
+    def _secrets(self, request: Request) -> Response:
+        """What the agent holds (certificates' public facts, never keys), for ``proxy-config secret --diff``."""
+        if not is_loopback(request.remote):
+            return _text(403, FORBIDDEN)
+        if request.method not in ("GET", "HEAD"):
+            return _text(405, METHOD_NOT_ALLOWED)
+        view = self._secrets_view() if self._secrets_view is not None else None
+        if view is None:  # no secret manager (yet)
             return Response(404, text="{}", content_type="application/json")
         return Response(text=json.dumps(view, indent=2), content_type="application/json")
