@@ -100,7 +100,8 @@ def test_the_injected_sidecar_starts_serves_dns_and_drains_on_a_read_only_root(
     assert addresses(pod, "db.example.com.") == ["10.10.0.7"]
 
     # every file the agent and Envoy write is on one of the pod's volumes (the root refuses any other)
-    assert written_files(pod.volume("istio-envoy")) == ["XDS", "envoy-rev.json"]
+    # as Istio, every sidecar also writes the proxyless gRPC bootstrap (GRPC_XDS_BOOTSTRAP defaults on)
+    assert written_files(pod.volume("istio-envoy")) == ["XDS", "envoy-rev.json", "grpc-bootstrap.json"]
     assert written_files(pod.volume("workload-socket")) == ["socket"]
     assert written_files(pod.volume("istio-data")) == [SAVED_TABLE]
     assert (pod.volume("istio-data") / SAVED_TABLE).stat().st_uid == 1337
