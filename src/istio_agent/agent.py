@@ -176,7 +176,7 @@ class Agent:
             try:
                 await asyncio.to_thread(check_writable, output)
             except OSError as err:
-                raise ConfigError(f"OUTPUT_CERTS {output} is not writable: {err.strerror or err}") from None
+                raise ConfigError(f"OUTPUT_CERTS {output} is not writable: {_os_error(err)}") from None
         plan = await plan_sds(settings.security)
         ca_client = self._ca_client(plan.settings) if plan.uses_ca else None
         manager = SecretManager(plan.settings, ca_client, registry=self._registry)
@@ -412,10 +412,14 @@ async def _write_grpc_bootstrap(settings: GrpcBootstrapSettings) -> None:
     try:
         path = await asyncio.to_thread(write_grpc_bootstrap, settings)
     except OSError as err:
-        raise ConfigError(
-            f"failed generating gRPC XDS bootstrap: {settings.path}: {err.strerror or err}"
-        ) from None
+        raise ConfigError(f"failed generating gRPC XDS bootstrap {settings.path}: {_os_error(err)}") from None
     log.info("gRPC xDS bootstrap written to %s", path)
+
+
+def _os_error(err: OSError) -> str:
+    """``<path>: <reason>`` for the file the system refused (a parent directory, a temporary file)."""
+    reason = err.strerror or str(err)
+    return f"{err.filename}: {reason}" if err.filename else reason
 
 
 def _background(stack: AsyncExitStack, name: str, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
