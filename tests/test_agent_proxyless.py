@@ -7,19 +7,24 @@ import asyncio
 import dataclasses
 import json
 import socket
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
-from google.protobuf import json_format, struct_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf import any_pb2, json_format, struct_pb2
 
 from istio_agent.agent import Agent, AgentSettings
 from istio_agent.config import ConfigError, Env, SecuritySettings, XdsSettings
 from istio_agent.config.grpc import GrpcBootstrapSettings
 from istio_agent.config.status import StatusSettings
+from istio_agent.protos import proxy_config_pb2
+from istio_agent.xds.types import PROXY_CONFIG
 from tests.security.fakes import FakeCA, pem
-from tests.xds import CDS, EnvoyStream, FakeIstiod
+from tests.xds import CDS, LDS, EnvoyStream, FakeIstiod
 
 CERT_FILES = ("cert-chain.pem", "key.pem", "root-cert.pem")
 
@@ -39,7 +44,7 @@ class GatedCA(FakeCA):
         self.gate = asyncio.Event()
         self.gate.set()
 
-    async def csr_sign(self, csr_pem: bytes, ttl):  # type: ignore[no-untyped-def]
+    async def csr_sign(self, csr_pem: bytes, ttl: timedelta) -> list[str]:
         await self.gate.wait()
         return await super().csr_sign(csr_pem, ttl)
 
@@ -73,7 +78,7 @@ def proxyless(workdir: Path, istiod: str = "127.0.0.1:1", **env: str) -> AgentSe
     )
 
 
-async def eventually(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition never met"
@@ -186,6 +191,41 @@ async def test_the_apps_ads_stream_is_relayed_with_its_own_node(short_tmp: Path)
             assert request.type_url == CDS
             assert request.node.id == node["id"]
             assert request.node.metadata.fields["GENERATOR"].string_value == "grpc"
+            await app.close()
+    finally:
+        await istiod.stop()
+
+
+async def test_the_agents_own_types_still_work_next_to_a_grpc_app(short_tmp: Path) -> None:
+    """PCDS (PROXY_CONFIG_XDS_AGENT) is subscribed on the app's stream, handled by the agent and ACKed,
+    never forwarded to the app, which only sees its own types."""
+    istiod = await FakeIstiod().start()
+    try:
+        settings = proxyless(short_tmp, istiod=istiod.address)
+        settings = dataclasses.replace(settings, xds=dataclasses.replace(settings.xds, pcds_enabled=True))  # type: ignore[type-var]
+        ca = GatedCA(settings.security.spiffe_id)
+        bundle = pem(FakeCA().root)
+        async with (
+            Agent(settings, ca_client=lambda _s: ca),
+            grpc.aio.insecure_channel(f"unix:{settings.xds.socket_path}") as channel,  # type: ignore[union-attr]
+        ):
+            app = EnvoyStream(channel)
+            await app.send(LDS, resource_names=["echo.ns.svc.cluster.local:8080"])
+            upstream = await istiod.next_stream()
+            assert (await upstream.recv()).type_url == LDS
+            assert (await upstream.recv()).type_url == PROXY_CONFIG  # the agent's own subscription
+            pushed = proxy_config_pb2.ProxyConfig(ca_certificates_pem=[bundle])
+            resource = any_pb2.Any()
+            resource.Pack(pushed)
+            await upstream.send(
+                discovery_pb2.DiscoveryResponse(type_url=PROXY_CONFIG, nonce="pc-1", resources=[resource])
+            )
+            ack = await upstream.recv()
+            assert (ack.type_url, ack.response_nonce) == (PROXY_CONFIG, "pc-1")
+            assert not ack.HasField("error_detail")
+            await upstream.send(discovery_pb2.DiscoveryResponse(type_url=LDS, nonce="lds-1"))
+            first = await app.recv()
+            assert (first.type_url, first.nonce) == (LDS, "lds-1")  # the PCDS push never reached the app
             await app.close()
     finally:
         await istiod.stop()

@@ -38,15 +38,16 @@ class GrpcBootstrapSettings:
         cls, path: Path, node: BootstrapSettings, xds: XdsSettings | None, security: SecuritySettings
     ) -> GrpcBootstrapSettings:
         """The node of Envoy's bootstrap, the agent's XDS socket and OUTPUT_CERTS."""
+        socket, address = None, node.proxy_config.discovery_address
+        if xds is not None:
+            socket, address = xds.socket_path.absolute(), xds.discovery_address
         return cls(
             path=path,
             node_id=node.node_id,
             metadata=node.metadata,
             locality=node.locality,
-            xds_socket=xds.socket_path.absolute() if xds is not None else None,
-            discovery_address=xds.discovery_address
-            if xds is not None
-            else node.proxy_config.discovery_address,
+            xds_socket=socket,
+            discovery_address=address,
             cert_dir=security.output_certs,
         )
 
