@@ -7,7 +7,9 @@ import asyncio
 import dataclasses
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -171,61 +173,73 @@ async def test_a_bootstrap_that_cannot_be_written_stops_the_start(short_tmp: Pat
     assert not settings.xds.socket_path.exists()  # type: ignore[union-attr]  # what had started was stopped
 
 
-async def test_the_apps_ads_stream_is_relayed_with_its_own_node(short_tmp: Path) -> None:
-    """The gRPC app's node (GENERATOR=grpc) reaches istiod untouched; the proxy adds no Node of its own."""
+@dataclass
+class Running:
+    """A proxyless agent started against a recording istiod, its certificates written."""
+
+    settings: AgentSettings
+    istiod: FakeIstiod
+    bootstrap: Path
+    xds_socket: Path
+
+
+@asynccontextmanager
+async def running_proxyless(workdir: Path, *, pcds: bool = False) -> AsyncIterator[Running]:
     istiod = await FakeIstiod().start()
     try:
-        settings = proxyless(short_tmp, istiod=istiod.address)
+        settings = proxyless(workdir, istiod=istiod.address)
+        xds, bootstrap, out = settings.xds, settings.grpc_bootstrap, settings.security.output_certs
+        assert xds is not None and bootstrap is not None and out is not None
+        if pcds:
+            settings = dataclasses.replace(settings, xds=dataclasses.replace(xds, pcds_enabled=True))
         ca = GatedCA(settings.security.spiffe_id)
-        async with (
-            Agent(settings, ca_client=lambda _s: ca),
-            grpc.aio.insecure_channel(f"unix:{settings.xds.socket_path}") as channel,  # type: ignore[union-attr]
-        ):
-            app = EnvoyStream(channel)
-            node = json.loads(settings.grpc_bootstrap.path.read_text())["node"]  # type: ignore[union-attr]
-            metadata = struct_pb2.Struct()
-            json_format.ParseDict(node["metadata"], metadata)
-            await app.send(CDS, node=base_pb2.Node(id=node["id"], metadata=metadata))
-            upstream = await istiod.next_stream()
-            request = await upstream.recv()
-            assert request.type_url == CDS
-            assert request.node.id == node["id"]
-            assert request.node.metadata.fields["GENERATOR"].string_value == "grpc"
-            await app.close()
+        async with Agent(settings, ca_client=lambda _s: ca):
+            await eventually(lambda: all((out / name).exists() for name in CERT_FILES))
+            yield Running(settings, istiod, bootstrap.path, xds.socket_path)
     finally:
         await istiod.stop()
+
+
+async def test_the_apps_ads_stream_is_relayed_with_its_own_node(short_tmp: Path) -> None:
+    """The gRPC app's node (GENERATOR=grpc) reaches istiod untouched; the proxy adds no Node of its own."""
+    async with (
+        running_proxyless(short_tmp) as agent,
+        grpc.aio.insecure_channel(f"unix:{agent.xds_socket}") as channel,
+    ):
+        app = EnvoyStream(channel)
+        node = json.loads(agent.bootstrap.read_text())["node"]
+        metadata = struct_pb2.Struct()
+        json_format.ParseDict(node["metadata"], metadata)
+        await app.send(CDS, node=base_pb2.Node(id=node["id"], metadata=metadata))
+        upstream = await agent.istiod.next_stream()
+        request = await upstream.recv()
+        assert request.type_url == CDS
+        assert request.node.id == node["id"]
+        assert request.node.metadata.fields["GENERATOR"].string_value == "grpc"
+        await app.close()
 
 
 async def test_the_agents_own_types_still_work_next_to_a_grpc_app(short_tmp: Path) -> None:
     """PCDS (PROXY_CONFIG_XDS_AGENT) is subscribed on the app's stream, handled by the agent and ACKed,
     never forwarded to the app, which only sees its own types."""
-    istiod = await FakeIstiod().start()
-    try:
-        settings = proxyless(short_tmp, istiod=istiod.address)
-        settings = dataclasses.replace(settings, xds=dataclasses.replace(settings.xds, pcds_enabled=True))  # type: ignore[type-var]
-        ca = GatedCA(settings.security.spiffe_id)
-        bundle = pem(FakeCA().root)
-        async with (
-            Agent(settings, ca_client=lambda _s: ca),
-            grpc.aio.insecure_channel(f"unix:{settings.xds.socket_path}") as channel,  # type: ignore[union-attr]
-        ):
-            app = EnvoyStream(channel)
-            await app.send(LDS, resource_names=["echo.ns.svc.cluster.local:8080"])
-            upstream = await istiod.next_stream()
-            assert (await upstream.recv()).type_url == LDS
-            assert (await upstream.recv()).type_url == PROXY_CONFIG  # the agent's own subscription
-            pushed = proxy_config_pb2.ProxyConfig(ca_certificates_pem=[bundle])
-            resource = any_pb2.Any()
-            resource.Pack(pushed)
-            await upstream.send(
-                discovery_pb2.DiscoveryResponse(type_url=PROXY_CONFIG, nonce="pc-1", resources=[resource])
-            )
-            ack = await upstream.recv()
-            assert (ack.type_url, ack.response_nonce) == (PROXY_CONFIG, "pc-1")
-            assert not ack.HasField("error_detail")
-            await upstream.send(discovery_pb2.DiscoveryResponse(type_url=LDS, nonce="lds-1"))
-            first = await app.recv()
-            assert (first.type_url, first.nonce) == (LDS, "lds-1")  # the PCDS push never reached the app
-            await app.close()
-    finally:
-        await istiod.stop()
+    async with (
+        running_proxyless(short_tmp, pcds=True) as agent,
+        grpc.aio.insecure_channel(f"unix:{agent.xds_socket}") as channel,
+    ):
+        app = EnvoyStream(channel)
+        await app.send(LDS, resource_names=["echo.ns.svc.cluster.local:8080"])
+        upstream = await agent.istiod.next_stream()
+        assert (await upstream.recv()).type_url == LDS
+        assert (await upstream.recv()).type_url == PROXY_CONFIG  # the agent's own subscription
+        resource = any_pb2.Any()
+        resource.Pack(proxy_config_pb2.ProxyConfig(ca_certificates_pem=[pem(FakeCA().root)]))
+        await upstream.send(
+            discovery_pb2.DiscoveryResponse(type_url=PROXY_CONFIG, nonce="pc-1", resources=[resource])
+        )
+        ack = await upstream.recv()
+        assert (ack.type_url, ack.response_nonce) == (PROXY_CONFIG, "pc-1")
+        assert not ack.HasField("error_detail")
+        await upstream.send(discovery_pb2.DiscoveryResponse(type_url=LDS, nonce="lds-1"))
+        first = await app.recv()
+        assert (first.type_url, first.nonce) == (LDS, "lds-1")  # the PCDS push never reached the app
+        await app.close()

@@ -210,17 +210,22 @@ def injector_env(pod: Pod, proxy_metadata: Mapping[str, str] | None = None) -> d
     }
 
 
-def istio_proxy(
-    pod: Pod, istiod: Istiod, *, proxy_metadata: Mapping[str, str] | None = None, grace_period: float = 30.0
-) -> Container:
-    """The ``istio-proxy`` sidecar, with its volumes added to ``pod``, as the injector adds them."""
-    for name in WRITABLE_VOLUMES:
+def add_proxy_volumes(pod: Pod, istiod: Istiod, writable: tuple[str, ...]) -> None:
+    """The proxy's emptyDirs, and the CA root, token and pod-info volumes as the kubelet fills them."""
+    for name in writable:
         pod.empty_dir(name)
     pod.files("istiod-ca-cert", {"root-cert.pem": istiod.root_cert_path.read_bytes()})
     pod.files("istio-token", {"istio-token": istiod.token(pod.namespace, pod.service_account)})
     pod.files(
         "istio-podinfo", {"labels": downward_api(pod.labels), "annotations": downward_api(pod.annotations)}
     )
+
+
+def istio_proxy(
+    pod: Pod, istiod: Istiod, *, proxy_metadata: Mapping[str, str] | None = None, grace_period: float = 30.0
+) -> Container:
+    """The ``istio-proxy`` sidecar, with its volumes added to ``pod``, as the injector adds them."""
+    add_proxy_volumes(pod, istiod, WRITABLE_VOLUMES)
     return Container(
         name="istio-proxy",
         image=proxy_image(),
@@ -237,13 +242,7 @@ def grpc_agent(
     pod: Pod, istiod: Istiod, *, proxy_metadata: Mapping[str, str] | None = None, grace_period: float = 30.0
 ) -> Container:
     """The ``istio-proxy`` container of the grpc-agent template, with its volumes added to ``pod``."""
-    for name in GRPC_AGENT_WRITABLE_VOLUMES:
-        pod.empty_dir(name)
-    pod.files("istiod-ca-cert", {"root-cert.pem": istiod.root_cert_path.read_bytes()})
-    pod.files("istio-token", {"istio-token": istiod.token(pod.namespace, pod.service_account)})
-    pod.files(
-        "istio-podinfo", {"labels": downward_api(pod.labels), "annotations": downward_api(pod.annotations)}
-    )
+    add_proxy_volumes(pod, istiod, GRPC_AGENT_WRITABLE_VOLUMES)
     env = {**injector_env(pod), **GRPC_AGENT_ENV, **KUBERNETES_SERVICE_HOST, **(proxy_metadata or {})}
     return Container(
         name="istio-proxy",

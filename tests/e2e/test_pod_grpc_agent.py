@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 import stat
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.injector import ISTIOD_HOSTS, Istiod, grpc_agent, grpc_app, log_problems, mesh_for
-from tests.e2e.pod import Pod, children, running_pod, unsupported
+from tests.e2e.injector import Istiod, grpc_agent, grpc_app, log_problems, mesh_for
+from tests.e2e.pod import Pod, children, unsupported
 from tests.e2e.test_pod_sidecar import assert_runs_as_the_proxy_user, written_files
 
 CANNOT_RUN = unsupported()
@@ -36,12 +34,6 @@ except grpc.FutureTimeoutError:
     pass
 channel.close()
 """
-
-
-@pytest.fixture
-def pod(short_tmp: Path) -> Iterator[Pod]:
-    with running_pod(short_tmp, hosts=ISTIOD_HOSTS) as started:
-        yield started
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ the hooks run as the kubelet runs them; the local control plane is ``istiod.isti
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,8 +17,8 @@ import dns.rcode
 import pytest
 
 from istio_agent.ctl.local import wait_until
-from tests.e2e.injector import ISTIOD_HOSTS, Istiod, istio_proxy, log_problems, mesh_for
-from tests.e2e.pod import Pod, Running, children, process_status, running_pod, unsupported
+from tests.e2e.injector import Istiod, istio_proxy, log_problems, mesh_for
+from tests.e2e.pod import Pod, Running, children, process_status, unsupported
 
 CANNOT_RUN = unsupported()
 pytestmark = [
@@ -31,12 +30,6 @@ pytestmark = [
 NAME_TABLE = {"db.example.com": {"ips": ["10.10.0.7"], "registry": "External"}}
 DNS_CAPTURE = {"ISTIO_META_DNS_CAPTURE": "true"}
 SAVED_TABLE = "dns-name-table.pb"
-
-
-@pytest.fixture
-def pod(short_tmp: Path) -> Iterator[Pod]:
-    with running_pod(short_tmp, hosts=ISTIOD_HOSTS) as started:
-        yield started
 
 
 @pytest.fixture

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from istio_agent.agent import Agent
-from tests.test_agent_proxyless import GatedCA, eventually, free_port, proxyless
-from tests.xds import LDS, FakeIstiod
+from tests.test_agent_proxyless import free_port, running_proxyless
+from tests.xds import LDS
 
 pytestmark = pytest.mark.e2e
 
@@ -61,54 +60,37 @@ async def run_grpcio(script: str, bootstrap: Path, *args: str) -> str:
 
 
 async def test_grpcio_client_and_server_accept_the_bootstrap_and_reach_istiod(short_tmp: Path) -> None:
-    istiod = await FakeIstiod().start()
-    try:
-        settings = proxyless(short_tmp, istiod=istiod.address)
-        ca = GatedCA(settings.security.spiffe_id)
-        async with Agent(settings, ca_client=lambda _s: ca):
-            assert settings.grpc_bootstrap is not None and settings.security.output_certs is not None
-            out = settings.security.output_certs
-            await eventually(lambda: (out / "root-cert.pem").exists())
-            bootstrap = settings.grpc_bootstrap.path
-            node = json.loads(bootstrap.read_text())["node"]
+    async with running_proxyless(short_tmp) as agent:
+        node = json.loads(agent.bootstrap.read_text())["node"]
 
-            target = "echo.ns.svc.cluster.local:8080"
-            stderr = await run_grpcio(CLIENT, bootstrap, f"xds:///{target}", "2")
-            assert REJECTED not in stderr, stderr
-            client = await istiod.next_stream()
-            request = await client.recv()
-            assert request.type_url == LDS and list(request.resource_names) == [target]
-            assert request.node.id == node["id"]
-            assert request.node.metadata.fields["GENERATOR"].string_value == "grpc"
-            assert request.node.metadata.fields["NAMESPACE"].string_value == "ns"
-            assert request.node.user_agent_name.startswith("gRPC C-core")  # grpcio sent it, not the agent
+        target = "echo.ns.svc.cluster.local:8080"
+        stderr = await run_grpcio(CLIENT, agent.bootstrap, f"xds:///{target}", "2")
+        assert REJECTED not in stderr, stderr
+        client = await agent.istiod.next_stream()
+        request = await client.recv()
+        assert request.type_url == LDS and list(request.resource_names) == [target]
+        assert request.node.id == node["id"]
+        assert request.node.metadata.fields["GENERATOR"].string_value == "grpc"
+        assert request.node.metadata.fields["NAMESPACE"].string_value == "ns"
+        assert request.node.user_agent_name.startswith("gRPC C-core")  # grpcio sent it, not the agent
 
-            port = free_port()
-            stderr = await run_grpcio(SERVER, bootstrap, f"127.0.0.1:{port}", "2")
-            assert REJECTED not in stderr, stderr
-            server = await istiod.next_stream()
-            request = await server.recv()
-            assert request.type_url == LDS
-            assert list(request.resource_names) == [f"xds.istio.io/grpc/lds/inbound/127.0.0.1:{port}"]
-            assert request.node.id == node["id"]
-    finally:
-        await istiod.stop()
+        port = free_port()
+        stderr = await run_grpcio(SERVER, agent.bootstrap, f"127.0.0.1:{port}", "2")
+        assert REJECTED not in stderr, stderr
+        server = await agent.istiod.next_stream()
+        request = await server.recv()
+        assert request.type_url == LDS
+        assert list(request.resource_names) == [f"xds.istio.io/grpc/lds/inbound/127.0.0.1:{port}"]
+        assert request.node.id == node["id"]
 
 
 async def test_grpcio_refuses_a_broken_certificate_provider(short_tmp: Path) -> None:
     """The control for the test above: grpcio does check the file_watcher config, so accepting ours means something."""
-    istiod = await FakeIstiod().start()
-    try:
-        settings = proxyless(short_tmp, istiod=istiod.address)
-        ca = GatedCA(settings.security.spiffe_id)
-        async with Agent(settings, ca_client=lambda _s: ca):
-            assert settings.grpc_bootstrap is not None
-            written = json.loads(settings.grpc_bootstrap.path.read_text())
-            written["certificate_providers"]["default"]["config"]["refresh_interval"] = "15 minutes"
-            broken = short_tmp / "broken.json"
-            broken.write_text(json.dumps(written))
-            stderr = await run_grpcio(SERVER, broken, f"127.0.0.1:{free_port()}", "1")
-            assert REJECTED in stderr and "refresh_interval" in stderr
-            assert istiod.streams.empty()  # nothing reached istiod
-    finally:
-        await istiod.stop()
+    async with running_proxyless(short_tmp) as agent:
+        written = json.loads(agent.bootstrap.read_text())
+        written["certificate_providers"]["default"]["config"]["refresh_interval"] = "15 minutes"
+        broken = short_tmp / "broken.json"
+        broken.write_text(json.dumps(written))
+        stderr = await run_grpcio(SERVER, broken, f"127.0.0.1:{free_port()}", "1")
+        assert REJECTED in stderr and "refresh_interval" in stderr
+        assert agent.istiod.streams.empty()  # nothing reached istiod
