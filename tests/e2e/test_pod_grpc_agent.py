@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from istio_agent.ctl.local import wait_until
 from tests.e2e.injector import Istiod, grpc_agent, grpc_app, log_problems, mesh_for
 from tests.e2e.pod import Pod, children, unsupported
 from tests.e2e.test_pod_sidecar import assert_runs_as_the_proxy_user, written_files
@@ -44,7 +45,10 @@ def istiod(pod: Pod) -> Istiod:
 
 
 def test_the_grpc_agent_writes_certs_and_bootstrap_and_relays_the_apps_xds(pod: Pod, istiod: Istiod) -> None:
-    running = pod.start_container(grpc_agent(pod, istiod, grace_period=10))
+    # a short SECRET_TTL: the local CA's certificates are rotated while the test runs
+    running = pod.start_container(
+        grpc_agent(pod, istiod, proxy_metadata={"SECRET_TTL": "4s"}, grace_period=10)
+    )
     pod.wait_ready("istio-proxy")  # postStart: pilot-agent wait on 15020's /healthz/ready
     assert pod.http("GET", 15020, "/healthz/ready")[0] == 200
 
@@ -77,6 +81,14 @@ def test_the_grpc_agent_writes_certs_and_bootstrap_and_relays_the_apps_xds(pod: 
     assert "Failed to create xds client" not in app_log, app_log
     connections = [line for line in istiod.log.read_text().splitlines() if "ADS: new" in line]
     assert any(line.endswith(f"node={node_id}") for line in connections), connections
+
+    # rotation rewrites the files in place (gRPC's file watcher reads them again)
+    data = pod.volume("istio-data")
+    first_key, first_chain = (data / "key.pem").read_bytes(), (data / "cert-chain.pem").read_bytes()
+    wait_until(lambda: (data / "key.pem").read_bytes() != first_key, 15, "the key to be rotated")
+    wait_until(lambda: (data / "cert-chain.pem").read_bytes() != first_chain, 5, "the chain to be rotated")
+    assert written_files(data) == CERT_FILES
+    assert pod.http("GET", 15020, "/healthz/ready")[0] == 200
 
     assert pod.stop_container("istio-proxy") == 0
     not_allowed, _, unformatted = log_problems(running.log.read_text(errors="replace"))
