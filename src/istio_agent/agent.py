@@ -2,9 +2,10 @@
 
 Start order follows Istio's agent (pilot/cmd/pilot-agent, pkg/istio-agent/agent.go): the status
 server (readiness answers from the start), the DNS proxy, secrets and the SDS server, the xDS proxy
-on ``./etc/istio/proxy/XDS``, then Envoy on a generated bootstrap (everything Envoy needs is
-listening before it starts), then VM health checks. Stopping is the exact reverse, after readiness
-fails and the status port stops accepting; Envoy's drain is its step.
+on ``./etc/istio/proxy/XDS`` and the proxyless gRPC bootstrap next to it, then Envoy on a generated
+bootstrap (everything Envoy needs is listening before it starts), then VM health checks. Stopping
+is the exact reverse, after readiness fails and the status port stops accepting; Envoy's drain is
+its step.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from istio_agent.bootstrap.envoy import write_bootstrap
+from istio_agent.bootstrap.grpc import write_grpc_bootstrap
 from istio_agent.config import ConfigError, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.config.dns import DnsSettings
+from istio_agent.config.grpc import GrpcBootstrapSettings
 from istio_agent.config.security import CERT_CHAIN_FILE, CRL_PATH, KEY_FILE, ROOT_CERT_FILE
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyProcess
@@ -34,6 +37,7 @@ from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.protos import nds_pb2
 from istio_agent.security.caclient import CitadelClient
 from istio_agent.security.manager import CAClient, SecretManager
+from istio_agent.security.output import check_writable
 from istio_agent.security.sds import SdsServer
 from istio_agent.uds import remove_if_stale
 from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
@@ -64,6 +68,7 @@ class AgentSettings:
     dns: DnsSettings | None = None  # the DNS proxy runs when dns.enabled
     workdir: Path = field(default_factory=Path.cwd)  # where state is kept (the DNS proxy's last name table)
     serve_sds: bool = True  # Istio's DISABLE_ENVOY (proxyless) runs no SDS server
+    grpc_bootstrap: GrpcBootstrapSettings | None = None  # written once the xDS proxy listens
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,12 @@ class Agent:
                 await self._start_status_server(stack, settings.status, sock)
         if settings.dns is not None and settings.dns.enabled:
             await self._start_dns(stack, settings.dns)  # as Istio: before anything that may need names
+        output = settings.security.output_certs
+        if output is not None:
+            try:
+                await asyncio.to_thread(check_writable, output)
+            except OSError as err:
+                raise ConfigError(f"OUTPUT_CERTS {output} is not writable: {_os_error(err)}") from None
         plan = await plan_sds(settings.security)
         ca_client = self._ca_client(plan.settings) if plan.uses_ca else None
         manager = SecretManager(plan.settings, ca_client, registry=self._registry)
@@ -181,6 +192,8 @@ class Agent:
             _background(stack, "certificate prewarm", manager.prewarm())
         if settings.xds is not None:
             await self._start_xds_proxy(stack, settings.xds, manager, token_source_for(plan.settings))
+        if settings.grpc_bootstrap is not None:
+            await _write_grpc_bootstrap(settings.grpc_bootstrap)
         if settings.bootstrap is not None:
             await self._start_envoy(stack, settings.bootstrap)
         if settings.health is not None and self.xds_proxy is not None:
@@ -292,7 +305,7 @@ class Agent:
         """
         from istio_agent.envoy.readiness import EnvoyReadiness
         from istio_agent.status.lazy import LazyHandler
-        from istio_agent.status.readiness import DnsReadiness, Prober, Readiness
+        from istio_agent.status.readiness import DnsReadiness, GrpcBootstrapReadiness, Prober, Readiness
         from istio_agent.status.server import StatusServer
 
         bootstrap = self._settings.bootstrap
@@ -306,6 +319,8 @@ class Agent:
                     registry=self._registry,
                 )
             )
+        if self._settings.grpc_bootstrap is not None:
+            probers.append(GrpcBootstrapReadiness(self._settings.grpc_bootstrap.path))
         dns_settings, xds_settings = self._settings.dns, self._settings.xds
         if dns_settings is not None and dns_settings.enabled:
             # Ready once a table from this run answers (a big one is built aside).
@@ -399,6 +414,21 @@ async def _started(
             log.exception("stopping the %s failed", name)
 
     stack.push_async_callback(stop_step)
+
+
+async def _write_grpc_bootstrap(settings: GrpcBootstrapSettings) -> None:
+    """Write the proxyless gRPC bootstrap; a failure stops the start, as in Istio."""
+    try:
+        path = await asyncio.to_thread(write_grpc_bootstrap, settings)
+    except OSError as err:
+        raise ConfigError(f"failed generating gRPC XDS bootstrap {settings.path}: {_os_error(err)}") from None
+    log.info("gRPC xDS bootstrap written to %s", path)
+
+
+def _os_error(err: OSError) -> str:
+    """``<path>: <reason>`` for the file the system refused (a parent directory, a temporary file)."""
+    reason = err.strerror or str(err)
+    return f"{err.filename}: {reason}" if err.filename else reason
 
 
 def _background(stack: AsyncExitStack, name: str, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

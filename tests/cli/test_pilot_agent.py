@@ -183,3 +183,27 @@ def test_injection_template_command_line_is_accepted(short_tmp: Path) -> None:
     )
     assert "root CA file for XDS does not exist" in done.stderr + done.stdout
     assert '"scope": "default"' in done.stdout  # --log_as_json after the subcommand took effect
+
+
+@pytest.mark.parametrize(
+    ("target", "variable"),
+    [("out/certs", "OUTPUT_CERTS"), ("out/grpc-bootstrap.json", "GRPC_XDS_BOOTSTRAP")],
+)
+def test_grpc_agent_paths_that_cannot_be_written_exit_255_naming_them(
+    short_tmp: Path, target: str, variable: str
+) -> None:
+    """The grpc-agent template's env; OUTPUT_CERTS or the bootstrap's directory is a file, not a directory."""
+    (short_tmp / "out").write_text("a file where a directory should be")
+    env = {
+        "DISABLE_ENVOY": "true",
+        "ISTIO_META_GENERATOR": "grpc",
+        "OUTPUT_CERTS": str(short_tmp / "certs"),
+        "ISTIO_META_DNS_CAPTURE": "false",
+        "PROXY_CONFIG": json.dumps({"discoveryAddress": "127.0.0.1:15010", "statusPort": 0}),
+        "CA_ADDR": "127.0.0.1:15010",
+        variable: str(short_tmp / target),
+    }
+    done = run_agent(short_tmp, "proxy", "sidecar", **env)
+    assert done.returncode == 255, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("Error: ") and f"{short_tmp / target}" in done.stderr

@@ -1,5 +1,6 @@
 """What Istio adds to a pod (tests/e2e/pod.py runs it): the ``istio-proxy`` container as the sidecar
-injector renders it, this project's image, and the local control plane as ``istiod.istio-system.svc``.
+injector renders it (or as the ``grpc-agent`` template does for proxyless gRPC), this project's image,
+and the local control plane as ``istiod.istio-system.svc``.
 
 The container follows Istio's injection template
 (``manifests/charts/istio-control/istio-discovery/files/injection-template.yaml``): its args, env,
@@ -55,6 +56,33 @@ SIDECAR_MOUNTS = [
     Mount("istio-podinfo", "/etc/istio/pod", read_only=True),
 ]
 WRITABLE_VOLUMES = ("workload-socket", "credential-socket", "workload-certs", "istio-envoy", "istio-data")
+
+# The grpc-agent template (manifests/charts/istio-control/istio-discovery/files/grpc-agent.yaml):
+# the agent without Envoy, and what it adds to every app container.
+GRPC_AGENT_MOUNTS = [
+    Mount("workload-socket", "/var/run/secrets/workload-spiffe-uds"),
+    Mount("workload-certs", "/var/run/secrets/workload-spiffe-credentials"),
+    Mount("istiod-ca-cert", "/var/run/secrets/istio", read_only=True),
+    Mount("istio-data", "/var/lib/istio/data"),
+    Mount("istio-xds", "/etc/istio/proxy"),
+    Mount("istio-token", "/var/run/secrets/tokens", read_only=True),
+    Mount("istio-podinfo", "/etc/istio/pod", read_only=True),
+]
+GRPC_AGENT_WRITABLE_VOLUMES = ("workload-socket", "workload-certs", "istio-data", "istio-xds")
+GRPC_AGENT_ENV = {
+    "ISTIO_META_GENERATOR": "grpc",
+    "OUTPUT_CERTS": "/var/lib/istio/data",
+    "ISTIO_META_DNS_CAPTURE": "false",  # gRPC resolves xds:/// itself
+    "DISABLE_ENVOY": "true",
+}
+GRPC_APP_ENV = {
+    "GRPC_XDS_EXPERIMENTAL_SECURITY_SUPPORT": "true",
+    "GRPC_XDS_BOOTSTRAP": "/etc/istio/proxy/grpc-bootstrap.json",
+}
+GRPC_APP_MOUNTS = [Mount("istio-data", "/var/lib/istio/data"), Mount("istio-xds", "/etc/istio/proxy")]
+KUBERNETES_SERVICE_HOST = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+"""What the kubelet adds to every container's env (Services in the pod's namespace): with it the
+agent writes OUTPUT_CERTS readable by the app's user, as Istio."""
 
 ISTIO_LOG_LINE = re.compile(
     r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z\t(debug|info|warn|warning|error|critical)\t"
@@ -182,17 +210,22 @@ def injector_env(pod: Pod, proxy_metadata: Mapping[str, str] | None = None) -> d
     }
 
 
-def istio_proxy(
-    pod: Pod, istiod: Istiod, *, proxy_metadata: Mapping[str, str] | None = None, grace_period: float = 30.0
-) -> Container:
-    """The ``istio-proxy`` sidecar, with its volumes added to ``pod``, as the injector adds them."""
-    for name in WRITABLE_VOLUMES:
+def add_proxy_volumes(pod: Pod, istiod: Istiod, writable: tuple[str, ...]) -> None:
+    """The proxy's emptyDirs, and the CA root, token and pod-info volumes as the kubelet fills them."""
+    for name in writable:
         pod.empty_dir(name)
     pod.files("istiod-ca-cert", {"root-cert.pem": istiod.root_cert_path.read_bytes()})
     pod.files("istio-token", {"istio-token": istiod.token(pod.namespace, pod.service_account)})
     pod.files(
         "istio-podinfo", {"labels": downward_api(pod.labels), "annotations": downward_api(pod.annotations)}
     )
+
+
+def istio_proxy(
+    pod: Pod, istiod: Istiod, *, proxy_metadata: Mapping[str, str] | None = None, grace_period: float = 30.0
+) -> Container:
+    """The ``istio-proxy`` sidecar, with its volumes added to ``pod``, as the injector adds them."""
+    add_proxy_volumes(pod, istiod, WRITABLE_VOLUMES)
     return Container(
         name="istio-proxy",
         image=proxy_image(),
@@ -202,6 +235,38 @@ def istio_proxy(
         post_start=POST_START,
         pre_stop=PRE_STOP,
         grace_period=grace_period,
+    )
+
+
+def grpc_agent(
+    pod: Pod, istiod: Istiod, *, proxy_metadata: Mapping[str, str] | None = None, grace_period: float = 30.0
+) -> Container:
+    """The ``istio-proxy`` container of the grpc-agent template, with its volumes added to ``pod``."""
+    add_proxy_volumes(pod, istiod, GRPC_AGENT_WRITABLE_VOLUMES)
+    env = {**injector_env(pod), **GRPC_AGENT_ENV, **KUBERNETES_SERVICE_HOST, **(proxy_metadata or {})}
+    return Container(
+        name="istio-proxy",
+        image=proxy_image(),
+        args=["/usr/local/bin/pilot-agent", *SIDECAR_ARGS],
+        env=env,
+        mounts=list(GRPC_AGENT_MOUNTS),
+        post_start=POST_START,
+        grace_period=grace_period,
+    )
+
+
+def grpc_app(name: str, args: list[str], uid: int = 1000) -> Container:
+    """An app container as the grpc-agent template changes it (bootstrap env, the two shared volumes).
+
+    Its image is a Python with grpcio (this project's interpreter), run as ``uid``, not the proxy's.
+    """
+    image = proxy_image()
+    return Container(
+        name=name,
+        image=Image(files={}, env=image.env, uid=uid, gid=uid, needs=image.needs),
+        args=args,
+        env={**GRPC_APP_ENV, **KUBERNETES_SERVICE_HOST},
+        mounts=list(GRPC_APP_MOUNTS),
     )
 
 

@@ -9,7 +9,6 @@ the hooks run as the kubelet runs them; the local control plane is ``istiod.isti
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,8 +17,8 @@ import dns.rcode
 import pytest
 
 from istio_agent.ctl.local import wait_until
-from tests.e2e.injector import ISTIOD_HOSTS, Istiod, istio_proxy, log_problems, mesh_for
-from tests.e2e.pod import Pod, Running, children, process_status, running_pod, unsupported
+from tests.e2e.injector import Istiod, istio_proxy, log_problems, mesh_for
+from tests.e2e.pod import Pod, Running, children, process_status, unsupported
 
 CANNOT_RUN = unsupported()
 pytestmark = [
@@ -31,12 +30,6 @@ pytestmark = [
 NAME_TABLE = {"db.example.com": {"ips": ["10.10.0.7"], "registry": "External"}}
 DNS_CAPTURE = {"ISTIO_META_DNS_CAPTURE": "true"}
 SAVED_TABLE = "dns-name-table.pb"
-
-
-@pytest.fixture
-def pod(short_tmp: Path) -> Iterator[Pod]:
-    with running_pod(short_tmp, hosts=ISTIOD_HOSTS) as started:
-        yield started
 
 
 @pytest.fixture
@@ -100,7 +93,8 @@ def test_the_injected_sidecar_starts_serves_dns_and_drains_on_a_read_only_root(
     assert addresses(pod, "db.example.com.") == ["10.10.0.7"]
 
     # every file the agent and Envoy write is on one of the pod's volumes (the root refuses any other)
-    assert written_files(pod.volume("istio-envoy")) == ["XDS", "envoy-rev.json"]
+    # as Istio, every sidecar also writes the proxyless gRPC bootstrap (GRPC_XDS_BOOTSTRAP defaults on)
+    assert written_files(pod.volume("istio-envoy")) == ["XDS", "envoy-rev.json", "grpc-bootstrap.json"]
     assert written_files(pod.volume("workload-socket")) == ["socket"]
     assert written_files(pod.volume("istio-data")) == [SAVED_TABLE]
     assert (pod.volume("istio-data") / SAVED_TABLE).stat().st_uid == 1337

@@ -1,1 +1,1 @@
-"""Pure functions from configuration to Envoy bootstrap pieces (dicts in Envoy's JSON form)."""
+"""Pure functions from configuration to bootstraps: Envoy's and proxyless gRPC's (dicts in their JSON form)."""

@@ -21,6 +21,7 @@ from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, 
 from istio_agent.config.bootstrap import BootstrapSettings, read_pod_annotations
 from istio_agent.config.dns import DnsSettings
 from istio_agent.config.env import MAX_DURATION, out_of_range, parse_go_int
+from istio_agent.config.grpc import GrpcBootstrapSettings, grpc_bootstrap_path
 from istio_agent.config.probes import parse_readiness_probe
 from istio_agent.config.status import StatusSettings
 from istio_agent.envoy.process import EnvoyStartError
@@ -136,22 +137,26 @@ def proxy(
             proxy_metadata=proxy_config.proxy_metadata,
         )
         disable_envoy = env.flag("DISABLE_ENVOY")
-        bootstrap = None
-        if not disable_envoy:
-            bootstrap = BootstrapSettings.from_env(
-                env,
-                workdir=workdir,
-                proxy_config=proxy_config,
-                host=LocalHost(),
-                security=security,
-                proxy_type=proxy_type,
-                domain=domain,
-                log_level=proxy_log_level,
-                component_log_level=proxy_component_log_level,
-                concurrency=concurrency,
-                log_as_json=as_json,
-                outlier_log_path=outlier_log_path,
-            )
+        # Envoy's node is also the proxyless gRPC bootstrap's, so it is resolved with or without Envoy.
+        node = BootstrapSettings.from_env(
+            env,
+            workdir=workdir,
+            proxy_config=proxy_config,
+            host=LocalHost(),
+            security=security,
+            proxy_type=proxy_type,
+            domain=domain,
+            log_level=proxy_log_level,
+            component_log_level=proxy_component_log_level,
+            concurrency=concurrency,
+            log_as_json=as_json,
+            outlier_log_path=outlier_log_path,
+        )
+        bootstrap = None if disable_envoy else node
+        grpc_path = grpc_bootstrap_path(env, workdir)
+        grpc_bootstrap = (
+            GrpcBootstrapSettings.from_settings(grpc_path, node, xds, security) if grpc_path else None
+        )
     except ConfigError as err:
         _fail(str(err))
     settings = AgentSettings(
@@ -162,6 +167,7 @@ def proxy(
         status=status,
         health=health,
         serve_sds=not disable_envoy,
+        grpc_bootstrap=grpc_bootstrap,
         dns=dns,
         workdir=workdir,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from istio_agent.config.security import CERT_CHAIN_FILE, KEY_FILE, ROOT_CERT_FILE
@@ -19,6 +20,17 @@ def _current(path: Path) -> bytes | None:
         return path.read_bytes()
     except OSError:
         return None
+
+
+def check_writable(directory: Path) -> None:
+    """Create ``directory`` if needed and prove a file can be written in it; raises OSError when not.
+
+    Checked at start-up so a read-only or missing volume is a clear error naming the path, not a
+    proxyless app that waits forever for certificates (Istio only logs each failed write).
+    """
+    directory.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+        pass
 
 
 def write_output_certs(directory: Path, item: SecretItem, world_readable: bool = False) -> list[str]:
