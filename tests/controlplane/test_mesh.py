@@ -323,8 +323,11 @@ def test_documented_example_is_valid() -> None:
     assert [s.hostname for s in mesh.services] == [
         "b.default.svc.cluster.local",
         "db.default.svc.cluster.local",
+        "echo.default.svc.cluster.local",
     ]
     assert mesh.workload("a-1", "default") is not None
+    proxyless = mesh.workload("echo-1", "default")
+    assert proxyless is not None and proxyless.proxyless and proxyless.endpoint_port == 17070
     assert "db.example.com" in mesh.name_table
 
 

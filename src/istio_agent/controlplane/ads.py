@@ -9,6 +9,8 @@ The streams run on the project's xDS stream core (:mod:`istio_agent.xds.stream`)
 reader, the worker and the SotW/Delta bookkeeping. This module supplies what is the control
 plane's own: each proxy's snapshot of the mesh, computed once per mesh and per stream; content
 hashes as versions; wildcard types; the push order; syncz; the authorizer; metrics and logs.
+Proxyless gRPC nodes (``GENERATOR=grpc``) get other rules, as from istiod's grpc generator: no
+wildcard types, and resources generated for the names they ask for (:mod:`.grpcgen`).
 :meth:`AdsServer.update_mesh` only fills each stream's one pending-push slot (the newest mesh
 wins) and returns, so a client that stops reading stalls its own worker and nobody else's, and
 holds at most one pending mesh.
