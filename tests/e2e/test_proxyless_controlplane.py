@@ -21,9 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf import json_format
 
 from istio_agent.controlplane.ca import LocalCA
-from istio_agent.ctl.local import free_port
+from istio_agent.controlplane.mesh import load_mesh
+from istio_agent.controlplane.xdsgen import CLUSTER_TYPE, ENDPOINT_TYPE, ProxyNode, build_snapshot
+from istio_agent.ctl.local import free_port, port_open, wait_until
+from istio_agent.envoy.binary import find_envoy
 from istio_agent.security.keys import KeyOptions, generate_csr
 from tests.e2e.harness import ControlPlane
 
@@ -249,3 +253,82 @@ def test_server_identity_not_in_the_mesh_file_is_refused(tmp_path: Path) -> None
     finally:
         running.stop()
     assert refused(results[f"xds:///{SERVICE_HOST}:{SERVICE_PORT}"]), results
+
+
+def envoy_bootstrap(mesh: Mesh, listen_port: int) -> dict[str, Any]:
+    """Envoy with the cluster the control plane gives a sidecar for ``echo``, endpoints inline and the
+    SDS secrets swapped for the same certificate files (no agent here), behind a plaintext listener."""
+    snapshot = build_snapshot(load_mesh(mesh.control_plane.mesh_file), ProxyNode("x", "client-1", "default"))
+    name = f"outbound|{SERVICE_PORT}||{SERVICE_HOST}"
+    cluster = json_format.MessageToDict(snapshot[CLUSTER_TYPE][name], preserving_proto_field_name=True)
+    del cluster["eds_cluster_config"]
+    cluster["type"] = "STATIC"
+    cluster["load_assignment"] = json_format.MessageToDict(
+        snapshot[ENDPOINT_TYPE][name], preserving_proto_field_name=True
+    )
+    common = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+    validation = common.pop("combined_validation_context")["default_validation_context"]
+    del common["tls_certificate_sds_secret_configs"]
+    certs = mesh.client_certs
+    common["tls_certificates"] = [
+        {
+            "certificate_chain": {"filename": str(certs / "cert-chain.pem")},
+            "private_key": {"filename": str(certs / "key.pem")},
+        }
+    ]
+    common["validation_context"] = {**validation, "trusted_ca": {"filename": str(certs / "root-cert.pem")}}
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "test",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "echo",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": name}}],
+                }
+            ]
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            }
+        ],
+    }
+    listener = {
+        "name": "test",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+        ],
+    }
+    return {"static_resources": {"clusters": [cluster], "listeners": [listener]}}
+
+
+def test_sidecar_cluster_reaches_the_proxyless_server(mesh: Mesh) -> None:
+    """A sidecar calling a proxyless server: the Envoy cluster for a grpc service (HTTP/2, Istio
+    mTLS with SNI and the server's SAN) to the endpoint at the workload's appPort."""
+    listen_port = free_port()
+    config = mesh.base / "envoy.json"
+    config.write_text(json.dumps(envoy_bootstrap(mesh, listen_port)))
+    with (mesh.base / "envoy.log").open("w") as log:
+        envoy = subprocess.Popen(
+            [str(find_envoy()), "-c", str(config), "--base-id", str(free_port()), "--log-level", "warning"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_until(lambda: port_open(listen_port), 20, "Envoy to listen")
+            # The proxyless call first: it waits until the server has its listener and serves.
+            fqdn = f"xds:///{SERVICE_HOST}:{SERVICE_PORT}"
+            results = mesh.call(fqdn, f"127.0.0.1:{listen_port}", timeout=20)
+        finally:
+            envoy.terminate()
+            envoy.wait(10)
+    assert "error" not in results[fqdn], results
+    seen = results[f"127.0.0.1:{listen_port}"]
+    assert seen.get("peer_spiffe_id") == [CLIENT_ID], seen
+    assert seen["ssl_requested_server_name"] == [f"outbound_.{SERVICE_PORT}_._.{SERVICE_HOST}"]
