@@ -311,10 +311,13 @@ async def ads() -> AsyncIterator[RealHarness]:
     await harness.stop()
 
 
-async def test_grpc_node_gets_listeners_and_clusters_by_name(ads: RealHarness) -> None:
+async def test_grpc_node_gets_listeners_and_clusters_by_name(
+    ads: RealHarness, caplog: pytest.LogCaptureFixture
+) -> None:
     client = ads.sotw(node("client-1"))
     lds = await client.subscribe(LISTENER, ["echo:7070", "nope:1"])
     assert names_of(lds) == ["echo:7070"]  # not wildcard: only what was asked for
+    assert "asked for Listener the mesh file has nothing for: nope:1" in caplog.text
     await client.request(LISTENER, ["echo:7070", f"{ECHO}:7070"], lds.nonce, version=lds.version_info)
     again = await client.response(LISTENER)
     assert names_of(again) == sorted(["echo:7070", f"{ECHO}:7070"])

@@ -291,10 +291,19 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         missing = [name for name in names if name not in asked]
         if not missing:
             return
-        for name, message in self._named_fn(view.mesh, node, type_url, missing).items():
+        generated = self._named_fn(view.mesh, node, type_url, missing)
+        for name, message in generated.items():
             view.messages[type_url][name] = message
             view.versions[type_url][name] = resource_version(message)
         asked.update(missing)
+        unknown = [name for name in missing if name not in generated]
+        if unknown:  # once per name and mesh: a mistyped xds:/// target is visible in the log
+            log.warning(
+                "ADS: %s asked for %s the mesh file has nothing for: %.300s",
+                node.id,
+                type_url.rpartition(".")[2],
+                ", ".join(unknown),
+            )
 
     def _view(self, proxy: _Proxy) -> _View:
         """The proxy's snapshot, computed from the current mesh on first use."""
