@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 from google.protobuf import json_format
@@ -160,6 +160,7 @@ class Mesh:
         self.control_plane = ControlPlane(base, TRUST_DOMAIN)
         self.control_plane.mesh_file.write_text(mesh_yaml(self.server_port, server_account))
         self.server: subprocess.Popen[str] | None = None
+        self.server_log: IO[str] | None = None
 
     def start(self) -> None:
         self.control_plane.start()
@@ -204,7 +205,8 @@ class Mesh:
                 self.server.kill()
                 self.server.wait()
         self.control_plane.stop()
-        self.server_log.close()
+        if self.server_log is not None:
+            self.server_log.close()
 
 
 def refused(result: dict[str, Any]) -> bool:
@@ -215,9 +217,11 @@ def refused(result: dict[str, Any]) -> bool:
 @pytest.fixture
 def mesh(tmp_path: Path) -> Iterator[Mesh]:
     running = Mesh(tmp_path)
-    running.start()
-    yield running
-    running.stop()
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
 
 
 def test_proxyless_call_over_mtls_carries_the_client_identity(mesh: Mesh) -> None:
@@ -247,8 +251,8 @@ def test_server_identity_not_in_the_mesh_file_is_refused(tmp_path: Path) -> None
     """The client checks the server's SAN against the service's workloads: a server with another
     identity (the mesh file says the workload runs as ``other``) gets no call."""
     running = Mesh(tmp_path, server_account="other")
-    running.start()
     try:
+        running.start()
         results = running.call(f"xds:///{SERVICE_HOST}:{SERVICE_PORT}", timeout=5)
     finally:
         running.stop()
