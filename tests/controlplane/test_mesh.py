@@ -151,6 +151,12 @@ def wl(**fields: object) -> dict[str, object]:
 
 
 SERVICES = [svc(), svc(name="c", protocol="tcp")]
+GRPC_SERVICES = [svc(), svc(name="g", port=7070, protocol="grpc")]
+
+
+def pl(**fields: object) -> dict[str, object]:
+    """A proxyless gRPC workload backing g."""
+    return {"name": "g-1", "proxyless": True, "services": ["g"], "appPort": 17070, **fields}
 
 
 @pytest.mark.parametrize(
@@ -167,8 +173,8 @@ SERVICES = [svc(), svc(name="c", protocol="tcp")]
         ({"services": [svc(name="B_x")]}, "services[0]: name 'B_x' is not a valid DNS-1123 label"),
         ({"services": [svc(namespace="a.b")]},
          "services[0]: namespace 'a.b' is not a valid namespace (DNS-1123 label)"),
-        ({"services": [svc(protocol="grpc")]},
-         "services[0] (b.default): protocol 'grpc' is not one of http, tcp"),
+        ({"services": [svc(protocol="udp")]},
+         "services[0] (b.default): protocol 'udp' is not one of http, grpc, tcp"),
         ({"services": [svc(addresses=["10.0.0.1", "10.0.0.300"])]},
          'services[0] (b.default): addresses[1] "10.0.0.300" is not an IP address'),
         ({"services": [svc(addresses="10.0.0.1")]},
@@ -222,6 +228,17 @@ SERVICES = [svc(), svc(name="c", protocol="tcp")]
          "workloads[0] (a.default): serviceAccount 'Bad Account' is not a valid service account (DNS-1123 subdomain)"),
         ({"services": SERVICES, "workloads": [wl(services="b")]},
          "workloads[0] (a.default).services: expected a list, got a string"),
+        # proxyless workloads
+        ({"services": GRPC_SERVICES, "workloads": [pl(inboundPort=15106)]},
+         "workloads[0] (g-1.default): is proxyless (no Envoy) but has an inboundPort: its gRPC server listens on appPort"),
+        ({"services": GRPC_SERVICES, "workloads": [pl(outbound=[{"service": "g", "port": 15201}])]},
+         "workloads[0] (g-1.default): is proxyless but has outbound bindings: a proxyless client dials xds:///<host>:<port>"),
+        ({"services": GRPC_SERVICES, "workloads": [pl(appPort=None)]},
+         "workloads[0] (g-1.default): backs services but has no appPort (where its xDS gRPC server listens)"),
+        ({"services": GRPC_SERVICES, "workloads": [pl(services=["b"])]},
+         'workloads[0] (g-1.default): is proxyless but backs "b.default", whose protocol is http, not grpc'),
+        ({"services": GRPC_SERVICES, "workloads": [pl(proxyless="yes")]},
+         "workloads[0] (g-1.default).proxyless: expected true or false, got a string"),
         # top level and name table
         ({"trustDomian": "x"}, 'unknown key "trustDomian"'),
         ({"domainSuffix": "Not_A.domain"}, "domainSuffix 'Not_A.domain' is not a valid DNS domain"),
@@ -306,6 +323,21 @@ def test_documented_example_is_valid() -> None:
     assert [s.hostname for s in mesh.services] == [
         "b.default.svc.cluster.local",
         "db.default.svc.cluster.local",
+        "echo.default.svc.cluster.local",
     ]
     assert mesh.workload("a-1", "default") is not None
+    proxyless = mesh.workload("echo-1", "default")
+    assert proxyless is not None and proxyless.proxyless and proxyless.endpoint_port == 17070
     assert "db.example.com" in mesh.name_table
+
+
+def test_proxyless_workload_is_reached_on_its_app_port() -> None:
+    mesh = parse_mesh(
+        yaml.safe_dump({"services": GRPC_SERVICES, "workloads": [pl(), wl(name="e", services=["b"])]}),
+        Path("mesh.yaml"),
+    )
+    proxyless, sidecar = mesh.workloads
+    assert (proxyless.proxyless, proxyless.inbound_port, proxyless.endpoint_port) == (True, None, 17070)
+    assert (sidecar.proxyless, sidecar.endpoint_port) == (False, 15106)
+    grpc_service = mesh.service("g", "default")
+    assert grpc_service is not None and grpc_service.is_http and grpc_service.protocol == "grpc"

@@ -9,6 +9,8 @@ The streams run on the project's xDS stream core (:mod:`istio_agent.xds.stream`)
 reader, the worker and the SotW/Delta bookkeeping. This module supplies what is the control
 plane's own: each proxy's snapshot of the mesh, computed once per mesh and per stream; content
 hashes as versions; wildcard types; the push order; syncz; the authorizer; metrics and logs.
+Proxyless gRPC nodes (``GENERATOR=grpc``) get other rules, as from istiod's grpc generator: no
+wildcard types, and resources generated for the names they ask for (:mod:`.grpcgen`).
 :meth:`AdsServer.update_mesh` only fills each stream's one pending-push slot (the newest mesh
 wins) and returns, so a client that stops reading stalls its own worker and nobody else's, and
 holds at most one pending mesh.
@@ -30,6 +32,7 @@ from google.protobuf import json_format, timestamp_pb2
 from google.protobuf.message import Message
 
 from istio_agent import __version__
+from istio_agent.controlplane.grpcgen import build_grpc_resources, is_grpc_node
 from istio_agent.controlplane.mesh import MeshConfig
 from istio_agent.controlplane.xdsgen import (
     CLUSTER_TYPE,
@@ -75,8 +78,13 @@ WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE, NAME_TABLE_TYPE})
 """Types a client gets in full; EDS and RDS serve only the names asked for."""
 SYNCZ_METADATA = ("CLUSTER_ID", "NAMESPACE", "ISTIO_VERSION")
 
+GRPC_POLICY = Policy(wildcard_types=frozenset(), answer_first_delta=True)
+"""Proxyless gRPC subscribes to every type by name (istiod's grpc generator answers those names)."""
+
 SnapshotFn = Callable[[MeshConfig, ProxyNode], Snapshot]
 """A proxy's configuration from the mesh; raises ValueError when the mesh has none for it."""
+NamedFn = Callable[[MeshConfig, ProxyNode, str, Sequence[str]], dict[str, Message]]
+"""A proxyless node's resources of a type among the names it asked for."""
 Authorizer = Callable[[grpc.aio.ServicerContext, ProxyNode], Awaitable[None]]
 """Awaited once per stream with the proxy's node; refuses by aborting the context."""
 
@@ -132,6 +140,8 @@ class _View:
     mesh: MeshConfig
     messages: dict[str, dict[str, Message]]
     versions: dict[str, dict[str, str]]
+    asked: dict[str, set[str]] | None = None
+    """Proxyless nodes only: the names generated so far, by type (resources are built per name)."""
 
 
 @dataclass
@@ -141,6 +151,8 @@ class _Proxy:
     node: ProxyNode
     view: _View | None = None
     warned_unknown: bool = False
+    grpc: bool = False
+    """A proxyless gRPC node: answered by name (``NamedFn``) instead of from a snapshot."""
 
 
 _AdsStream = Stream[_Proxy, MeshConfig]
@@ -173,8 +185,10 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         observer: PushObserver | None,
         control_plane: base_pb2.ControlPlane,
         metrics: _AdsMetrics,
+        named_fn: NamedFn,
     ) -> None:
         self._metrics = metrics
+        self._named_fn = named_fn
         self.mesh = mesh
         self.streams: Callable[[], list[_AdsStream]] = list
         """The open streams (for syncz); set by the server."""
@@ -193,7 +207,10 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
             raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid node: {err}") from err
         if self._authorize is not None:
             await self._authorize(context, node)
-        return _Proxy(node)
+        return _Proxy(node, grpc=is_grpc_node(node))
+
+    def stream_policy(self, stream: _AdsStream) -> Policy:
+        return GRPC_POLICY if stream.data.grpc else self.policy
 
     def opened(self, stream: _AdsStream, request: Request) -> None:
         self._metrics.connections.labels(flavour=stream.flavour.label).inc()
@@ -229,6 +246,8 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
 
     async def resources(self, stream: _AdsStream, type_url: str, names: Sequence[str] | None) -> Resources:
         view = self._view(stream.data)
+        if view.asked is not None and names is not None:
+            self._generate(stream.data.node, view, type_url, names)
         messages = view.messages[type_url]
         chosen = sorted(messages) if names is None else sorted(name for name in names if name in messages)
         return Resources(chosen, messages, view.versions[type_url])
@@ -242,7 +261,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         if proxy.view is None or proxy.view.mesh is event:
             return ()  # nothing computed yet (it will use the newest mesh) or already current
         try:
-            proxy.view = self._compute(proxy.node, event)
+            proxy.view = self._compute(proxy, event)
         except ValueError as err:
             log.error(
                 "ADS: cannot generate configuration for %s: %s; keeping what was pushed before",
@@ -252,8 +271,12 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
             return ()
         return [(type_url, None) for type_url in PUSH_ORDER]
 
-    def _compute(self, node: ProxyNode, mesh: MeshConfig) -> _View:
-        snapshot = self._snapshot_fn(mesh, node)
+    def _compute(self, proxy: _Proxy, mesh: MeshConfig) -> _View:
+        if proxy.grpc:  # filled name by name as the node asks (_generate)
+            messages: dict[str, dict[str, Message]] = {type_url: {} for type_url in PUSH_ORDER}
+            versions: dict[str, dict[str, str]] = {type_url: {} for type_url in PUSH_ORDER}
+            return _View(mesh, messages, versions, {type_url: set() for type_url in PUSH_ORDER})
+        snapshot = self._snapshot_fn(mesh, proxy.node)
         messages = {type_url: dict(snapshot.get(type_url) or {}) for type_url in PUSH_ORDER}
         versions = {
             type_url: {name: resource_version(message) for name, message in by_name.items()}
@@ -261,11 +284,32 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         }
         return _View(mesh, messages, versions)
 
+    def _generate(self, node: ProxyNode, view: _View, type_url: str, names: Sequence[str]) -> None:
+        """Add the resources of ``names`` not generated yet for this mesh to a proxyless node's view."""
+        assert view.asked is not None
+        asked = view.asked[type_url]
+        missing = [name for name in names if name not in asked]
+        if not missing:
+            return
+        generated = self._named_fn(view.mesh, node, type_url, missing)
+        for name, message in generated.items():
+            view.messages[type_url][name] = message
+            view.versions[type_url][name] = resource_version(message)
+        asked.update(missing)
+        unknown = [name for name in missing if name not in generated]
+        if unknown:  # once per name and mesh: a mistyped xds:/// target is visible in the log
+            log.warning(
+                "ADS: %s asked for %s the mesh file has nothing for: %.300s",
+                node.id,
+                type_url.rpartition(".")[2],
+                ", ".join(unknown),
+            )
+
     def _view(self, proxy: _Proxy) -> _View:
         """The proxy's snapshot, computed from the current mesh on first use."""
         if proxy.view is None:
             try:
-                proxy.view = self._compute(proxy.node, self.mesh)
+                proxy.view = self._compute(proxy, self.mesh)
             except ValueError as err:
                 raise StreamError(
                     grpc.StatusCode.INTERNAL, f"cannot generate configuration for {proxy.node.id}: {err}"
@@ -360,6 +404,7 @@ class AdsServer:
         control_plane_id: str = "agentctl-controlplane",
         observer: PushObserver | None = None,
         registry: Registry = REGISTRY,
+        named_fn: NamedFn = build_grpc_resources,
     ) -> None:
         identifier = {
             "Component": "istiod",
@@ -374,7 +419,7 @@ class AdsServer:
         }
         control_plane = base_pb2.ControlPlane(identifier=json.dumps(identifier))
         self._source = _Snapshots(
-            mesh, snapshot_fn, authorize, observer, control_plane, _AdsMetrics(registry)
+            mesh, snapshot_fn, authorize, observer, control_plane, _AdsMetrics(registry), named_fn
         )
         self._streams: StreamServer[_Proxy, MeshConfig] = StreamServer(
             self._source, name="ads", log=log, describe="control plane"

@@ -23,7 +23,9 @@ DEFAULT_DOMAIN_SUFFIX = "cluster.local"
 DEFAULT_NAMESPACE = "default"
 DEFAULT_SERVICE_ACCOUNT = "default"
 DEFAULT_WORKLOAD_ADDRESS = "127.0.0.1"
-PROTOCOLS = ("http", "tcp")
+PROTOCOLS = ("http", "grpc", "tcp")
+HTTP_PROTOCOLS = ("http", "grpc")
+"""Protocols served through the HTTP connection manager (gRPC is HTTP/2)."""
 
 # SPIFFE trust domain names: lower-case letters, digits, '.', '-' and '_'.
 _TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]{1,255}$")
@@ -48,6 +50,7 @@ _WORKLOAD_KEYS = (
     "inboundPort",
     "appPort",
     "outbound",
+    "proxyless",
 )
 _OUTBOUND_KEYS = ("service", "port")
 _NAME_ENTRY_KEYS = ("ips", "registry", "shortname", "namespace", "altHosts")
@@ -82,6 +85,11 @@ class Service:
         """The canonical ``name.namespace`` reference workloads use."""
         return f"{self.name}.{self.namespace}"
 
+    @property
+    def is_http(self) -> bool:
+        """Whether traffic to it goes through the HTTP connection manager (http and grpc)."""
+        return self.protocol in HTTP_PROTOCOLS
+
 
 @dataclass(frozen=True)
 class OutboundBinding:
@@ -107,6 +115,13 @@ class Workload:
     inbound_port: int | None = None
     app_port: int | None = None
     outbound: tuple[OutboundBinding, ...] = ()
+    proxyless: bool = False
+    """A proxyless gRPC workload: no Envoy; its xDS gRPC server listens on ``appPort`` itself."""
+
+    @property
+    def endpoint_port(self) -> int | None:
+        """Where callers reach it: its Envoy's ``inboundPort``, or a proxyless server's ``appPort``."""
+        return self.app_port if self.proxyless else self.inbound_port
 
     def spiffe_id(self, trust_domain: str) -> str:
         return f"spiffe://{trust_domain}/ns/{self.namespace}/sa/{self.service_account}"
@@ -359,7 +374,10 @@ class _MeshReader:
             backed.append(service.ref)
         inbound_port = entry.optional_port("inboundPort")
         app_port = entry.optional_port("appPort")
-        if backed and inbound_port is None:
+        proxyless = not entry.fields["proxyless"].is_null and entry.fields["proxyless"].boolean()
+        if proxyless:
+            self._check_proxyless(entry, mesh, backed, inbound_port, app_port)
+        elif backed and inbound_port is None:
             entry.fail("backs services but has no inboundPort (where its Envoy accepts mesh traffic)")
         if backed and app_port is None:
             entry.fail("backs services but has no appPort (where its application listens)")
@@ -376,7 +394,26 @@ class _MeshReader:
             inbound_port=inbound_port,
             app_port=app_port,
             outbound=outbound,
+            proxyless=proxyless,
         )
+
+    @staticmethod
+    def _check_proxyless(
+        entry: _Fields, mesh: MeshConfig, backed: list[str], inbound_port: int | None, app_port: int | None
+    ) -> None:
+        """A proxyless workload has no Envoy: no inboundPort, no outbound bindings, gRPC services only."""
+        if inbound_port is not None:
+            entry.fail("is proxyless (no Envoy) but has an inboundPort: its gRPC server listens on appPort")
+        if entry.items("outbound"):
+            entry.fail(
+                "is proxyless but has outbound bindings: a proxyless client dials xds:///<host>:<port>"
+            )
+        if backed and app_port is None:
+            entry.fail("backs services but has no appPort (where its xDS gRPC server listens)")
+        for ref in backed:
+            service = mesh.service(ref, "")
+            if service is not None and service.protocol != "grpc":
+                entry.fail(f'is proxyless but backs "{ref}", whose protocol is {service.protocol}, not grpc')
 
     @staticmethod
     def _labels(entry: _Fields) -> dict[str, str]:

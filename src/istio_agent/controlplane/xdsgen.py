@@ -23,6 +23,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
 from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2
 from envoy.extensions.transport_sockets.tls.v3 import tls_pb2  # noqa: F401  (registers the TLS context types)
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
@@ -47,9 +48,10 @@ _HCM = "envoy.filters.network.http_connection_manager"
 _TCP_PROXY = "envoy.filters.network.tcp_proxy"
 _ROUTER = "envoy.filters.http.router"
 # Any-typed configs are parsed from "@type": their modules must be imported (registered) here.
-_HCM_TYPE = "type.googleapis.com/" + http_connection_manager_pb2.HttpConnectionManager.DESCRIPTOR.full_name
+HCM_TYPE = "type.googleapis.com/" + http_connection_manager_pb2.HttpConnectionManager.DESCRIPTOR.full_name
 _TCP_PROXY_TYPE = "type.googleapis.com/" + tcp_proxy_pb2.TcpProxy.DESCRIPTOR.full_name
 _ROUTER_TYPE = "type.googleapis.com/" + router_pb2.Router.DESCRIPTOR.full_name
+_HTTP_OPTIONS = http_protocol_options_pb2.HttpProtocolOptions.DESCRIPTOR.full_name
 
 Snapshot = dict[str, dict[str, Message]]
 """type_url -> resource name -> resource message (not wrapped in Any)."""
@@ -106,20 +108,20 @@ def build_snapshot(mesh: MeshConfig, proxy: ProxyNode) -> Snapshot:
     routes: dict[str, Message] = {}
     for service in mesh.services:
         name = outbound_cluster_name(service)
-        clusters[name] = _parse(_outbound_cluster(mesh, service), cluster_pb2.Cluster())
-        endpoints[name] = _parse(_load_assignment(mesh, service), endpoint_pb2.ClusterLoadAssignment())
+        clusters[name] = parse_resource(_outbound_cluster(mesh, service), cluster_pb2.Cluster())
+        endpoints[name] = parse_resource(load_assignment(mesh, service), endpoint_pb2.ClusterLoadAssignment())
     if workload is not None:
-        if workload.services:
-            inbound = _inbound_cluster(workload)
-            clusters[inbound["name"]] = _parse(inbound, cluster_pb2.Cluster())
+        if workload.services and not workload.proxyless:
+            inbound = _inbound_cluster(mesh, workload)
+            clusters[inbound["name"]] = parse_resource(inbound, cluster_pb2.Cluster())
             listener = _inbound_listener(mesh, workload)
-            listeners[listener["name"]] = _parse(listener, listener_pb2.Listener())
+            listeners[listener["name"]] = parse_resource(listener, listener_pb2.Listener())
         for port, service in _bindings(mesh, workload):
             listener = _outbound_listener(service, port)
-            listeners[listener["name"]] = _parse(listener, listener_pb2.Listener())
-            if service.protocol == "http":
+            listeners[listener["name"]] = parse_resource(listener, listener_pb2.Listener())
+            if service.is_http:
                 route = _outbound_route(service, port)
-                routes[route["name"]] = _parse(route, route_pb2.RouteConfiguration())
+                routes[route["name"]] = parse_resource(route, route_pb2.RouteConfiguration())
     return {
         CLUSTER_TYPE: _sorted(clusters),
         ENDPOINT_TYPE: _sorted(endpoints),
@@ -180,19 +182,19 @@ def inbound_listener_name(workload: Workload) -> str:
 # -- builders (protobuf-JSON dicts) -------------------------------------------------------------------
 
 
-def _ads_source() -> dict[str, Any]:
+def ads_source() -> dict[str, Any]:
     return {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"}
 
 
-def _socket_address(address: str, port: int) -> dict[str, Any]:
+def socket_address(address: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": address, "port_value": port}}
 
 
-def _router() -> list[dict[str, Any]]:
+def router_filters() -> list[dict[str, Any]]:
     return [{"name": _ROUTER, "typed_config": {"@type": _ROUTER_TYPE}}]
 
 
-def _route_to(cluster: str) -> dict[str, Any]:
+def route_to(cluster: str) -> dict[str, Any]:
     return {"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": "0s"}}
 
 
@@ -206,17 +208,30 @@ def _outbound_cluster(mesh: MeshConfig, service: Service) -> dict[str, Any]:
     validation["match_typed_subject_alt_names"] = [
         {"san_type": "URI", "matcher": {"exact": account}} for account in accounts
     ]
-    return {
+    cluster: dict[str, Any] = {
         "name": name,
         "type": "EDS",
-        "eds_cluster_config": {"eds_config": _ads_source(), "service_name": name},
+        "eds_cluster_config": {"eds_config": ads_source(), "service_name": name},
         "connect_timeout": CONNECT_TIMEOUT,
         "transport_socket": transport,
     }
+    if service.protocol == "grpc":
+        cluster["typed_extension_protocol_options"] = _http2_only()
+    return cluster
 
 
-def _load_assignment(mesh: MeshConfig, service: Service) -> dict[str, Any]:
-    addresses = {(w.address, w.inbound_port) for w in mesh.backing_workloads(service) if w.inbound_port}
+def _http2_only() -> dict[str, Any]:
+    """Upstream HTTP/2 (gRPC servers, proxyless ones included, speak nothing else)."""
+    return {
+        _HTTP_OPTIONS: {
+            "@type": "type.googleapis.com/" + _HTTP_OPTIONS,
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }
+    }
+
+
+def load_assignment(mesh: MeshConfig, service: Service) -> dict[str, Any]:
+    addresses = {(w.address, w.endpoint_port) for w in mesh.backing_workloads(service) if w.endpoint_port}
     ordered = sorted(addresses, key=lambda pair: (_ip_key(pair[0]), pair[1]))
     assignment: dict[str, Any] = {"cluster_name": outbound_cluster_name(service), "endpoints": []}
     if ordered:
@@ -224,38 +239,42 @@ def _load_assignment(mesh: MeshConfig, service: Service) -> dict[str, Any]:
             {
                 "locality": {},
                 "lb_endpoints": [
-                    {"endpoint": {"address": _socket_address(address, port)}} for address, port in ordered
+                    {"endpoint": {"address": socket_address(address, port)}} for address, port in ordered
                 ],
             }
         )
     return assignment
 
 
-def _inbound_cluster(workload: Workload) -> dict[str, Any]:
+def _inbound_cluster(mesh: MeshConfig, workload: Workload) -> dict[str, Any]:
     assert workload.app_port is not None  # validated: a workload backing services has an appPort
     name = inbound_cluster_name(workload.app_port)
-    return {
+    cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC",
         "connect_timeout": CONNECT_TIMEOUT,
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": _socket_address(LOOPBACK, workload.app_port)}}]}
+                {"lb_endpoints": [{"endpoint": {"address": socket_address(LOOPBACK, workload.app_port)}}]}
             ],
         },
     }
+    services = [mesh.service(ref, workload.namespace) for ref in workload.services]
+    if any(service is not None and service.protocol == "grpc" for service in services):
+        cluster["typed_extension_protocol_options"] = _http2_only()
+    return cluster
 
 
 def _inbound_listener(mesh: MeshConfig, workload: Workload) -> dict[str, Any]:
     assert workload.inbound_port is not None and workload.app_port is not None  # validated
     cluster = inbound_cluster_name(workload.app_port)
     services = [mesh.service(ref, workload.namespace) for ref in workload.services]
-    if all(service is not None and service.protocol == "http" for service in services):
+    if all(service is not None and service.is_http for service in services):
         filter_config: dict[str, Any] = {
             "name": _HCM,
             "typed_config": {
-                "@type": _HCM_TYPE,
+                "@type": HCM_TYPE,
                 "stat_prefix": f"inbound_{workload.inbound_port}",
                 "forward_client_cert_details": "SANITIZE_SET",
                 "set_current_client_cert_details": {"uri": True},
@@ -265,11 +284,11 @@ def _inbound_listener(mesh: MeshConfig, workload: Workload) -> dict[str, Any]:
                         {
                             "name": f"inbound|http|{workload.app_port}",
                             "domains": ["*"],
-                            "routes": [_route_to(cluster)],
+                            "routes": [route_to(cluster)],
                         }
                     ],
                 },
-                "http_filters": _router(),
+                "http_filters": router_filters(),
             },
         }
     else:
@@ -279,7 +298,7 @@ def _inbound_listener(mesh: MeshConfig, workload: Workload) -> dict[str, Any]:
         }
     return {
         "name": inbound_listener_name(workload),
-        "address": _socket_address(workload.address, workload.inbound_port),
+        "address": socket_address(workload.address, workload.inbound_port),
         "traffic_direction": "INBOUND",
         "filter_chains": [
             {
@@ -305,14 +324,14 @@ def _bindings(mesh: MeshConfig, workload: Workload) -> list[tuple[int, Service]]
 def _outbound_listener(service: Service, port: int) -> dict[str, Any]:
     name = outbound_listener_name(port)
     cluster = outbound_cluster_name(service)
-    if service.protocol == "http":
+    if service.is_http:
         filter_config: dict[str, Any] = {
             "name": _HCM,
             "typed_config": {
-                "@type": _HCM_TYPE,
+                "@type": HCM_TYPE,
                 "stat_prefix": f"outbound_{name}",
-                "rds": {"config_source": _ads_source(), "route_config_name": str(port)},
-                "http_filters": _router(),
+                "rds": {"config_source": ads_source(), "route_config_name": str(port)},
+                "http_filters": router_filters(),
             },
         }
     else:
@@ -322,7 +341,7 @@ def _outbound_listener(service: Service, port: int) -> dict[str, Any]:
         }
     return {
         "name": name,
-        "address": _socket_address(LOOPBACK, port),
+        "address": socket_address(LOOPBACK, port),
         "traffic_direction": "OUTBOUND",
         "filter_chains": [{"filters": [filter_config]}],
     }
@@ -335,7 +354,7 @@ def _outbound_route(service: Service, port: int) -> dict[str, Any]:
             {
                 "name": f"{service.hostname}:{service.port}",
                 "domains": ["*"],
-                "routes": [_route_to(outbound_cluster_name(service))],
+                "routes": [route_to(outbound_cluster_name(service))],
             }
         ],
     }
@@ -344,7 +363,7 @@ def _outbound_route(service: Service, port: int) -> dict[str, Any]:
 # -- helpers ------------------------------------------------------------------------------------------
 
 
-def _parse(document: dict[str, Any], message: Message) -> Message:
+def parse_resource(document: dict[str, Any], message: Message) -> Message:
     return json_format.ParseDict(document, message)
 
 

@@ -153,6 +153,10 @@ class Source(Generic[C, E]):
     def opened(self, stream: Stream[C, E], request: Request) -> None:
         """The stream is registered (its first request is queued)."""
 
+    def stream_policy(self, stream: Stream[C, E]) -> Policy:
+        """The protocol rules for this stream: :attr:`policy` unless a client kind needs others."""
+        return self.policy
+
     def closed(self, stream: Stream[C, E]) -> None:
         """The stream is gone; called before any await, so it runs even when the handler is cancelled."""
 
@@ -375,7 +379,7 @@ class StreamServer(Generic[C, E]):
         if type_url is None:
             return []
         rules = sotw_request if stream.flavour is SOTW else delta_request
-        decision = rules(stream.watches, type_url, request, source.policy)
+        decision = rules(stream.watches, type_url, request, source.stream_policy(stream))
         self._note(stream, request, type_url, decision)
         if decision.send is None or decision.watch is None:
             return []
