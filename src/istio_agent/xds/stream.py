@@ -100,6 +100,8 @@ class Reply:
 
     resources: Sequence[Resource]
     version: str = ""
+    control_plane: base_pb2.ControlPlane | None = None
+    """Who answered, when not this server (a relayed answer keeps istiod's identity)."""
 
 
 @dataclass(slots=True)
@@ -415,7 +417,7 @@ class StreamServer(Generic[C, E]):
             reply.resources,
             version=reply.version,
             nonce=new_nonce(),
-            control_plane=self._source.control_plane,
+            control_plane=reply.control_plane or self._source.control_plane,
         )
         return [_Outgoing(response, [r.name for r in reply.resources], "query")]
 
