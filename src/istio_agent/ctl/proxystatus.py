@@ -52,6 +52,8 @@ SHORT_TYPES = {
     _PREFIX + "istio.mesh.v1alpha1.ProxyConfig": "PCDS",
     _PREFIX + "istio.workload.Address": "WDS",
 }
+VERBOSE_TYPES = [url for url, name in SHORT_TYPES.items() if name in ("CDS", "LDS", "EDS", "RDS", "ECDS")]
+"""Columns ``-v`` always shows (istioctl's); other types get one when some proxy has them."""
 CORE_TYPES = ("CDS", "LDS", "EDS", "RDS")
 """Listed first in SUBSCRIBED TYPES, in this order; other types follow sorted."""
 
@@ -216,8 +218,7 @@ def table(rows: Sequence[ProxySync], *, verbose: bool, now: float) -> str:
         lines = [["NAME", "CLUSTER", "ISTIOD", "VERSION", "SUBSCRIBED TYPES"]]
         lines += [[r.proxy_id, r.cluster, r.istiod, r.version, subscribed(r)] for r in rows]
         return tabulate(lines)
-    known = set(SHORT_TYPES) - {_PREFIX + "istio.workload.Address"}
-    type_urls = sorted(known | {url for row in rows for url in row.types})
+    type_urls = sorted(set(VERBOSE_TYPES) | {url for row in rows for url in row.types})
     head = ["NAME", "CLUSTER", *(short_type(url) for url in type_urls), "ISTIOD", "VERSION"]
     lines = [head]
     for row in rows:
@@ -245,7 +246,10 @@ def as_json(responses: Mapping[str, discovery_pb2.DiscoveryResponse]) -> str:
 def as_yaml(responses: Mapping[str, discovery_pb2.DiscoveryResponse]) -> str:
     import yaml
 
-    data = {key: json_format.MessageToDict(responses[key]) for key in sorted(responses)}
+    # Through JSON: protobuf's dicts hold OrderedDicts (Any resources) that YAML's safe dumper refuses.
+    data = json.loads(
+        json.dumps({key: json_format.MessageToDict(responses[key]) for key in sorted(responses)})
+    )
     return str(yaml.safe_dump(data, sort_keys=True))
 
 
