@@ -45,7 +45,7 @@ every ``istio.io/debug/*`` query to istiod::
                 return None  # timed out: nothing to send, the stream stays open
             return Reply([Resource("", r) for r in response.resources], response.version_info)
 
-``tests/xds/test_stream.py`` runs a tap like this one.
+``tests/xds/test_stream.py`` runs a tap like this one; the agent's is :mod:`istio_agent.xds.tap`.
 """
 
 from __future__ import annotations
