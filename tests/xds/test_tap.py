@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -179,3 +180,19 @@ async def test_port_in_use_is_a_clear_start_error(tapped: Any) -> None:
     second = DebugTap(proxy, tap.port, host="127.0.0.1")
     with pytest.raises(TapStartError, match=f"failed to start istio tap server on 127.0.0.1:{tap.port}"):
         await second.start()
+
+
+async def test_stop_with_idle_connections_open_logs_no_error(
+    short_tmp: Path, istiod: FakeIstiod, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with running(settings_for(short_tmp, istiod.address)) as (proxy, _):
+        tap = DebugTap(proxy, 0, host="127.0.0.1")
+        await tap.start()
+        _, silent = await asyncio.open_connection("127.0.0.1", tap.port)  # says nothing yet
+        _, http = await asyncio.open_connection("127.0.0.1", tap.port)
+        http.write(b"GET /debug/syncz HTTP/1.1\r\n")  # an unfinished request head
+        await asyncio.sleep(0.1)
+        await tap.stop()
+        silent.close()
+        http.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

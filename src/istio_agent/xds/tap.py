@@ -187,24 +187,30 @@ class DebugTap:
         assert task is not None
         self._connections.add(task)
         try:
-            try:
-                first = await asyncio.wait_for(reader.readexactly(len(_H2_START)), FIRST_BYTES_TIMEOUT)
-            except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
-                return
-            if first == _H2_START:
-                await self._splice_to_grpc(first, reader, writer)
-                return
-            joined = asyncio.StreamReader()
-            joined.feed_data(first)
-            copying = asyncio.create_task(_feed(reader, joined), name="tap-http-reader")
-            try:
-                await self._http.accept(joined, writer)
-            finally:
-                copying.cancel()
-                await asyncio.gather(copying, return_exceptions=True)
+            await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            pass  # stop(): ends here, or asyncio (3.11) logs the cancelled connection task as an error
         finally:
             self._connections.discard(task)
             writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Sniff the protocol from the first bytes, then serve the connection as gRPC or HTTP."""
+        try:
+            first = await asyncio.wait_for(reader.readexactly(len(_H2_START)), FIRST_BYTES_TIMEOUT)
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+            return
+        if first == _H2_START:
+            await self._splice_to_grpc(first, reader, writer)
+            return
+        joined = asyncio.StreamReader()
+        joined.feed_data(first)
+        copying = asyncio.create_task(_feed(reader, joined), name="tap-http-reader")
+        try:
+            await self._http.accept(joined, writer)
+        finally:
+            copying.cancel()
+            await asyncio.gather(copying, return_exceptions=True)
 
     async def _splice_to_grpc(
         self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
