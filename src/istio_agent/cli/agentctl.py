@@ -193,14 +193,11 @@ def proxy_status(
     options = ps.Options(
         target=target,
         agents=agents,
+        view=ps.View(proxy=proxy, namespace=namespace, verbose=verbose, output=output),
         limit=xds_via_agents_limit,
         timeout=timeout.total_seconds(),
         concurrency=concurrency,
-        proxy=proxy,
-        namespace=namespace,
-        verbose=verbose,
-        output=output,
-        identity_namespace=istio_namespace,
+        identity=(istio_namespace, "default"),
     )
     try:
         report = runtime.run(ps.run(options))

@@ -92,42 +92,30 @@ def _packed(message: Message) -> any_pb2.Any:
     return packed
 
 
+_SECTIONS = (
+    (CLUSTER_TYPE, dump_pb2.ClustersConfigDump, "dynamic_active_clusters", "cluster"),
+    (LISTENER_TYPE, dump_pb2.ListenersConfigDump, "dynamic_listeners", "listener"),
+    (ROUTE_TYPE, dump_pb2.RoutesConfigDump, "dynamic_route_configs", "route_config"),
+    (ENDPOINT_TYPE, dump_pb2.EndpointsConfigDump, "dynamic_endpoint_configs", "endpoint_config"),
+)
+"""Envoy's config-dump sections istiod answers with: type, section, its list, the entry's field."""
+
+
 def config_dump(
     messages: Mapping[str, Mapping[str, Message]], versions: Mapping[str, Mapping[str, str]]
 ) -> list[Resource]:
     """What was generated for one proxy as Envoy's config-dump sections (unnamed, as istiod's)."""
-
-    def named(type_url: str) -> list[tuple[str, Message, str]]:
+    sections = []
+    for type_url, section_type, entries, field in _SECTIONS:
+        section = section_type()
         by_name = messages.get(type_url, {})
-        return [(name, by_name[name], versions.get(type_url, {}).get(name, "")) for name in sorted(by_name)]
-
-    clusters = dump_pb2.ClustersConfigDump(
-        dynamic_active_clusters=[
-            dump_pb2.ClustersConfigDump.DynamicCluster(version_info=v, cluster=_packed(m))
-            for _, m, v in named(CLUSTER_TYPE)
-        ]
-    )
-    listeners = dump_pb2.ListenersConfigDump(
-        dynamic_listeners=[
-            dump_pb2.ListenersConfigDump.DynamicListener(
-                name=name,
-                active_state=dump_pb2.ListenersConfigDump.DynamicListenerState(
-                    version_info=v, listener=_packed(m)
-                ),
-            )
-            for name, m, v in named(LISTENER_TYPE)
-        ]
-    )
-    routes = dump_pb2.RoutesConfigDump(
-        dynamic_route_configs=[
-            dump_pb2.RoutesConfigDump.DynamicRouteConfig(version_info=v, route_config=_packed(m))
-            for _, m, v in named(ROUTE_TYPE)
-        ]
-    )
-    endpoints = dump_pb2.EndpointsConfigDump(
-        dynamic_endpoint_configs=[
-            dump_pb2.EndpointsConfigDump.DynamicEndpointConfig(version_info=v, endpoint_config=_packed(m))
-            for _, m, v in named(ENDPOINT_TYPE)
-        ]
-    )
-    return [Resource("", section) for section in (clusters, listeners, routes, endpoints)]
+        for name in sorted(by_name):
+            version = versions.get(type_url, {}).get(name, "")
+            entry = getattr(section, entries).add()
+            if type_url == LISTENER_TYPE:  # a listener's config sits in its active state
+                entry.name = name
+                entry = entry.active_state
+            entry.version_info = version
+            getattr(entry, field).CopyFrom(_packed(by_name[name]))
+        sections.append(Resource("", section))
+    return sections

@@ -71,31 +71,28 @@ def human_duration(seconds: float) -> str:
     s = int(seconds)
     if s < -1:
         return "<invalid>"
-    if s < 0:
-        return "0s"
     if s < 120:
-        return f"{s}s"
-    minutes = s // 60
+        return f"{max(s, 0)}s"
+    minutes, hours, days = s // 60, s // 3600, s // 86400
     if minutes < 10:
-        rest = s % 60
-        return f"{minutes}m{rest}s" if rest else f"{minutes}m"
+        return _pair(minutes, "m", s % 60, "s")
     if minutes < 180:
         return f"{minutes}m"
-    hours = s // 3600
     if hours < 8:
-        rest = minutes % 60
-        return f"{hours}h{rest}m" if rest else f"{hours}h"
+        return _pair(hours, "h", minutes % 60, "m")
     if hours < 48:
         return f"{hours}h"
     if hours < 24 * 8:
-        rest = hours % 24
-        return f"{hours // 24}d{rest}h" if rest else f"{hours // 24}d"
-    if hours < 24 * 365 * 2:
-        return f"{hours // 24}d"
-    if hours < 24 * 365 * 8:
-        days = (hours // 24) % 365
-        return f"{hours // 24 // 365}y{days}d" if days else f"{hours // 24 // 365}y"
-    return f"{hours // 24 // 365}y"
+        return _pair(days, "d", hours % 24, "h")
+    if days < 365 * 2:
+        return f"{days}d"
+    if days < 365 * 8:
+        return _pair(days // 365, "y", days % 365, "d")
+    return f"{days // 365}y"
+
+
+def _pair(major: int, major_unit: str, minor: int, minor_unit: str) -> str:
+    return f"{major}{major_unit}{minor}{minor_unit}" if minor else f"{major}{major_unit}"
 
 
 def control_plane_info(response: discovery_pb2.DiscoveryResponse) -> tuple[str, str]:
@@ -469,20 +466,27 @@ def _empty_like(response: discovery_pb2.DiscoveryResponse) -> discovery_pb2.Disc
 
 
 @dataclass(frozen=True)
-class Options:
-    """What ``agentctl proxy-status`` was asked (see cli/agentctl.py for the flags)."""
+class View:
+    """How to show the answer: which proxies (a name, a namespace) and in which format."""
 
-    target: ControlPlaneTarget | None = None
-    agents: Sequence[Agent] = ()
-    limit: int = DEFAULT_AGENT_LIMIT
-    timeout: float = DEFAULT_AGENT_TIMEOUT
-    concurrency: int = DEFAULT_CONCURRENCY
     proxy: str | None = None
     namespace: str | None = None
     verbose: bool = False
     output: str = "short"
-    identity_namespace: str = "istio-system"
-    identity_service_account: str = "default"
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``agentctl proxy-status`` was asked (see cli/agentctl.py for the flags)."""
+
+    target: ControlPlaneTarget | None
+    agents: Sequence[Agent]
+    view: View
+    limit: int = DEFAULT_AGENT_LIMIT
+    timeout: float = DEFAULT_AGENT_TIMEOUT
+    concurrency: int = DEFAULT_CONCURRENCY
+    identity: tuple[str, str] = ("istio-system", "default")
+    """The asker's namespace and service account (istioctl's: ``default`` in the istio namespace)."""
 
 
 @dataclass
@@ -493,14 +497,15 @@ class Report:
 
 async def run(options: Options, clock: Callable[[], float] = time.time) -> Report:
     """Ask, then render; raises ProxyStatusError when nothing could be asked at all."""
-    node = debug_node(options.identity_namespace, options.identity_service_account)
+    node = debug_node(*options.identity)
+    view = options.view
     stderr: list[str] = []
     if options.target is not None:
         responses = await from_control_plane(options.target, node, options.timeout)
     else:
         agents = list(options.agents)
-        if options.proxy and any(agent.name == options.proxy for agent in agents):
-            agents = [agent for agent in agents if agent.name == options.proxy]  # istioctl: that pod's agent
+        if view.proxy and any(agent.name == view.proxy for agent in agents):
+            agents = [agent for agent in agents if agent.name == view.proxy]  # istioctl: that pod's agent
         result = await via_agents(
             agents,
             node,
@@ -511,13 +516,10 @@ async def run(options: Options, clock: Callable[[], float] = time.time) -> Repor
         responses, stderr = result.responses, list(result.failures)
         if result.limited:
             stderr.append(limit_message(options.limit))
-    rows = select(proxies(responses), options.namespace, options.proxy)
-    if options.output == "json":
-        return Report(
-            as_json(only(responses, rows) if options.namespace or options.proxy else responses), stderr
-        )
-    if options.output == "yaml":
-        return Report(
-            as_yaml(only(responses, rows) if options.namespace or options.proxy else responses), stderr
-        )
-    return Report(table(rows, verbose=options.verbose, now=clock()), stderr)
+    rows = select(proxies(responses), view.namespace, view.proxy)
+    chosen = only(responses, rows) if view.namespace or view.proxy else responses
+    if view.output == "json":
+        return Report(as_json(chosen), stderr)
+    if view.output == "yaml":
+        return Report(as_yaml(chosen), stderr)
+    return Report(table(rows, verbose=view.verbose, now=clock()), stderr)
