@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.startup
 	$(BIN)/python -m bench.metrics
 	$(BIN)/python -m bench.dns
+	$(BIN)/python -m bench.proxyless
 
 # Ten minutes of the demo mesh under faults (control plane kills, a CA outage, 30-s certificates).
 soak: $(STAMP)

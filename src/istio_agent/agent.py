@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # imported when used: not needed to start Envoy
     from istio_agent.status.metrics import MetricsMerger
     from istio_agent.status.readiness import Readiness
     from istio_agent.status.server import StatusServer
+    from istio_agent.xds.tap import DebugTap
 
 log = scope("agent")
 
@@ -139,6 +140,7 @@ class Agent:
         self.secret_manager: SecretManager | None = None
         self.sds_server: SdsServer | None = None
         self.xds_proxy: XdsProxy | None = None
+        self.debug_tap: DebugTap | None = None
         self.name_table: NameTableHandler | None = None
         self.dns: DnsProxy | None = None
         self.envoy: EnvoySupervisor | None = None
@@ -251,7 +253,21 @@ class Agent:
         proxy = XdsProxy(settings, handlers=handlers, dialer=dialer, registry=self._registry)
         await _started(stack, "xDS proxy", proxy.start, proxy.stop)
         self.xds_proxy = proxy
+        if settings.debug_tap_port is not None:
+            await self._start_debug_tap(stack, proxy, settings.debug_tap_port)
         log.info("xDS proxy on %s, upstream %s", settings.socket_path, settings.discovery_address)
+
+    async def _start_debug_tap(self, stack: AsyncExitStack, proxy: XdsProxy, port: int) -> None:
+        """The debug tap on localhost; a port in use is logged and the agent runs on without it."""
+        from istio_agent.xds.tap import DebugTap, TapStartError
+
+        tap = DebugTap(proxy, port)
+        try:
+            await _started(stack, "debug tap", tap.start, tap.stop)
+        except TapStartError as err:
+            log.error("%s; continuing without the debug tap", err)
+            return
+        self.debug_tap = tap
 
     async def _start_envoy(self, stack: AsyncExitStack, settings: BootstrapSettings) -> None:
         """Start Envoy (raises EnvoyStartError when it cannot be executed); ENVOY_RESTART_ON_EXIT restarts it.

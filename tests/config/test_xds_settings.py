@@ -224,3 +224,13 @@ def test_settings_are_frozen(tmp_path: Path) -> None:
     assert replace(s, max_streams=5).max_streams == 5
     with pytest.raises(AttributeError):
         s.max_streams = 5  # type: ignore[misc]
+
+
+def test_debug_tap_on_15004_unless_turned_off(tmp_path: Path) -> None:
+    assert xds(tmp_path).debug_tap_port == 15004
+    assert xds(tmp_path, PROXY_XDS_DEBUG_VIA_AGENT_PORT="16004").debug_tap_port == 16004
+    assert xds(tmp_path, PROXY_XDS_DEBUG_VIA_AGENT="false").debug_tap_port is None
+    with pytest.raises(ConfigError, match="PROXY_XDS_DEBUG_VIA_AGENT_PORT"):
+        xds(tmp_path, PROXY_XDS_DEBUG_VIA_AGENT_PORT="70000")
+    with pytest.raises(ConfigError, match="PROXY_XDS_DEBUG_VIA_AGENT"):
+        xds(tmp_path, PROXY_XDS_DEBUG_VIA_AGENT="maybe")

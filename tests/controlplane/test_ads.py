@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from envoy.admin.v3.config_dump_shared_pb2 import ClustersConfigDump
 from envoy.config.cluster.v3.cluster_pb2 import Cluster
 from envoy.config.core.v3.base_pb2 import Node
 from envoy.config.endpoint.v3.endpoint_components_pb2 import LocalityLbEndpoints
@@ -28,6 +29,7 @@ from google.protobuf.message import Message
 from google.rpc import status_pb2
 
 from istio_agent.controlplane.ads import SYNCZ_TYPE, AdsServer, Authorizer, TypeStatus
+from istio_agent.controlplane.debug import CONFIG_DUMP_TYPE
 from istio_agent.controlplane.mesh import MeshConfig
 from istio_agent.controlplane.xdsgen import (
     CLUSTER_TYPE,
@@ -369,7 +371,7 @@ async def test_sotw_nack_sends_nothing_and_shows_error(h: Harness, caplog: pytes
 
     entry = configs[0].generic_xds_configs[0]
     assert entry.type_url == LISTENER_TYPE
-    assert entry.config_status == csds_pb2.ConfigStatus.ERROR
+    assert entry.config_status == csds_pb2.ConfigStatus.STALE
     assert entry.error_state.details == "listener l1: bad port"
     assert h.ads.connections()[0].last_error == "listener l1: bad port"
 
@@ -592,7 +594,8 @@ async def test_delta_nack_sends_nothing(h: Harness) -> None:
     response = await client.response(LISTENER_TYPE)
     await client.delta_request(LISTENER_TYPE, nonce=response.nonce, error_message="no")
     configs = await client.barrier()
-    assert configs[0].generic_xds_configs[0].config_status == csds_pb2.ConfigStatus.ERROR
+    assert configs[0].generic_xds_configs[0].config_status == csds_pb2.ConfigStatus.STALE
+    assert configs[0].generic_xds_configs[0].error_state.details == "no"
     assert h.observer.acks[-1][2:] == (response.nonce, "no")
 
 
@@ -604,7 +607,7 @@ async def test_syncz_lists_proxies_with_their_statuses(h: Harness) -> None:
     await sleep.subscribe(CLUSTER_TYPE)  # SYNCED
     await sleep.request(LISTENER_TYPE)
     listeners = await sleep.response(LISTENER_TYPE)
-    await sleep.request(LISTENER_TYPE, nonce=listeners.nonce, error_message="boom")  # ERROR
+    await sleep.request(LISTENER_TYPE, nonce=listeners.nonce, error_message="boom")  # STALE + error
     await sleep.request(ENDPOINT_TYPE, ["a"])
     await sleep.response(ENDPOINT_TYPE)  # not ACKed: STALE
     await sleep.barrier()
@@ -621,8 +624,8 @@ async def test_syncz_lists_proxies_with_their_statuses(h: Harness) -> None:
     assert set(identifier["Info"]) >= {"version", "revision", "golang_version", "status", "tag"}
 
     configs = [unpack(r, csds_pb2.ClientConfig()) for r in response.resources]
-    assert [c.node.id for c in configs] == [SLEEP_NODE.id, OTHER_NODE.id]
-    sleep_config, httpbin_config = configs
+    assert [c.node.id for c in configs] == ["httpbin-1.apps", "sleep-1.default"]  # istiod's proxy IDs
+    httpbin_config, sleep_config = configs
     assert dict(sleep_config.node.metadata) == {
         "CLUSTER_ID": "Kubernetes",
         "NAMESPACE": "default",
@@ -633,8 +636,9 @@ async def test_syncz_lists_proxies_with_their_statuses(h: Harness) -> None:
     by_type = {e.type_url: e for e in entries}
     assert by_type[CLUSTER_TYPE].config_status == csds_pb2.ConfigStatus.SYNCED
     assert by_type[ENDPOINT_TYPE].config_status == csds_pb2.ConfigStatus.STALE
-    assert by_type[LISTENER_TYPE].config_status == csds_pb2.ConfigStatus.ERROR
+    assert by_type[LISTENER_TYPE].config_status == csds_pb2.ConfigStatus.STALE
     assert by_type[LISTENER_TYPE].error_state.details == "boom"
+    assert by_type[LISTENER_TYPE].error_state.last_update_attempt == by_type[LISTENER_TYPE].last_updated
     assert all(e.last_updated.seconds > 0 for e in entries)
     assert not by_type[CLUSTER_TYPE].HasField("error_state")
     assert [e.type_url for e in httpbin_config.generic_xds_configs] == [CLUSTER_TYPE]
@@ -644,13 +648,53 @@ async def test_syncz_lists_proxies_with_their_statuses(h: Harness) -> None:
     assert all(node_id != ISTIOCTL_NODE.id for _, node_id in h.calls)
 
 
+async def test_unknown_debug_type_fails_a_debug_client_and_is_ignored_on_a_proxy_stream(h: Harness) -> None:
+    istioctl = h.sotw(ISTIOCTL_NODE)
+    await istioctl.request("istio.io/debug/nonsense")
+    failed = await istioctl.end()
+    assert isinstance(failed, grpc.aio.AioRpcError)
+    assert failed.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown debug type 'istio.io/debug/nonsense'" in (failed.details() or "")
+    assert "istio.io/debug/syncz" in (failed.details() or "")
+
+    # On a proxy's own stream (the agent's tap uses it) the question goes unanswered, the stream lives.
+    sleep = h.sotw()
+    await sleep.subscribe(CLUSTER_TYPE)
+    await sleep.request("istio.io/debug/nonsense")
+    configs = await sleep.barrier()  # the next answer is syncz's: nothing was sent for the unknown type
+    assert [c.node.id for c in configs] == ["sleep-1.default"]
+
+
+async def test_config_dump_for_a_connected_proxy_and_none_for_an_unknown_one(h: Harness) -> None:
+    sleep = h.sotw()
+    clusters = await sleep.subscribe(CLUSTER_TYPE)
+    await sleep.subscribe(LISTENER_TYPE)
+
+    istioctl = h.sotw(ISTIOCTL_NODE)
+    await istioctl.request(CONFIG_DUMP_TYPE, ["sleep-1.default"])
+    response = await istioctl.response(CONFIG_DUMP_TYPE)
+    sections = [r.type_url.rpartition(".")[2] for r in response.resources]
+    assert sections == [
+        "ClustersConfigDump",
+        "ListenersConfigDump",
+        "RoutesConfigDump",
+        "EndpointsConfigDump",
+    ]
+    dumped = unpack(response.resources[0], ClustersConfigDump())
+    names = [unpack(c.cluster, Cluster()).name for c in dumped.dynamic_active_clusters]
+    assert names == sorted(unpack(r, Cluster()).name for r in clusters.resources)
+
+    await istioctl.request(CONFIG_DUMP_TYPE, ["nobody.default"])
+    assert list((await istioctl.response(CONFIG_DUMP_TYPE)).resources) == []
+
+
 def test_config_status_values() -> None:
     base = TypeStatus(CLUSTER_TYPE, "", "", "", None, None, 0)
     assert base.config_status == "NOT_SENT"
     sent = TypeStatus(CLUSTER_TYPE, "n1", "", "v", None, 1.0, 1)
     assert sent.config_status == "STALE"
     assert TypeStatus(CLUSTER_TYPE, "n1", "n1", "v", None, 1.0, 1).config_status == "SYNCED"
-    assert TypeStatus(CLUSTER_TYPE, "n1", "n1", "v", "bad", 1.0, 1).config_status == "ERROR"
+    assert TypeStatus(CLUSTER_TYPE, "n1", "n1", "v", "bad", 1.0, 1).config_status == "STALE"  # NACKed
 
 
 # -- connections, pushes, lifecycle --------------------------------------------------------------------

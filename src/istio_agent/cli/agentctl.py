@@ -183,5 +183,83 @@ def proxy_config_secret(
         raise click.ClickException(str(err)) from None
 
 
+@main.command("proxy-status")
+@click.argument("proxy", required=False)
+@click.option("--xds-address", help="ask this control plane directly (HOST:PORT)")
+@click.option("--plaintext", is_flag=True, help="with --xds-address: no TLS")
+@click.option("--root-cert", type=click.Path(path_type=Path), help="TLS: root to verify the control plane")
+@click.option("--server-name", default="", help="TLS: server name to verify (default: the address's host)")
+@click.option("--token", "token_path", type=click.Path(path_type=Path), help="TLS: bearer token file")
+@click.option("--xds-via-agents", is_flag=True, help="ask agents' debug taps (port 15004) instead")
+@click.option(
+    "--agent-address", "agent_addresses", multiple=True, help="an agent: HOST:PORT or NAME=HOST:PORT"
+)
+@click.option("--agent-addresses-file", type=click.Path(path_type=Path), help="agents, one a line")
+@click.option("--xds-via-agents-limit", default=100, show_default=True, type=click.IntRange(min=0))
+@click.option(
+    "--timeout", default="10s", show_default=True, callback=_duration, help="per control plane/agent"
+)
+@click.option("--concurrency", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("-n", "--namespace", help="only proxies in this namespace")
+@click.option(
+    "-i", "--istio-namespace", default="istio-system", show_default=True, help="the asker's namespace"
+)
+@click.option("-v", "--verbose", is_flag=True, help="one column per type, with ages")
+@click.option(
+    "-o", "--output", default="short", show_default=True, type=click.Choice(["short", "json", "yaml"])
+)
+def proxy_status(
+    proxy: str | None,
+    xds_address: str | None,
+    plaintext: bool,
+    root_cert: Path | None,
+    server_name: str,
+    token_path: Path | None,
+    xds_via_agents: bool,
+    agent_addresses: tuple[str, ...],
+    agent_addresses_file: Path | None,
+    xds_via_agents_limit: int,
+    timeout: timedelta,
+    concurrency: int,
+    namespace: str | None,
+    istio_namespace: str,
+    verbose: bool,
+    output: str,
+) -> None:
+    """Sync status of proxies (istioctl proxy-status), from a control plane or through agents."""
+    from istio_agent.ctl import proxystatus as ps
+
+    if xds_via_agents == bool(xds_address):
+        raise click.UsageError("give exactly one of --xds-address and --xds-via-agents")
+    agents: list[ps.Agent] = []
+    try:
+        agents = [ps.Agent.parse(text) for text in agent_addresses]
+        if agent_addresses_file is not None:
+            agents += ps.read_agents(agent_addresses_file)
+    except (ValueError, OSError) as err:
+        raise click.BadParameter(str(err), param_hint="--agent-address/--agent-addresses-file") from None
+    if xds_via_agents and not agents:
+        raise click.UsageError("--xds-via-agents needs --agent-address or --agent-addresses-file")
+    target = None
+    if xds_address:
+        target = ps.ControlPlaneTarget(xds_address, plaintext, root_cert, server_name, token_path)
+    options = ps.Options(
+        target=target,
+        agents=agents,
+        view=ps.View(proxy=proxy, namespace=namespace, verbose=verbose, output=output),
+        limit=xds_via_agents_limit,
+        timeout=timeout.total_seconds(),
+        concurrency=concurrency,
+        identity=(istio_namespace, "default"),
+    )
+    try:
+        report = runtime.run(ps.run(options))
+    except ps.ProxyStatusError as err:
+        raise click.ClickException(str(err)) from None
+    for line in report.stderr:
+        click.echo(line, err=True)
+    click.echo(report.stdout, nl=False)
+
+
 if __name__ == "__main__":
     main(prog_name="agentctl")

@@ -29,6 +29,7 @@ DEFAULT_MAX_STREAMS = 100000
 DEFAULT_MAX_RECV_BYTES = 4 * 1024 * 1024
 DEFAULT_KEEPALIVE_INTERVAL = timedelta(seconds=30)
 DEFAULT_KEEPALIVE_TIMEOUT = timedelta(seconds=10)
+DEFAULT_DEBUG_TAP_PORT = 15004
 MAX_GRPC_MILLISECONDS = timedelta(milliseconds=INT32_MAX)
 """gRPC's channel arguments are C ints: a longer keepalive cannot be passed to it."""
 ISTIOD_HOST = "istiod.istio-system.svc"
@@ -57,6 +58,8 @@ class XdsSettings:
     max_recv_bytes: int = DEFAULT_MAX_RECV_BYTES
     nds_enabled: bool = False
     pcds_enabled: bool = False
+    debug_tap_port: int | None = None
+    """The debug tap's port on localhost (PROXY_XDS_DEBUG_VIA_AGENT[_PORT]); None: no tap."""
 
     @classmethod
     def from_env(
@@ -116,6 +119,13 @@ class XdsSettings:
             nds_enabled=(proxy_type == "sidecar" and flag("ISTIO_META_DNS_CAPTURE"))
             or flag("ISTIO_META_ENABLE_DNS_SERVER"),
             pcds_enabled=env.flag("PROXY_CONFIG_XDS_AGENT"),
+            debug_tap_port=(
+                env.integer(
+                    "PROXY_XDS_DEBUG_VIA_AGENT_PORT", DEFAULT_DEBUG_TAP_PORT, minimum=0, maximum=65535
+                )
+                if env.flag("PROXY_XDS_DEBUG_VIA_AGENT", True)
+                else None
+            ),
         )
 
 

@@ -1,4 +1,4 @@
-"""The local control plane's Aggregated Discovery Service: SotW and Delta ADS, plus istiod's syncz.
+"""The local control plane's Aggregated Discovery Service: SotW and Delta ADS, plus istiod's debug types.
 
 The protocol rules are istiod's (``pilot/pkg/xds/ads.go``, ``pilot/pkg/xds/delta.go``; see
 docs/controlplane.md), because Envoy's ACK, NACK and reconnect behaviour is tuned against them. A
@@ -8,7 +8,8 @@ nonce is ignored.
 The streams run on the project's xDS stream core (:mod:`istio_agent.xds.stream`), which owns the
 reader, the worker and the SotW/Delta bookkeeping. This module supplies what is the control
 plane's own: each proxy's snapshot of the mesh, computed once per mesh and per stream; content
-hashes as versions; wildcard types; the push order; syncz; the authorizer; metrics and logs.
+hashes as versions; wildcard types; the push order; the debug types (syncz, config_dump:
+:mod:`istio_agent.controlplane.debug`); the authorizer; metrics and logs.
 Proxyless gRPC nodes (``GENERATOR=grpc``) get other rules, as from istiod's grpc generator: no
 wildcard types, and resources generated for the names they ask for (:mod:`.grpcgen`).
 :meth:`AdsServer.update_mesh` only fills each stream's one pending-push slot (the newest mesh
@@ -27,11 +28,12 @@ from typing import Protocol
 
 import grpc
 from envoy.config.core.v3 import base_pb2
-from envoy.service.status.v3 import csds_pb2
-from google.protobuf import json_format, timestamp_pb2
+from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from istio_agent import __version__
+from istio_agent.controlplane import debug
+from istio_agent.controlplane.debug import SYNCZ_TYPE
 from istio_agent.controlplane.grpcgen import build_grpc_resources, is_grpc_node
 from istio_agent.controlplane.mesh import MeshConfig
 from istio_agent.controlplane.xdsgen import (
@@ -71,12 +73,10 @@ __all__ = [
 
 log = scope("ads")
 
-SYNCZ_TYPE = "istio.io/debug/syncz"
 PUSH_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, NAME_TABLE_TYPE)
 """The served types, in the order pushes go out: make before break (clusters before their users)."""
 WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE, NAME_TABLE_TYPE})
 """Types a client gets in full; EDS and RDS serve only the names asked for."""
-SYNCZ_METADATA = ("CLUSTER_ID", "NAMESPACE", "ISTIO_VERSION")
 
 GRPC_POLICY = Policy(wildcard_types=frozenset(), answer_first_delta=True)
 """Proxyless gRPC subscribes to every type by name (istiod's grpc generator answers those names)."""
@@ -153,6 +153,8 @@ class _Proxy:
     warned_unknown: bool = False
     grpc: bool = False
     """A proxyless gRPC node: answered by name (``NamedFn``) instead of from a snapshot."""
+    debug_only: bool = False
+    """The stream began with a debug question (istioctl, agentctl): not a proxy."""
 
 
 _AdsStream = Stream[_Proxy, MeshConfig]
@@ -164,12 +166,6 @@ def _content_version(pairs: Iterable[tuple[str, str]]) -> str:
     for name, version in sorted(pairs):
         digest.update(f"{name}\0{version}\n".encode())
     return digest.hexdigest()[:16]
-
-
-def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
 
 
 class _Snapshots(Source[_Proxy, MeshConfig]):
@@ -207,7 +203,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
             raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid node: {err}") from err
         if self._authorize is not None:
             await self._authorize(context, node)
-        return _Proxy(node, grpc=is_grpc_node(node))
+        return _Proxy(node, grpc=is_grpc_node(node), debug_only=debug.is_debug_type(request.type_url))
 
     def stream_policy(self, stream: _AdsStream) -> Policy:
         return GRPC_POLICY if stream.data.grpc else self.policy
@@ -352,44 +348,36 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         if self._observer is not None:
             self._observer.acked(stream.id, watch.type_url, watch.acked_nonce, time.monotonic(), watch.error)
 
-    # -- syncz -----------------------------------------------------------------------------------
+    # -- istio.io/debug/* -------------------------------------------------------------------------
 
     def is_query(self, type_url: str) -> bool:
-        return type_url == SYNCZ_TYPE
+        return debug.is_debug_type(type_url)
 
-    async def answer(self, stream: _AdsStream, request: Request) -> Reply:
-        """syncz: one ClientConfig per stream watching at least one served type, by node id."""
-        log.debug("ADS: connection %d: syncz requested", stream.id)
-        configs = [
-            self._client_config(other)
-            for other in sorted(self.streams(), key=lambda s: (s.data.node.id, s.id))
-            if other.watches
-        ]
-        return Reply([Resource(config.node.id, config) for config in configs])
+    async def answer(self, stream: _AdsStream, request: Request) -> Reply | None:
+        """syncz and config_dump (see :mod:`istio_agent.controlplane.debug`); other debug types fail
+        a debug client's stream and are ignored on a proxy's (as istiod does)."""
+        type_url = request.type_url
+        log.debug("ADS: connection %d: %s requested", stream.id, type_url)
+        if type_url == debug.SYNCZ_TYPE:
+            return Reply(debug.syncz((other.data.node, other.watches) for other in self.streams()))
+        if type_url == debug.CONFIG_DUMP_TYPE:
+            return Reply(self._config_dump(stream.flavour.requested_names(request)))
+        if stream.data.debug_only:
+            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, debug.unknown_type(type_url))
+        log.warning("ADS: connection %d: %s; not answered", stream.id, debug.unknown_type(type_url))
+        return None
 
-    @staticmethod
-    def _client_config(stream: _AdsStream) -> csds_pb2.ClientConfig:
-        config = csds_pb2.ClientConfig()
-        node = stream.data.node
-        config.node.id = node.id
-        for key in SYNCZ_METADATA:
-            value = node.metadata.get(key)
-            if isinstance(value, str):
-                config.node.metadata[key] = value
-        for type_url, watch in sorted(stream.watches.items()):
-            status = watch.status()
-            entry = config.generic_xds_configs.add(
-                type_url=type_url,
-                version_info=status.version,
-                config_status=csds_pb2.ConfigStatus.Value(status.config_status),
-            )
-            if status.last_sent is not None:
-                entry.last_updated.CopyFrom(_timestamp(status.last_sent))
-            if status.error is not None:
-                entry.error_state.details = status.error
-                if status.last_sent is not None:
-                    entry.error_state.last_update_attempt.CopyFrom(_timestamp(status.last_sent))
-        return config
+    def _config_dump(self, names: Sequence[str]) -> list[Resource]:
+        """istiod's rule: exactly one proxy ID; an unknown one gets a response with no resources."""
+        if len(names) != 1:
+            log.info("ADS: %s with %d resource names", debug.CONFIG_DUMP_TYPE, len(names))
+            return []
+        for other in self.streams():
+            if debug.proxy_id(other.data.node) == names[0] and other.data.view is not None:
+                view = other.data.view
+                return debug.config_dump(view.messages, view.versions)
+        log.info("ADS: %s: no connection for proxy %.200r", debug.CONFIG_DUMP_TYPE, names[0])
+        return []
 
 
 class AdsServer:

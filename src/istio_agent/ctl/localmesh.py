@@ -58,7 +58,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         self.service_account = self.service_account or self.name
-        for role in ("admin", "status", "envoy_status", "prometheus", "inbound", "app", "dns"):
+        for role in ("admin", "status", "envoy_status", "prometheus", "inbound", "app", "dns", "tap"):
             self.ports.setdefault(role, free_port())
         for service in self.calls:
             self.ports.setdefault(f"outbound:{service}", free_port())
@@ -113,6 +113,7 @@ class Workload:
             "ISTIO_DELTA_XDS": "true" if delta else "false",
             "ISTIO_META_DNS_CAPTURE": "true",
             "DNS_PROXY_ADDR": f"127.0.0.1:{self.ports['dns']}",  # not 15053: several workloads per host
+            "PROXY_XDS_DEBUG_VIA_AGENT_PORT": str(self.ports["tap"]),  # not 15004, for the same reason
             "ECC_SIGNATURE_ALGORITHM": "ECDSA",
         }
         env.update(extra)

@@ -75,6 +75,38 @@ class _ProxyMetrics:
         self.pushes = registry.counter("xds_proxy_pushes", "Responses forwarded to Envoy.", ["type_url"])
 
 
+DEBUG_TYPE_PREFIX = "istio.io/debug"
+
+
+class TapError(Exception):
+    """A debug question could not be asked on the workload's connection to istiod."""
+
+
+class TapTimeout(TapError):
+    """istiod did not answer a debug question in time (or the stream ended first)."""
+
+
+@dataclass(eq=False)
+class _TapWait:
+    stream_id: int
+    type_url: str
+    answer: asyncio.Future[discovery_pb2.DiscoveryResponse]
+
+
+def as_sotw_response(flavour: Flavour, raw: RawResponse) -> discovery_pb2.DiscoveryResponse:
+    """A debug answer in SotW form whatever the stream's flavour (Istio's tap converts Delta too)."""
+    if not flavour.delta:
+        return discovery_pb2.DiscoveryResponse.FromString(raw.data)
+    delta = discovery_pb2.DeltaDiscoveryResponse.FromString(raw.data)
+    return discovery_pb2.DiscoveryResponse(
+        version_info=delta.system_version_info,
+        resources=[resource.resource for resource in delta.resources],
+        type_url=delta.type_url,
+        nonce=delta.nonce,
+        control_plane=delta.control_plane if delta.HasField("control_plane") else None,
+    )
+
+
 class TypeHandler(Protocol):
     """An agent-owned type: its responses go to ``handle`` instead of Envoy."""
 
@@ -180,6 +212,8 @@ class XdsProxy:
         self._last_failure = ""
         self._recv_max = 0
         self._stopping = False
+        self._tap_lock = asyncio.Lock()
+        self._tap: _TapWait | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -263,6 +297,62 @@ class XdsProxy:
         if self._health is None:
             return None
         return self._health[1] if stream.flavour is DELTA else self._health[0]
+
+    # -- debug questions (the agent's tap) ------------------------------------------------------------
+    async def query(
+        self, request: discovery_pb2.DiscoveryRequest, timeout: float
+    ) -> discovery_pb2.DiscoveryResponse:
+        """Ask istiod an ``istio.io/debug/*`` question on the newest upstream stream, so istiod sees
+        the workload's own identity (Istio's tap does the same), and return its answer.
+
+        One question at a time, as in Istio. The asker's node is dropped: the stream has identified
+        itself already. The answer is not ACKed. Raises :class:`TapError` when no stream is open
+        and :class:`TapTimeout` when istiod does not answer within ``timeout`` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._query(request)
+        except TimeoutError:
+            raise TapTimeout(f"istiod did not answer {request.type_url} within {timeout:g}s") from None
+
+    async def _query(self, request: discovery_pb2.DiscoveryRequest) -> discovery_pb2.DiscoveryResponse:
+        async with self._tap_lock:
+            stream = next(
+                (s for s in reversed(self._streams.values()) if s.call is not None and not s.half_closed),
+                None,
+            )
+            if stream is None:
+                raise TapError("proxy not connected to Istiod")
+            names = list(request.resource_names)
+            question: Request = (
+                discovery_pb2.DeltaDiscoveryRequest(type_url=request.type_url, resource_names_subscribe=names)
+                if stream.flavour is DELTA
+                else discovery_pb2.DiscoveryRequest(type_url=request.type_url, resource_names=names)
+            )
+            wait = _TapWait(stream.id, request.type_url, asyncio.get_running_loop().create_future())
+            self._tap = wait
+            ended = asyncio.create_task(stream.finished.wait())
+            try:
+                try:
+                    await self._send_upstream(stream, question)
+                except _UpstreamError as err:
+                    raise TapError(f"xDS upstream {self._dialer.describe()}: {err.details}") from None
+                await asyncio.wait((wait.answer, ended), return_when=asyncio.FIRST_COMPLETED)
+                if wait.answer.done():
+                    return wait.answer.result()
+                raise TapTimeout(f"the stream to istiod ended before it answered {request.type_url}")
+            finally:
+                self._tap = None
+                ended.cancel()
+
+    def _tap_answer(self, stream: _Stream, raw: RawResponse) -> None:
+        wait = self._tap
+        if wait is None or wait.stream_id != stream.id or wait.type_url != raw.type_url or wait.answer.done():
+            log.debug("tap response %s arrived too late; discarding", raw.type_url)
+            return
+        try:
+            wait.answer.set_result(as_sotw_response(stream.flavour, raw))
+        except DecodeError as err:
+            wait.answer.set_exception(TapError(f"malformed {raw.type_url} response from istiod: {err}"))
 
     # -- one downstream stream ------------------------------------------------------------------------
     async def serve(
@@ -486,7 +576,9 @@ class XdsProxy:
                 self._note_success()
             self._metrics.responses.inc()
             handler = self._handlers.get(response.type_url)
-            if handler is not None:
+            if response.type_url.startswith(DEBUG_TYPE_PREFIX):
+                self._tap_answer(stream, response)
+            elif handler is not None:
                 await self._handle_agent_type(stream, handler, response)
             elif not types.is_forwardable(response.type_url):
                 log.debug(

@@ -45,7 +45,7 @@ every ``istio.io/debug/*`` query to istiod::
                 return None  # timed out: nothing to send, the stream stays open
             return Reply([Resource("", r) for r in response.resources], response.version_info)
 
-``tests/xds/test_stream.py`` runs a tap like this one.
+``tests/xds/test_stream.py`` runs a tap like this one; the agent's is :mod:`istio_agent.xds.tap`.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ class Reply:
 
     resources: Sequence[Resource]
     version: str = ""
+    control_plane: base_pb2.ControlPlane | None = None
+    """Who answered, when not this server (a relayed answer keeps istiod's identity)."""
 
 
 @dataclass(slots=True)
@@ -419,7 +421,7 @@ class StreamServer(Generic[C, E]):
             reply.resources,
             version=reply.version,
             nonce=new_nonce(),
-            control_plane=self._source.control_plane,
+            control_plane=reply.control_plane or self._source.control_plane,
         )
         return [_Outgoing(response, [r.name for r in reply.resources], "query")]
 

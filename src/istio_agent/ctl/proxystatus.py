@@ -1,0 +1,525 @@
+"""``agentctl proxy-status``: which proxies are in sync with the control plane, as istioctl shows it.
+
+The question is istiod's ``istio.io/debug/syncz`` (see :mod:`istio_agent.controlplane.debug`),
+asked either of the control plane itself (``--xds-address``; plaintext, or TLS with a token through
+``istiod/dial.py``) or of agents' debug taps on their port 15004 (``--xds-via-agents``, as
+``istioctl x ps`` did until 1.24), which ask on their own workload's authenticated connection.
+Agents are asked concurrently, each within a timeout, at most ``--xds-via-agents-limit`` of them;
+an agent that fails is reported on stderr in istioctl's words and skipped.
+
+Rendering follows istioctl (``istioctl/pkg/writer/pilot``): the table
+``NAME CLUSTER ISTIOD VERSION SUBSCRIBED TYPES`` sorted by proxy ID; ``-v`` one column per type with
+``SYNCED|STALE|ERROR (<age>)``, ``NOT SENT`` or ``IGNORED``; ``-o json|yaml`` the raw responses by
+control-plane ID. Beyond istioctl, ``-v`` lists each NACKed type with its age and the NACK's text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.status.v3 import csds_pb2
+from google.protobuf import json_format
+
+from istio_agent.istiod.dial import CredentialError, IstiodCredentials, IstiodEndpoint
+from istio_agent.istiod.tokens import FileTokenSource
+from istio_agent.xds.flavour import ADS_SERVICE, SOTW
+
+SYNCZ_TYPE = "istio.io/debug/syncz"
+CLIENT_CONFIG_TYPE = "type.googleapis.com/envoy.service.status.v3.ClientConfig"
+DEFAULT_AGENT_LIMIT = 100
+DEFAULT_AGENT_TIMEOUT = 10.0
+DEFAULT_CONCURRENCY = 32
+MISSING = "MISSING"
+INVALID = "INVALID"
+
+_PREFIX = "type.googleapis.com/"
+SHORT_TYPES = {
+    _PREFIX + "envoy.config.cluster.v3.Cluster": "CDS",
+    _PREFIX + "envoy.config.listener.v3.Listener": "LDS",
+    _PREFIX + "envoy.config.endpoint.v3.ClusterLoadAssignment": "EDS",
+    _PREFIX + "envoy.config.route.v3.RouteConfiguration": "RDS",
+    _PREFIX + "envoy.config.core.v3.TypedExtensionConfig": "ECDS",
+    _PREFIX + "envoy.extensions.transport_sockets.tls.v3.Secret": "SDS",
+    _PREFIX + "istio.networking.nds.v1.NameTable": "NDS",
+    _PREFIX + "istio.mesh.v1alpha1.ProxyConfig": "PCDS",
+    _PREFIX + "istio.workload.Address": "WDS",
+}
+VERBOSE_TYPES = [url for url, name in SHORT_TYPES.items() if name in ("CDS", "LDS", "EDS", "RDS", "ECDS")]
+"""Columns ``-v`` always shows (istioctl's); other types get one when some proxy has them."""
+CORE_TYPES = ("CDS", "LDS", "EDS", "RDS")
+"""Listed first in SUBSCRIBED TYPES, in this order; other types follow sorted."""
+
+
+class ProxyStatusError(Exception):
+    """The question could not be asked at all (bad credentials, unreachable control plane)."""
+
+
+def short_type(type_url: str) -> str:
+    return SHORT_TYPES.get(type_url) or type_url.removeprefix(_PREFIX)
+
+
+def human_duration(seconds: float) -> str:
+    """An age as kubectl prints it (``k8s.io/apimachinery`` ``HumanDuration``): 45s, 3m20s, 5h, 2d3h."""
+    s = int(seconds)
+    if s < -1:
+        return "<invalid>"
+    if s < 120:
+        return f"{max(s, 0)}s"
+    minutes, hours, days = s // 60, s // 3600, s // 86400
+    if minutes < 10:
+        return _pair(minutes, "m", s % 60, "s")
+    if minutes < 180:
+        return f"{minutes}m"
+    if hours < 8:
+        return _pair(hours, "h", minutes % 60, "m")
+    if hours < 48:
+        return f"{hours}h"
+    if hours < 24 * 8:
+        return _pair(days, "d", hours % 24, "h")
+    if days < 365 * 2:
+        return f"{days}d"
+    if days < 365 * 8:
+        return _pair(days // 365, "y", days % 365, "d")
+    return f"{days // 365}y"
+
+
+def _pair(major: int, major_unit: str, minor: int, minor_unit: str) -> str:
+    return f"{major}{major_unit}{minor}{minor_unit}" if minor else f"{major}{major_unit}"
+
+
+def control_plane_info(response: discovery_pb2.DiscoveryResponse) -> tuple[str, str]:
+    """(ID, version) from istiod's identifier JSON; ID is MISSING or INVALID as istioctl says."""
+    identifier = response.control_plane.identifier if response.HasField("control_plane") else ""
+    if not identifier:
+        return MISSING, ""
+    try:
+        parsed = json.loads(identifier)
+    except ValueError:
+        return INVALID, ""
+    if not isinstance(parsed, dict):
+        return INVALID, ""
+    info = parsed.get("Info")
+    version = info.get("version", "") if isinstance(info, dict) else ""
+    return str(parsed.get("ID", "")), str(version)
+
+
+# -- what the responses say ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TypeSync:
+    type_url: str
+    status: str
+    """SYNCED, STALE, ERROR, NOT_SENT or UNKNOWN (csds ConfigStatus names)."""
+    last_updated: float | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class ProxySync:
+    proxy_id: str
+    cluster: str
+    namespace: str
+    istiod: str
+    version: str
+    types: dict[str, TypeSync] = field(default_factory=dict)
+
+
+def proxies(responses: Mapping[str, discovery_pb2.DiscoveryResponse]) -> list[ProxySync]:
+    """Every ClientConfig of every response, sorted by proxy ID (the first answer for an ID wins)."""
+    found: dict[str, ProxySync] = {}
+    for response in responses.values():
+        istiod, istiod_version = control_plane_info(response)
+        for resource in response.resources:
+            if resource.type_url != CLIENT_CONFIG_TYPE:
+                continue
+            config = csds_pb2.ClientConfig()
+            if not resource.Unpack(config) or config.node.id in found:
+                continue
+            metadata = json_format.MessageToDict(config.node.metadata)
+            types = {}
+            for entry in config.generic_xds_configs:
+                updated = entry.last_updated.ToNanoseconds() / 1e9 if entry.HasField("last_updated") else None
+                error = entry.error_state.details if entry.HasField("error_state") else None
+                status = csds_pb2.ConfigStatus.Name(entry.config_status)
+                types[entry.type_url] = TypeSync(entry.type_url, status, updated, error)
+            found[config.node.id] = ProxySync(
+                proxy_id=config.node.id,
+                cluster=str(metadata.get("CLUSTER_ID", "")),
+                namespace=str(metadata.get("NAMESPACE", "")) or config.node.id.rpartition(".")[2],
+                istiod=istiod,
+                version=str(metadata.get("ISTIO_VERSION", "")) or istiod_version,
+                types=types,
+            )
+    return [found[key] for key in sorted(found)]
+
+
+def select(rows: Iterable[ProxySync], namespace: str | None, proxy: str | None) -> list[ProxySync]:
+    """``-n`` keeps one namespace; a proxy name ``<pod>[.<ns>]`` keeps that proxy."""
+    chosen = []
+    for row in rows:
+        if namespace and row.namespace != namespace:
+            continue
+        if proxy and row.proxy_id != proxy and row.proxy_id.rpartition(".")[0] != proxy:
+            continue
+        chosen.append(row)
+    return chosen
+
+
+# -- rendering -------------------------------------------------------------------------------------
+
+
+def tabulate(lines: Sequence[Sequence[str]]) -> str:
+    """Go's tabwriter as istioctl sets it (padding 5, spaces): every cell but the last padded."""
+    widths: list[int] = []
+    for line in lines:
+        for i, cell in enumerate(line[:-1]):
+            if i == len(widths):
+                widths.append(0)
+            widths[i] = max(widths[i], len(cell))
+    out = []
+    for line in lines:
+        cells = [cell.ljust(widths[i] + 5) for i, cell in enumerate(line[:-1])]
+        out.append("".join(cells) + (line[-1] if line else ""))
+    return "".join(f"{text}\n" for text in out)
+
+
+def subscribed(row: ProxySync) -> str:
+    """``N (CDS,LDS,EDS,RDS,...)``: types whose status is known, core types first."""
+    names = [short_type(t.type_url) for t in row.types.values() if t.status != "UNKNOWN"]
+    core = [name for name in CORE_TYPES if name in names]
+    extra = sorted(name for name in names if name not in CORE_TYPES)
+    return f"{len(names)} ({','.join(core + extra)})"
+
+
+def cell(sync: TypeSync | None, now: float) -> str:
+    if sync is None or sync.status == "UNKNOWN":
+        return "IGNORED"
+    if sync.status == "NOT_SENT":
+        return "NOT SENT"
+    if sync.last_updated is None:
+        return sync.status
+    return f"{sync.status} ({human_duration(now - sync.last_updated)})"
+
+
+def table(rows: Sequence[ProxySync], *, verbose: bool, now: float) -> str:
+    if not verbose:
+        lines = [["NAME", "CLUSTER", "ISTIOD", "VERSION", "SUBSCRIBED TYPES"]]
+        lines += [[r.proxy_id, r.cluster, r.istiod, r.version, subscribed(r)] for r in rows]
+        return tabulate(lines)
+    type_urls = sorted(set(VERBOSE_TYPES) | {url for row in rows for url in row.types})
+    head = ["NAME", "CLUSTER", *(short_type(url) for url in type_urls), "ISTIOD", "VERSION"]
+    lines = [head]
+    for row in rows:
+        cells = [cell(row.types.get(url), now) for url in type_urls]
+        lines.append([row.proxy_id, row.cluster, *cells, row.istiod, row.version])
+    text = tabulate(lines)
+    nacked = [(row, sync) for row in rows for sync in row.types.values() if sync.error is not None]
+    if nacked:
+        errors = [["NACKED", "TYPE", "SINCE", "ERROR"]]
+        for row, sync in nacked:
+            since = human_duration(now - sync.last_updated) if sync.last_updated is not None else ""
+            errors.append([row.proxy_id, short_type(sync.type_url), since, " ".join(str(sync.error).split())])
+        text += "\n" + tabulate(errors)
+    return text
+
+
+def as_json(responses: Mapping[str, discovery_pb2.DiscoveryResponse]) -> str:
+    """istioctl's ``-o json``: each response as protobuf JSON, by control-plane ID."""
+    if not responses:
+        return "{\n\n}\n"
+    data = {key: json_format.MessageToDict(responses[key]) for key in sorted(responses)}
+    return json.dumps(data, indent=4) + "\n"
+
+
+def as_yaml(responses: Mapping[str, discovery_pb2.DiscoveryResponse]) -> str:
+    import yaml
+
+    # Through JSON: protobuf's dicts hold OrderedDicts (Any resources) that YAML's safe dumper refuses.
+    data = json.loads(
+        json.dumps({key: json_format.MessageToDict(responses[key]) for key in sorted(responses)})
+    )
+    return str(yaml.safe_dump(data, sort_keys=True))
+
+
+def only(
+    responses: Mapping[str, discovery_pb2.DiscoveryResponse], keep: Iterable[ProxySync]
+) -> dict[str, discovery_pb2.DiscoveryResponse]:
+    """The responses with only the ClientConfigs of ``keep`` (``-n`` and a proxy name filter JSON too)."""
+    wanted = {row.proxy_id for row in keep}
+    filtered = {}
+    for key, response in responses.items():
+        copy = discovery_pb2.DiscoveryResponse()
+        copy.CopyFrom(response)
+        del copy.resources[:]
+        for resource in response.resources:
+            config = csds_pb2.ClientConfig()
+            if (
+                resource.type_url == CLIENT_CONFIG_TYPE
+                and resource.Unpack(config)
+                and config.node.id in wanted
+            ):
+                copy.resources.append(resource)
+        filtered[key] = copy
+    return filtered
+
+
+# -- asking ----------------------------------------------------------------------------------------
+
+
+def debug_node(namespace: str, service_account: str) -> base_pb2.Node:
+    """Who asks: istioctl's node metadata (GENERATOR event, its namespace and service account)."""
+    node = base_pb2.Node(id=f"istioctl~0.0.0.0~agentctl.{namespace}~{namespace}.svc.cluster.local")
+    node.metadata["GENERATOR"] = "event"
+    node.metadata["NAMESPACE"] = namespace
+    node.metadata["SERVICE_ACCOUNT"] = service_account
+    return node
+
+
+async def ask_syncz(
+    channel: grpc.aio.Channel, node: base_pb2.Node, metadata: Sequence[tuple[str, str]], timeout: float
+) -> discovery_pb2.DiscoveryResponse:
+    """One syncz question on a new ADS stream; the first response of its type is the answer."""
+    method = channel.stream_stream(
+        f"/{ADS_SERVICE}/{SOTW.method}",
+        request_serializer=discovery_pb2.DiscoveryRequest.SerializeToString,
+        response_deserializer=discovery_pb2.DiscoveryResponse.FromString,
+    )
+    call = method(metadata=list(metadata))
+    try:
+        async with asyncio.timeout(timeout):
+            await call.write(discovery_pb2.DiscoveryRequest(type_url=SYNCZ_TYPE, node=node))
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    raise ProxyStatusError("the stream ended without an answer")
+                if response.type_url == SYNCZ_TYPE:
+                    return response
+    except TimeoutError:
+        raise ProxyStatusError(f"no answer within {timeout:g}s") from None
+    except grpc.aio.AioRpcError as err:
+        raise ProxyStatusError(f"{err.code().name}: {err.details()}") from None
+    finally:
+        call.cancel()
+
+
+@dataclass(frozen=True)
+class ControlPlaneTarget:
+    address: str
+    plaintext: bool = False
+    root_cert: Path | None = None
+    server_name: str = ""
+    token_path: Path | None = None
+
+
+async def from_control_plane(
+    target: ControlPlaneTarget, node: base_pb2.Node, timeout: float
+) -> dict[str, discovery_pb2.DiscoveryResponse]:
+    """syncz from one control plane, dialled as the agent dials istiod (``istiod/dial.py``)."""
+    endpoint = IstiodEndpoint(
+        purpose="XDS",
+        address=target.address,
+        plaintext=target.plaintext,
+        root_cert=target.root_cert,
+        server_name=target.server_name,
+    )
+    tokens = FileTokenSource(target.token_path) if target.token_path is not None else None
+    credentials = IstiodCredentials(endpoint, tokens)
+    try:
+        material = credentials.material()
+    except CredentialError as err:
+        raise ProxyStatusError(str(err)) from None
+    if target.token_path is not None and not target.token_path.is_file():
+        raise ProxyStatusError(f"token file {target.token_path} does not exist")
+    channel = credentials.dial(material)
+    try:
+        response = await ask_syncz(channel, node, credentials.metadata(), timeout)
+    except ProxyStatusError as err:
+        raise ProxyStatusError(f"control plane {target.address}: {err}") from None
+    finally:
+        await channel.close()
+    return {control_plane_info(response)[0]: response}
+
+
+@dataclass(frozen=True)
+class Agent:
+    """An agent's debug tap; ``name`` (``<pod>.<ns>``) only words the messages."""
+
+    address: str
+    name: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> Agent:
+        """``HOST:PORT`` or ``NAME=HOST:PORT``."""
+        name, _, address = text.strip().rpartition("=")
+        host, colon, port = address.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"agent address {text!r} is not HOST:PORT or NAME=HOST:PORT")
+        return cls(address, name)
+
+    def skipped(self, error: object) -> str:
+        """istioctl's message for an agent that failed."""
+        where = f"in Pod {self.name}" if self.name else f"at {self.address}"
+        return f"Skip the agent {where} due to the error: {error}"
+
+
+def read_agents(path: Path) -> list[Agent]:
+    """One agent a line (``#`` comments and blank lines skipped); ValueError names the line."""
+    agents = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        text = line.split("#", 1)[0].strip()
+        if text:
+            try:
+                agents.append(Agent.parse(text))
+            except ValueError as err:
+                raise ValueError(f"{path}:{number}: {err}") from None
+    return agents
+
+
+@dataclass
+class ViaAgents:
+    responses: dict[str, discovery_pb2.DiscoveryResponse]
+    failures: list[str]
+    """istioctl's "Skip the agent ..." line for each agent that failed."""
+    limited: bool
+    """More agents were given than the limit allowed asking."""
+
+
+def limit_message(limit: int) -> str:
+    return (
+        "Some proxies may be missing from the list because the number of visited pod hits the limit "
+        f"{limit}, which can be set by `--xds-via-agents-limit` flag."
+    )
+
+
+AskAgent = Callable[[Agent], Awaitable[discovery_pb2.DiscoveryResponse]]
+
+
+async def via_agents(
+    agents: Sequence[Agent],
+    node: base_pb2.Node,
+    *,
+    limit: int = DEFAULT_AGENT_LIMIT,
+    timeout: float = DEFAULT_AGENT_TIMEOUT,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    ask: AskAgent | None = None,
+) -> ViaAgents:
+    """syncz through each agent's tap (plaintext, as istioctl), at most ``concurrency`` at a time.
+
+    Answers with the same control-plane ID are merged (the first answer for a proxy ID wins), so
+    many agents of one control plane give one list, as istioctl's visited set does."""
+    chosen = list(agents) if limit == 0 else list(agents)[:limit]
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def plaintext(agent: Agent) -> discovery_pb2.DiscoveryResponse:
+        async with grpc.aio.insecure_channel(agent.address) as channel:
+            return await ask_syncz(channel, node, (), timeout)
+
+    asker = ask or plaintext
+
+    async def one(agent: Agent) -> discovery_pb2.DiscoveryResponse | str:
+        async with gate:
+            try:
+                async with asyncio.timeout(timeout):
+                    return await asker(agent)
+            except TimeoutError:
+                return agent.skipped(f"no answer within {timeout:g}s")
+            except ProxyStatusError as err:
+                return agent.skipped(err)
+
+    results = await asyncio.gather(*(one(agent) for agent in chosen))
+    merged: dict[str, discovery_pb2.DiscoveryResponse] = {}
+    seen: set[str] = set()
+    failures = []
+    for result in results:
+        if isinstance(result, str):
+            failures.append(result)
+            continue
+        key = control_plane_info(result)[0]
+        target = merged.setdefault(key, _empty_like(result))
+        for resource in result.resources:
+            config = csds_pb2.ClientConfig()
+            if resource.type_url == CLIENT_CONFIG_TYPE and resource.Unpack(config):
+                if config.node.id in seen:
+                    continue
+                seen.add(config.node.id)
+            target.resources.append(resource)
+    return ViaAgents(merged, failures, limited=0 < limit < len(agents))
+
+
+def _empty_like(response: discovery_pb2.DiscoveryResponse) -> discovery_pb2.DiscoveryResponse:
+    copy = discovery_pb2.DiscoveryResponse()
+    copy.CopyFrom(response)
+    del copy.resources[:]
+    return copy
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class View:
+    """How to show the answer: which proxies (a name, a namespace) and in which format."""
+
+    proxy: str | None = None
+    namespace: str | None = None
+    verbose: bool = False
+    output: str = "short"
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``agentctl proxy-status`` was asked (see cli/agentctl.py for the flags)."""
+
+    target: ControlPlaneTarget | None
+    agents: Sequence[Agent]
+    view: View
+    limit: int = DEFAULT_AGENT_LIMIT
+    timeout: float = DEFAULT_AGENT_TIMEOUT
+    concurrency: int = DEFAULT_CONCURRENCY
+    identity: tuple[str, str] = ("istio-system", "default")
+    """The asker's namespace and service account (istioctl's: ``default`` in the istio namespace)."""
+
+
+@dataclass
+class Report:
+    stdout: str
+    stderr: list[str]
+
+
+async def run(options: Options, clock: Callable[[], float] = time.time) -> Report:
+    """Ask, then render; raises ProxyStatusError when nothing could be asked at all."""
+    node = debug_node(*options.identity)
+    view = options.view
+    stderr: list[str] = []
+    if options.target is not None:
+        responses = await from_control_plane(options.target, node, options.timeout)
+    else:
+        agents = list(options.agents)
+        if view.proxy and any(agent.name == view.proxy for agent in agents):
+            agents = [agent for agent in agents if agent.name == view.proxy]  # istioctl: that pod's agent
+        result = await via_agents(
+            agents,
+            node,
+            limit=options.limit,
+            timeout=options.timeout,
+            concurrency=options.concurrency,
+        )
+        responses, stderr = result.responses, list(result.failures)
+        if result.limited:
+            stderr.append(limit_message(options.limit))
+    rows = select(proxies(responses), view.namespace, view.proxy)
+    chosen = only(responses, rows) if view.namespace or view.proxy else responses
+    if view.output == "json":
+        return Report(as_json(chosen), stderr)
+    if view.output == "yaml":
+        return Report(as_yaml(chosen), stderr)
+    return Report(table(rows, verbose=view.verbose, now=clock()), stderr)

@@ -1,0 +1,215 @@
+"""``agentctl proxy-status``'s rendering against istioctl's format, and asking agents concurrently."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import yaml
+from envoy.config.core.v3.base_pb2 import ControlPlane
+from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.status.v3 import csds_pb2
+from google.protobuf import any_pb2
+
+from istio_agent.ctl import proxystatus as ps
+
+CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
+EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+RDS = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+NDS = "type.googleapis.com/istio.networking.nds.v1.NameTable"
+NOW = 1_800_000_000.0
+S = csds_pb2.ConfigStatus
+
+
+def client_config(
+    proxy_id: str,
+    types: dict[str, tuple[int, float | None, str | None]],
+    *,
+    cluster: str = "Kubernetes",
+    version: str = "1.31.0",
+) -> any_pb2.Any:
+    config = csds_pb2.ClientConfig()
+    config.node.id = proxy_id
+    config.node.metadata["CLUSTER_ID"] = cluster
+    config.node.metadata["NAMESPACE"] = proxy_id.rpartition(".")[2]
+    config.node.metadata["ISTIO_VERSION"] = version
+    for type_url, (status, age, error) in sorted(types.items()):
+        entry = config.generic_xds_configs.add(type_url=type_url, config_status=status)
+        if age is not None:
+            entry.last_updated.FromNanoseconds(int((NOW - age) * 1e9))
+        if error is not None:
+            entry.error_state.details = error
+    packed = any_pb2.Any()
+    packed.Pack(config)
+    return packed
+
+
+def syncz(istiod: str, *configs: any_pb2.Any) -> discovery_pb2.DiscoveryResponse:
+    identifier = json.dumps({"Component": "istiod", "ID": istiod, "Info": {"version": "1.31.0"}})
+    return discovery_pb2.DiscoveryResponse(
+        type_url=ps.SYNCZ_TYPE, resources=list(configs), control_plane=ControlPlane(identifier=identifier)
+    )
+
+
+def sample() -> dict[str, discovery_pb2.DiscoveryResponse]:
+    core = {CDS: (S.SYNCED, 40.0, None), LDS: (S.SYNCED, 40.0, None), EDS: (S.SYNCED, 3.0, None)}
+    return {
+        "istiod-1": syncz(
+            "istiod-1",
+            client_config(
+                "web-1.default", {**core, RDS: (S.SYNCED, 40.0, None), NDS: (S.SYNCED, 40.0, None)}
+            ),
+            client_config(
+                "bookinfo-gateway-istio-cf89b9c8f-f5p77.istio-system",
+                {**core, LDS: (S.STALE, 200.0, "listener 0.0.0.0_80: duplicate")},
+                version="1.22.3",
+            ),
+            client_config("db-0.data", {CDS: (S.NOT_SENT, None, None), RDS: (S.UNKNOWN, None, None)}),
+        )
+    }
+
+
+ISTIOCTL_TABLE = """\
+NAME                                                  CLUSTER        ISTIOD                      VERSION     SUBSCRIBED TYPES
+bookinfo-gateway-istio-cf89b9c8f-f5p77.default        Kubernetes     istiod-7d4f74889d-mb5dh     1.27.1      4 (CDS,LDS,EDS,RDS)
+details-v1-55cddc9798-2mdwz.bookinfo                  Kubernetes     istiod-7d4f74889d-mb5dh     1.27.1      4 (CDS,LDS,EDS,RDS)
+details-v1-684d4f87d4-89q6q.default                   Kubernetes     istiod-7d4f74889d-mb5dh     1.22.3      4 (CDS,LDS,EDS,RDS)
+istio-ingressgateway-b6cd68585-8mnj7.istio-system     Kubernetes     istiod-7d4f74889d-mb5dh     1.27.1      4 (CDS,LDS,EDS,RDS)
+"""  # noqa: E501
+"""What istioctl 1.27 prints for such a mesh (Go's tabwriter: padding 5, the last column unpadded)."""
+
+
+def test_table_is_istioctls() -> None:
+    synced = (S.SYNCED, 40.0, None)
+    every = {CDS: synced, LDS: synced, EDS: synced, RDS: synced}
+    pods = [
+        ("istio-ingressgateway-b6cd68585-8mnj7.istio-system", "1.27.1"),
+        ("details-v1-684d4f87d4-89q6q.default", "1.22.3"),
+        ("bookinfo-gateway-istio-cf89b9c8f-f5p77.default", "1.27.1"),
+        ("details-v1-55cddc9798-2mdwz.bookinfo", "1.27.1"),
+    ]
+    response = syncz("istiod-7d4f74889d-mb5dh", *(client_config(p, every, version=v) for p, v in pods))
+    assert ps.table(ps.proxies({"istiod": response}), verbose=False, now=NOW) == ISTIOCTL_TABLE
+    counted = ps.table(ps.proxies(sample()), verbose=False, now=NOW).splitlines()
+    assert [line.split()[0] for line in counted[1:]] == [
+        "bookinfo-gateway-istio-cf89b9c8f-f5p77.istio-system",
+        "db-0.data",
+        "web-1.default",
+    ]
+    assert counted[1].endswith("     1.22.3      3 (CDS,LDS,EDS)")
+    assert counted[2].endswith("     1 (CDS)")  # UNKNOWN (IGNORED) types are not counted
+    assert counted[3].endswith("     5 (CDS,LDS,EDS,RDS,NDS)")  # core types first, then the rest
+
+
+def test_verbose_table_has_a_column_per_type_with_ages_and_lists_nacks() -> None:
+    rows = ps.select(ps.proxies(sample()), None, "web-1") + ps.select(
+        ps.proxies(sample()), "istio-system", None
+    )
+    text = ps.table(rows, verbose=True, now=NOW)
+    lines = text.splitlines()
+    head = lines[0].split()
+    assert head[:3] == ["NAME", "CLUSTER", "CDS"] and head[-2:] == ["ISTIOD", "VERSION"]
+    assert head[2:-2] == ["CDS", "ECDS", "EDS", "LDS", "RDS", "NDS"]  # istioctl's five and NDS, by type URL
+    assert lines[1].startswith("web-1.default ")
+    assert "SYNCED (40s)" in lines[1] and "SYNCED (3s)" in lines[1] and "IGNORED" in lines[1]
+    assert "STALE (3m20s)" in lines[2]
+    assert lines[3] == ""
+    assert lines[4].split() == ["NACKED", "TYPE", "SINCE", "ERROR"]
+    assert lines[5].split(maxsplit=3) == [
+        "bookinfo-gateway-istio-cf89b9c8f-f5p77.istio-system",
+        "LDS",
+        "3m20s",
+        "listener 0.0.0.0_80: duplicate",
+    ]
+    never = ps.table(ps.select(ps.proxies(sample()), "data", None), verbose=True, now=NOW).splitlines()
+    assert "NOT SENT" in never[1] and "NACKED" not in "".join(never)
+
+
+def test_empty_result_prints_only_the_header_and_json_istioctls_empty_object() -> None:
+    assert (
+        ps.table([], verbose=False, now=NOW)
+        == "NAME     CLUSTER     ISTIOD     VERSION     SUBSCRIBED TYPES\n"
+    )
+    assert ps.as_json({}) == "{\n\n}\n"
+
+
+def test_json_and_yaml_keep_the_raw_responses_with_nack_text_for_alerting() -> None:
+    responses = sample()
+    keep = ps.select(ps.proxies(responses), "istio-system", None)
+    data = json.loads(ps.as_json(ps.only(responses, keep)))
+    (entry,) = data["istiod-1"]["resources"]
+    stale = next(c for c in entry["genericXdsConfigs"] if c["typeUrl"] == LDS)
+    assert stale["configStatus"] == "STALE" and stale["errorState"]["details"].startswith("listener")
+    assert yaml.safe_load(ps.as_yaml(responses))["istiod-1"]["typeUrl"] == ps.SYNCZ_TYPE
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0s"),
+        (119, "119s"),
+        (120, "2m"),
+        (200, "3m20s"),
+        (600, "10m"),
+        (3 * 3600, "3h"),
+        (3 * 3600 + 60, "3h1m"),
+        (8 * 3600, "8h"),
+        (48 * 3600, "2d"),
+        (50 * 3600, "2d2h"),
+        (400 * 86400, "400d"),
+        (-5, "<invalid>"),
+    ],
+)
+def test_ages_are_kubectls(seconds: float, text: str) -> None:
+    assert ps.human_duration(seconds) == text
+
+
+def test_control_plane_id_missing_or_invalid() -> None:
+    assert ps.control_plane_info(discovery_pb2.DiscoveryResponse()) == ("MISSING", "")
+    bad = discovery_pb2.DiscoveryResponse(control_plane=ControlPlane(identifier="{not json"))
+    assert ps.control_plane_info(bad) == ("INVALID", "")
+
+
+def test_agent_addresses() -> None:
+    assert ps.Agent.parse("web-1.default=127.0.0.1:15004") == ps.Agent("127.0.0.1:15004", "web-1.default")
+    assert ps.Agent.parse("[::1]:15004") == ps.Agent("[::1]:15004")
+    for bad in ("127.0.0.1", "host:0", "host:x", ":15004"):
+        with pytest.raises(ValueError, match="not HOST:PORT"):
+            ps.Agent.parse(bad)
+
+
+async def test_agents_asked_concurrently_failures_skipped_and_the_limit_said() -> None:
+    agents = [ps.Agent(f"127.0.0.1:{1000 + i}", f"p{i}.default") for i in range(6)]
+    running = 0
+    most = 0
+
+    async def ask(agent: ps.Agent) -> discovery_pb2.DiscoveryResponse:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            await asyncio.sleep(0.05)
+            if agent.name == "p1.default":
+                raise ps.ProxyStatusError("UNAVAILABLE: proxy not connected to Istiod")
+            if agent.name == "p2.default":
+                await asyncio.sleep(5)  # never answers in time
+            # Every agent of one control plane sees every proxy: the list is merged, not repeated.
+            return syncz("istiod-1", *(client_config(a.name, {CDS: (S.SYNCED, 1.0, None)}) for a in agents))
+        finally:
+            running -= 1
+
+    node = ps.debug_node("istio-system", "default")
+    result = await ps.via_agents(agents, node, limit=5, timeout=0.5, concurrency=2, ask=ask)
+    assert most == 2
+    assert result.failures == [
+        "Skip the agent in Pod p1.default due to the error: UNAVAILABLE: proxy not connected to Istiod",
+        "Skip the agent in Pod p2.default due to the error: no answer within 0.5s",
+    ]
+    assert result.limited and "hits the limit 5" in ps.limit_message(5)
+    assert [row.proxy_id for row in ps.proxies(result.responses)] == sorted(a.name for a in agents)
+    assert len(result.responses["istiod-1"].resources) == 6
+
+    unlimited = await ps.via_agents(agents[:1], node, limit=0, ask=ask)
+    assert not unlimited.limited and not unlimited.failures

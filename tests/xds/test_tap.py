@@ -1,0 +1,198 @@
+"""The debug tap on a real port: gRPC and HTTP questions relayed on Envoy's own upstream stream.
+
+Between a real gRPC client (Envoy) on the xDS proxy's socket and a scriptable fake istiod on
+loopback: what istiod receives, what the asker gets back, and the clear errors when there is no
+stream to istiod, istiod stays silent, or the type is not a debug type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.core.v3.base_pb2 import ControlPlane
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from envoy.service.status.v3 import csds_pb2
+from google.protobuf import any_pb2
+
+from istio_agent.http.client import fetch as http_request
+from istio_agent.xds import XdsProxy
+from istio_agent.xds.tap import DebugTap, TapStartError
+from tests.xds import CDS, EnvoyStream, FakeIstiod, FakeUpstreamStream, running
+from tests.xds.test_proxy import settings_for
+
+SYNCZ = "istio.io/debug/syncz"
+FLAVOURS = pytest.mark.parametrize("delta", [False, True], ids=["sotw", "delta"])
+
+
+def syncz_answer(request: Any, *, delta: bool) -> Any:
+    config = csds_pb2.ClientConfig()
+    config.node.id = "app-1.default"
+    packed = any_pb2.Any()
+    packed.Pack(config)
+    control_plane = ControlPlane(identifier='{"Component":"istiod","ID":"istiod-1"}')
+    if delta:
+        return discovery_pb2.DeltaDiscoveryResponse(
+            type_url=request.type_url,
+            nonce="d1",
+            system_version_info="v3",
+            resources=[discovery_pb2.Resource(resource=packed)],
+            control_plane=control_plane,
+        )
+    return discovery_pb2.DiscoveryResponse(
+        type_url=request.type_url,
+        nonce="d1",
+        version_info="v3",
+        resources=[packed],
+        control_plane=control_plane,
+    )
+
+
+@pytest.fixture
+async def istiod() -> AsyncIterator[FakeIstiod]:
+    fake = await FakeIstiod().start()
+    yield fake
+    await fake.stop()
+
+
+@pytest.fixture
+async def tapped(short_tmp: Path, istiod: FakeIstiod) -> AsyncIterator[tuple[XdsProxy, DebugTap, Any]]:
+    """A proxy with a tap on an ephemeral localhost port, and Envoy's channel to the proxy."""
+    async with running(settings_for(short_tmp, istiod.address)) as (proxy, channel):
+        tap = DebugTap(proxy, 0, host="127.0.0.1", grpc_timeout=1.0, http_timeout=1.0)
+        await tap.start()
+        try:
+            yield proxy, tap, channel
+        finally:
+            await tap.stop()
+
+
+async def envoy_connected(
+    channel: grpc.aio.Channel, istiod: FakeIstiod, *, delta: bool
+) -> FakeUpstreamStream:
+    envoy = EnvoyStream(channel, delta=delta)
+    await envoy.send(CDS)
+    upstream = await istiod.next_stream()
+    await upstream.recv()
+    return upstream
+
+
+async def ask_grpc(port: int, type_url: str, names: list[str] | None = None) -> Any:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
+        await call.write(discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=names or []))
+        try:
+            return await asyncio.wait_for(call.read(), 5)
+        finally:
+            call.cancel()
+
+
+@FLAVOURS
+async def test_grpc_question_goes_up_envoys_stream_and_istiods_answer_comes_back(
+    tapped: Any, istiod: FakeIstiod, delta: bool
+) -> None:
+    _, tap, channel = tapped
+    upstream = await envoy_connected(channel, istiod, delta=delta)
+    asking = asyncio.create_task(ask_grpc(tap.port, SYNCZ))
+    question = await upstream.recv()
+    assert question.type_url == SYNCZ and not question.HasField("node")  # on the workload's stream
+    await upstream.send(syncz_answer(question, delta=delta))
+    answer = await asking
+    assert answer.type_url == SYNCZ and answer.version_info == "v3"
+    assert json.loads(answer.control_plane.identifier)["ID"] == "istiod-1"  # who answered is kept
+    config = csds_pb2.ClientConfig()
+    answer.resources[0].Unpack(config)
+    assert config.node.id == "app-1.default"
+    await upstream.expect_silence()  # the debug answer is not ACKed, as in Istio
+
+
+async def test_http_get_debug_path_answers_protobuf_json(tapped: Any, istiod: FakeIstiod) -> None:
+    _, tap, channel = tapped
+    upstream = await envoy_connected(channel, istiod, delta=False)
+    asking = asyncio.create_task(
+        http_request("GET", f"http://127.0.0.1:{tap.port}/debug/config_dump?resourceName=app-1.default")
+    )
+    question = await upstream.recv()
+    assert question.type_url == "istio.io/debug/config_dump"
+    assert list(question.resource_names) == ["app-1.default"]
+    await upstream.send(syncz_answer(question, delta=False))
+    reply = await asking
+    assert reply.status == 200 and reply.headers.get("content-type") == "application/json"
+    body = json.loads(reply.body)
+    assert body["typeUrl"] == "istio.io/debug/config_dump"
+    assert body["resources"][0]["node"]["id"] == "app-1.default"  # rendered, not base64
+
+
+async def test_no_stream_to_istiod_is_a_clear_error(tapped: Any) -> None:
+    _, tap, _ = tapped
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await ask_grpc(tap.port, SYNCZ)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert failed.value.details() == "proxy not connected to Istiod"
+    reply = await http_request("GET", f"http://127.0.0.1:{tap.port}/debug/syncz")
+    assert reply.status == 503 and b"proxy not connected to Istiod" in reply.body
+
+
+async def test_istiod_that_never_answers_gives_a_timeout_error_not_a_hang(
+    tapped: Any, istiod: FakeIstiod
+) -> None:
+    _, tap, channel = tapped
+    upstream = await envoy_connected(channel, istiod, delta=False)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await ask_grpc(tap.port, "istio.io/debug/nonsense")
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert failed.value.details() == "istiod did not answer istio.io/debug/nonsense within 1s"
+    assert asyncio.get_running_loop().time() - started < 3
+    assert (await upstream.recv()).type_url == "istio.io/debug/nonsense"
+
+    reply = await http_request("GET", f"http://127.0.0.1:{tap.port}/debug/nonsense")
+    assert reply.status == 504 and b"did not answer istio.io/debug/nonsense within 1s" in reply.body
+
+    # A late answer is dropped; the next question gets its own.
+    await upstream.send(syncz_answer(await upstream.recv(), delta=False))
+    asking = asyncio.create_task(ask_grpc(tap.port, SYNCZ))
+    question = await upstream.recv()
+    await upstream.send(syncz_answer(question, delta=False))
+    assert (await asking).type_url == SYNCZ
+
+
+async def test_not_a_debug_type_and_bad_http_requests_are_refused(tapped: Any) -> None:
+    _, tap, _ = tapped
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await ask_grpc(tap.port, CDS)
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "answers only istio.io/debug/* types" in (failed.value.details() or "")
+    base = f"http://127.0.0.1:{tap.port}"
+    assert (await http_request("GET", f"{base}/stats")).status == 404
+    assert (await http_request("POST", f"{base}/debug/syncz")).status == 405
+    assert (await http_request("GET", f"{base}/debug/syncz?a=%zz&&b")).status == 400
+
+
+async def test_port_in_use_is_a_clear_start_error(tapped: Any) -> None:
+    proxy, tap, _ = tapped
+    second = DebugTap(proxy, tap.port, host="127.0.0.1")
+    with pytest.raises(TapStartError, match=f"failed to start istio tap server on 127.0.0.1:{tap.port}"):
+        await second.start()
+
+
+async def test_stop_with_idle_connections_open_logs_no_error(
+    short_tmp: Path, istiod: FakeIstiod, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with running(settings_for(short_tmp, istiod.address)) as (proxy, _):
+        tap = DebugTap(proxy, 0, host="127.0.0.1")
+        await tap.start()
+        _, silent = await asyncio.open_connection("127.0.0.1", tap.port)  # says nothing yet
+        _, http = await asyncio.open_connection("127.0.0.1", tap.port)
+        http.write(b"GET /debug/syncz HTTP/1.1\r\n")  # an unfinished request head
+        await asyncio.sleep(0.1)
+        await tap.stop()
+        silent.close()
+        http.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
