@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.memory import Breakdown, breakdown, table
-from istio_agent.ctl.local import free_port
+from istio_agent.ctl.local import answers_200, free_port
 from istio_agent.ctl.localmesh import LocalMesh, Workload
 from istio_agent.ctl.static_mtls import direct_response_bootstrap
 from istio_agent.envoy.binary import find_envoy
@@ -46,14 +45,6 @@ READY_TIMEOUT = 60.0
 POLL = 0.005
 GOAL_EXTRA_SECONDS = 0.3
 GOAL_RSS_MB = 50.0
-
-
-def answers_200(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as answer:
-            return bool(answer.status == 200)
-    except OSError:
-        return False
 
 
 def wait_ready(process: subprocess.Popen[bytes], url: str, started: float, what: str) -> float:
