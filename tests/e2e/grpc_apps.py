@@ -71,14 +71,16 @@ if mode == "once":  # each target once, one JSON object of target -> answer
         with channel_for(target) as channel:
             results[target] = call(channel.unary_unary("/test.Echo/Whoami"), timeout)
     print(json.dumps(results))
-else:  # "loop": one channel, a call every 0.1 s until stdin closes, one JSON line per call
+else:  # "loop": one channel, a call every 0.1 s until stdin closes, one JSON line per call with the
+    # wall-clock time its answer came
     import threading
     done = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
     with channel_for(targets[0]) as channel:
         whoami = channel.unary_unary("/test.Echo/Whoami")
         while not done.is_set():
-            print(json.dumps({"at": time.time(), **call(whoami, timeout)}), flush=True)
+            answer = call(whoami, timeout)
+            print(json.dumps({"at": time.time(), **answer}), flush=True)  # when the answer came
             done.wait(0.1)
 """
 
