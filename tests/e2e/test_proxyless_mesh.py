@@ -6,12 +6,15 @@ caller. Each workload has its own directory and agent (``DISABLE_ENVOY``, ``ISTI
 server and client (separate processes) load those bootstraps, reach the control plane only through
 their agent's XDS socket, and take their mTLS certificates from the files their agent keeps fresh.
 A caller keeps calling on one channel while the certificates rotate and the control plane is killed
-and started again; a fresh caller after both gets through with the rotated certificate.
+and started again; a fresh caller after both gets through with the rotated certificate. And
+``agentctl proxy-status --xds-via-agents`` through both agents' debug taps lists both grpc nodes.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,3 +168,47 @@ def test_proxyless_calls_through_two_agents_survive_rotation_and_a_control_plane
         holding.add(serial(client))  # a rotation may have come while the caller started
         assert fresh["peer_serial"][0] != loaded
         assert fresh["peer_serial"][0] in holding, (fresh["peer_serial"], holding)
+
+
+def proxy_status(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "istio_agent.cli.agentctl", "proxy-status", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_proxy_status_through_the_proxyless_agents_taps(
+    mesh: LocalMesh, stop_later: list[subprocess.Popen[str]]
+) -> None:
+    """Each agent's debug tap asks over its workload's own connection: both grpc nodes are listed with
+    the types grpc subscribed to, synced."""
+    server, client = mesh.workload("echo-1"), mesh.workload("client-1")
+    with (mesh.base / "server.log").open("w") as server_log, (mesh.base / "caller.out").open("w") as out:
+        stop_later.append(start_server(bootstrap(server), server.ports["app"], server_log))
+        caller = start_caller(bootstrap(client), TARGET, out)
+        stop_later.append(caller)
+        try:
+            wait_until(lambda: any("error" not in c for c in calls(mesh.base / "caller.out")), 30, "a call")
+        except TimeoutError:
+            raise AssertionError(diagnostics(mesh)) from None
+        agents = [f"--agent-address={w.name}.default=127.0.0.1:{w.ports['tap']}" for w in (server, client)]
+        done = proxy_status("--xds-via-agents", *agents, "-o", "json")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # no agent skipped
+    (answer,) = json.loads(done.stdout).values()
+    synced = {
+        proxy["node"]["id"]: {
+            config["typeUrl"].rsplit(".", 1)[-1]: config["configStatus"]
+            for config in proxy["genericXdsConfigs"]
+        }
+        for proxy in answer["resources"]
+    }
+    assert synced == {
+        "client-1.default": dict.fromkeys(
+            ["Cluster", "ClusterLoadAssignment", "Listener", "RouteConfiguration"], "SYNCED"
+        ),
+        "echo-1.default": {"Listener": "SYNCED"},  # the server's inbound listener (its route is inline)
+    }
