@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from cryptography import x509
 from istio_agent.ctl.local import answers_200, free_port, wait_until
 from istio_agent.ctl.localmesh import LocalMesh, Workload
 from tests.e2e.grpc_apps import CLIENT_ID, TARGET, call_once, calls, mesh_yaml, start_caller, start_server
+from tests.e2e.test_proxy_status import agentctl as proxy_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -168,16 +168,6 @@ def test_proxyless_calls_through_two_agents_survive_rotation_and_a_control_plane
         holding.add(serial(client))  # a rotation may have come while the caller started
         assert fresh["peer_serial"][0] != loaded
         assert fresh["peer_serial"][0] in holding, (fresh["peer_serial"], holding)
-
-
-def proxy_status(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "istio_agent.cli.agentctl", "proxy-status", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def test_proxy_status_through_the_proxyless_agents_taps(
