@@ -1,6 +1,17 @@
 """Proxyless and operator-tool benchmarks.
 
-    python -m bench.proxyless [--agents 50] [--runs 10]
+    python -m bench.proxyless [--agents 50] [--runs 10] [--first-call-runs 10] [--settle 2]
+
+``first_call``: the grpc-agent template's timeline. The local control plane (``agentctl
+controlplane``, its own process) serves a grpc service backed by a proxyless grpcio xDS server that
+already runs next to its own agent. Each run spawns a fresh ``pilot-agent proxy sidecar`` with the
+template's env (``DISABLE_ENVOY``, ``ISTIO_META_GENERATOR=grpc``, ``OUTPUT_CERTS``) in a fresh
+workload directory, waits for its ``/healthz/ready`` (the template's postStart hook holds the app
+back until then), then spawns the app: a grpcio client on the agent's bootstrap dialing
+``xds:///<service>:<port>`` with ``xds_channel_credentials``. Measured: spawn of the agent to the
+app's first successful mTLS call (p50 over the runs), split into agent ready and app first call.
+Then, ``--settle`` seconds later, the idle agent's VmRSS (no Envoy, no SDS server) and where it
+goes by mapping (``bench.memory``). Goal: idle RSS <= 45 MB.
 
 ``proxy_status_via_agents``: ``agentctl proxy-status --xds-via-agents`` across N agents, each asked
 concurrently through its debug tap. Every agent here is the real xDS proxy and debug tap
@@ -16,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from istio_agent.cli.runtime import prepare_process
@@ -30,13 +44,21 @@ import grpc  # noqa: E402
 from envoy.config.core.v3.base_pb2 import Node  # noqa: E402
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2  # noqa: E402
 
+from bench.memory import Breakdown, breakdown  # noqa: E402
+from bench.startup import pct, proc_status_kb, report_idle_memory  # noqa: E402
 from istio_agent.config import XdsSettings  # noqa: E402
 from istio_agent.controlplane.server import ControlPlane  # noqa: E402
 from istio_agent.controlplane.xdsgen import CLUSTER_TYPE  # noqa: E402
 from istio_agent.ctl import proxystatus as ps  # noqa: E402
+from istio_agent.ctl.local import answers_200, free_port, wait_until  # noqa: E402
+from istio_agent.ctl.localmesh import LocalMesh, Workload  # noqa: E402
 from istio_agent.metrics import Registry  # noqa: E402
 from istio_agent.xds import XdsProxy  # noqa: E402
 from istio_agent.xds.tap import DebugTap  # noqa: E402
+from tests.e2e.grpc_apps import TARGET, calls, mesh_yaml, start_caller, start_server  # noqa: E402
+
+GOAL_RSS_MB = 45.0
+FIRST_CALL_TIMEOUT = 60.0
 
 
 async def _agent(
@@ -105,11 +127,115 @@ async def proxy_status_via_agents(count: int = 50, runs: int = 10) -> dict[str, 
         return {"p50": statistics.median(times), "max": max(times)}
 
 
+def proxyless_env(workload: Workload) -> dict[str, str]:
+    """The grpc-agent template's agent env (on top of the sidecar env ``LocalMesh`` sets)."""
+    return {
+        "ISTIO_META_GENERATOR": "grpc",
+        "DISABLE_ENVOY": "true",
+        "OUTPUT_CERTS": str(workload.workdir / "var/lib/istio/data"),
+        "ISTIO_META_DNS_CAPTURE": "false",
+    }
+
+
+def bootstrap(workload: Workload) -> Path:
+    return workload.workdir / "etc/istio/proxy/grpc-bootstrap.json"
+
+
+def ready_url(workload: Workload) -> str:
+    return f"http://127.0.0.1:{workload.ports['status']}/healthz/ready"
+
+
+@dataclass
+class FirstCall:
+    ready: float  # seconds from spawning the agent to its /healthz/ready answering 200
+    first_call: float  # seconds from spawning the agent to the app's first successful call
+    rss_kb: int
+    hwm_kb: int
+    memory: Breakdown
+
+
+def _first_call_run(mesh: LocalMesh, run: int, settle: float) -> FirstCall:
+    client = Workload("client-1", mesh.base / f"client-{run}", service_account="client")
+    name = f"pilot-agent {client.name}"
+    spawned_wall, started = time.time(), time.perf_counter()
+    mesh.start_agent(client, **proxyless_env(client))
+    process = mesh.processes.children[name]
+    output = client.workdir / "caller.out"
+    try:
+        wait_until(lambda: mesh.processes.alive(name) and answers_200(ready_url(client)), 30, "the agent")
+        ready = time.perf_counter() - started
+        with output.open("w") as out:
+            caller = start_caller(bootstrap(client), TARGET, out, timeout=FIRST_CALL_TIMEOUT)
+        try:
+            wait_until(lambda: any("error" not in c for c in calls(output)), FIRST_CALL_TIMEOUT, "a call")
+        finally:
+            assert caller.stdin is not None
+            caller.stdin.close()
+            caller.wait(10)
+        answers = calls(output)
+        if "error" in answers[0]:
+            raise RuntimeError(f"the first call failed: {answers[0]}")
+        first_call = answers[0]["at"] - spawned_wall
+        time.sleep(settle)  # idle means "nothing happening": there is nothing to await
+        rss, hwm = proc_status_kb(process.pid, "VmRSS"), proc_status_kb(process.pid, "VmHWM")
+        memory = breakdown(process.pid)
+    finally:
+        mesh.processes.stop(name)
+    return FirstCall(ready, first_call, rss, hwm, memory)
+
+
+def first_call(runs: int = 10, settle: float = 2.0) -> list[FirstCall]:
+    """``runs`` fresh proxyless agents, each to its app's first successful xDS mTLS call (after a warm-up)."""
+    base = Path(tempfile.mkdtemp(prefix="bench-pl-", dir="/tmp"))
+    server = Workload("echo-1", base / "echo", service_account="echo")
+    server.ports["app"] = free_port()
+    mesh = LocalMesh(base, [], [server])
+    mesh.mesh_file.write_text(mesh_yaml(server.ports["app"]))
+    grpc_server: subprocess.Popen[str] | None = None
+    try:
+        mesh.start_controlplane()
+        mesh.start_agent(server, **proxyless_env(server))
+        wait_until(
+            lambda: mesh.processes.alive() and answers_200(ready_url(server)), 30, "the server's agent"
+        )
+        with (base / "server.log").open("w") as log:
+            grpc_server = start_server(bootstrap(server), server.ports["app"], log)
+        _first_call_run(mesh, -1, 0)  # warm-up: the server gets its listener; page cache
+        return [_first_call_run(mesh, run, settle) for run in range(runs)]
+    finally:
+        if grpc_server is not None:
+            grpc_server.terminate()
+            grpc_server.wait(10)
+        mesh.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def report_first_call(results: list[FirstCall]) -> None:
+    print(f"Proxyless agent: start to the app's first xDS mTLS call ({len(results)} runs, ms)\n")
+    print(f"| {'measurement':<66} | {'p50':>6} | {'max':>6} | {'min':>6} |")
+    print(f"|{'-' * 68}|{'-' * 8}|{'-' * 8}|{'-' * 8}|")
+    ready = [r.ready * 1000 for r in results]
+    first = [r.first_call * 1000 for r in results]
+    app = [(r.first_call - r.ready) * 1000 for r in results]
+    for label, ms in (
+        ("spawn agent -> app's first successful call", first),
+        ("  of which: spawn agent -> /healthz/ready 200", ready),
+        ("  of which: app spawned -> first call answered", app),
+    ):
+        print(f"| {label:<66} | {pct(ms, 0.5):6.0f} | {max(ms):6.0f} | {min(ms):6.0f} |")
+    print()
+    report_idle_memory("Idle agent without Envoy (MB)", results, GOAL_RSS_MB, "first call")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=50)
-    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=10, help="proxy-status runs")
+    parser.add_argument("--first-call-runs", type=int, default=10, help="fresh agents to a first call")
+    parser.add_argument("--settle", type=float, default=2.0, help="seconds after the first call before RSS")
     args = parser.parse_args()
+    report_first_call(first_call(args.first_call_runs, args.settle))
+    print()
     figures = asyncio.run(proxy_status_via_agents(args.agents, args.runs))
     print(
         f"proxy-status via {args.agents} agents (concurrent, one process): "

@@ -29,15 +29,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Protocol
 
 from bench.memory import Breakdown, breakdown, table
-from istio_agent.ctl.local import free_port
+from istio_agent.ctl.local import answers_200, free_port
 from istio_agent.ctl.localmesh import LocalMesh, Workload
 from istio_agent.ctl.static_mtls import direct_response_bootstrap
 from istio_agent.envoy.binary import find_envoy
@@ -46,14 +46,6 @@ READY_TIMEOUT = 60.0
 POLL = 0.005
 GOAL_EXTRA_SECONDS = 0.3
 GOAL_RSS_MB = 50.0
-
-
-def answers_200(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as answer:
-            return bool(answer.status == 200)
-    except OSError:
-        return False
 
 
 def wait_ready(process: subprocess.Popen[bytes], url: str, started: float, what: str) -> float:
@@ -197,23 +189,34 @@ def report(runs: int, envoy: list[float], agent: list[AgentRun], imports: list[f
     verdict = "met" if diff50 <= GOAL_EXTRA_SECONDS * 1000 else "NOT met"
     print(f"\nGoal: difference <= {GOAL_EXTRA_SECONDS * 1000:.0f} ms at p50: {verdict}.\n")
 
-    print("pilot-agent process memory, Envoy excluded (MB)\n")
+    report_idle_memory("pilot-agent process memory, Envoy excluded (MB)", agent, GOAL_RSS_MB, "ready")
+
+
+class IdleMemory(Protocol):
+    rss_kb: int
+    hwm_kb: int
+    memory: Breakdown
+
+
+def report_idle_memory(title: str, runs: Sequence[IdleMemory], goal_mb: float, after: str) -> None:
+    """The idle agent's memory over the runs, the goal's verdict and the median run's breakdown."""
+    print(f"{title}\n")
     print(f"| {'measurement':<66} | {'p50':>6} | {'max':>6} | {'min':>6} |")
     print(f"|{'-' * 68}|{'-' * 8}|{'-' * 8}|{'-' * 8}|")
-    rss = [r.rss_kb / 1024 for r in agent]
-    hwm = [r.hwm_kb / 1024 for r in agent]
-    pss = [r.memory.total.pss_kb / 1024 for r in agent]
-    anon = [r.memory.total.anon_kb / 1024 for r in agent]
+    rss = [r.rss_kb / 1024 for r in runs]
+    hwm = [r.hwm_kb / 1024 for r in runs]
+    pss = [r.memory.total.pss_kb / 1024 for r in runs]
+    anon = [r.memory.total.anon_kb / 1024 for r in runs]
     for label, mb in (
-        ("idle VmRSS (ready + settle)", rss),
+        (f"idle VmRSS ({after} + settle)", rss),
         ("idle PSS (shared pages divided among their processes)", pss),
         ("idle anonymous memory (the process's own)", anon),
         ("VmHWM (peak since start), same moment", hwm),
     ):
         print(f"| {label:<66} | {pct(mb, 0.5):6.1f} | {max(mb):6.1f} | {min(mb):6.1f} |")
-    verdict = "met" if pct(rss, 0.5) <= GOAL_RSS_MB else "NOT met"
-    print(f"\nGoal: idle RSS <= {GOAL_RSS_MB:.0f} MB: {verdict}.\n")
-    median = sorted(agent, key=lambda run: run.rss_kb)[len(agent) // 2]
+    verdict = "met" if pct(rss, 0.5) <= goal_mb else "NOT met"
+    print(f"\nGoal: idle RSS <= {goal_mb:.0f} MB: {verdict}.\n")
+    median = sorted(runs, key=lambda run: run.rss_kb)[len(runs) // 2]
     print(
         f"Where the idle agent's memory goes (the run with the median RSS, {median.rss_kb / 1024:.1f} MB)\n"
     )

@@ -12,9 +12,7 @@ that the call went over mTLS and that the server saw the client's SPIFFE identit
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -29,76 +27,20 @@ from istio_agent.controlplane.xdsgen import CLUSTER_TYPE, ENDPOINT_TYPE, ProxyNo
 from istio_agent.ctl.local import free_port, port_open, wait_until
 from istio_agent.envoy.binary import find_envoy
 from istio_agent.security.keys import KeyOptions, generate_csr
+from tests.e2e.grpc_apps import (
+    CLIENT_ID,
+    SERVER_ID,
+    SERVICE_HOST,
+    SERVICE_PORT,
+    TRUST_DOMAIN,
+    call_once,
+    mesh_yaml,
+    refused,
+    start_server,
+)
 from tests.e2e.harness import ControlPlane
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
-
-TRUST_DOMAIN = "cluster.local"
-SERVICE_HOST = "echo.default.svc.cluster.local"
-SERVICE_PORT = 7070
-CLIENT_ID = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/client"
-SERVER_ID = f"spiffe://{TRUST_DOMAIN}/ns/default/sa/echo"
-
-SERVER = r"""
-import json, sys, time
-from concurrent import futures
-import grpc
-import grpc.experimental
-
-def whoami(request, context):
-    seen = {key: [v.decode() for v in values] for key, values in context.auth_context().items()}
-    seen = {key: values for key, values in seen.items() if not key.startswith("x509_pem_cert")}
-    return json.dumps(seen).encode()
-
-server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), xds=True)
-server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-    "test.Echo", {"Whoami": grpc.unary_unary_rpc_method_handler(whoami)}),))
-server.add_secure_port(sys.argv[1], grpc.xds_server_credentials(grpc.insecure_server_credentials()))
-server.start()
-print("started", flush=True)
-server.wait_for_termination()
-"""
-
-CLIENT = r"""
-import json, sys
-import grpc
-import grpc.experimental
-
-results = {}
-timeout = float(sys.argv[1])
-for target in sys.argv[2:]:
-    if target.startswith("xds:"):
-        credentials = grpc.xds_channel_credentials(grpc.experimental.insecure_channel_credentials())
-        channel = grpc.secure_channel(target, credentials)
-    else:  # straight to the server's port, without the mesh's mTLS
-        channel = grpc.insecure_channel(target)
-    with channel:
-        whoami = channel.unary_unary("/test.Echo/Whoami")
-        try:
-            results[target] = json.loads(whoami(b"", timeout=timeout, wait_for_ready=True))
-        except grpc.RpcError as err:
-            results[target] = {"error": f"{err.code().name}: {err.details()}"}
-print(json.dumps(results))
-"""
-
-
-def mesh_yaml(server_port: int, server_account: str = "echo") -> str:
-    return f"""
-trustDomain: {TRUST_DOMAIN}
-services:
-  - name: echo
-    port: {SERVICE_PORT}
-    protocol: grpc
-workloads:
-  - name: echo-1
-    serviceAccount: {server_account}
-    proxyless: true
-    services: [echo]
-    appPort: {server_port}
-  - name: client-1
-    serviceAccount: client
-    proxyless: true
-"""
 
 
 def issue_certs(ca: LocalCA, directory: Path, identity: str) -> Path:
@@ -144,13 +86,6 @@ def write_bootstrap(path: Path, xds_port: int, name: str, certs: Path) -> Path:
     return path
 
 
-def grpc_env(bootstrap: Path) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("GRPC_")}
-    env["GRPC_XDS_BOOTSTRAP"] = str(bootstrap)
-    env["GRPC_XDS_EXPERIMENTAL_SECURITY_SUPPORT"] = "true"
-    return env
-
-
 class Mesh:
     """The control plane, a proxyless server process and the bootstraps, in one test directory."""
 
@@ -171,30 +106,14 @@ class Mesh:
             self.base / "echo-bootstrap.json", self.control_plane.port, "echo-1", server_certs
         )
         self.server_log = (self.base / "server.log").open("w")
-        self.server = subprocess.Popen(
-            [sys.executable, "-c", SERVER, f"127.0.0.1:{self.server_port}"],
-            env=grpc_env(bootstrap),
-            stdout=self.server_log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        self.server = start_server(bootstrap, self.server_port, self.server_log)
 
     def call(self, *targets: str, name: str = "client-1", timeout: float = 30) -> dict[str, Any]:
         """Call each target from a fresh client process; target -> what the server saw, or "error"."""
         bootstrap = write_bootstrap(
             self.base / f"{name}-bootstrap.json", self.control_plane.port, name, self.client_certs
         )
-        done = subprocess.run(
-            [sys.executable, "-c", CLIENT, str(timeout), *targets],
-            env=grpc_env(bootstrap),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
-        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-        return result
+        return call_once(bootstrap, *targets, timeout=timeout)
 
     def stop(self) -> None:
         if self.server is not None and self.server.poll() is None:
@@ -207,11 +126,6 @@ class Mesh:
         self.control_plane.stop()
         if self.server_log is not None:
             self.server_log.close()
-
-
-def refused(result: dict[str, Any]) -> bool:
-    """The call got no answer: the handshake failed (UNAVAILABLE, or the deadline while retrying)."""
-    return str(result.get("error", "")).startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import random
 import socket
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +55,15 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.2)
         return sock.connect_ex((host, port)) == 0
+
+
+def answers_200(url: str) -> bool:
+    """Whether a GET of ``url`` answers 200 within a second (a readiness probe, as the kubelet's)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:

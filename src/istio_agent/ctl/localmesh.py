@@ -253,9 +253,14 @@ class LocalMesh:
     def start_workload(self, workload: Workload) -> None:
         """Start the workload's app and its pilot-agent (which starts Envoy); returns without waiting."""
         workload.workdir.mkdir(parents=True, exist_ok=True)
-        workload.prepare(self.state_dir)
         self.processes.start(f"app {workload.name}", workload.app_command(), workload.workdir / "app.log")
-        env = workload.env(self.discovery_address, delta=self.delta, **self.agent_env)
+        self.start_agent(workload)
+
+    def start_agent(self, workload: Workload, **extra_env: str) -> None:
+        """Start the workload's pilot-agent alone (the app is the caller's: a proxyless one, say)."""
+        workload.workdir.mkdir(parents=True, exist_ok=True)
+        workload.prepare(self.state_dir)
+        env = workload.env(self.discovery_address, delta=self.delta, **{**self.agent_env, **extra_env})
         self.processes.start(
             f"pilot-agent {workload.name}",
             workload.agent_command(),
