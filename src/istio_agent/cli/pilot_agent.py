@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -448,15 +449,26 @@ async def admin_request(
     return answer.body
 
 
+def _log_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Istio's logging flags, accepted after the subcommand (istioctl and the injector pass them)."""
+    for option in reversed(
+        (
+            click.option("--log_output_level", default=None, hidden=True),
+            click.option("--log_as_json", is_flag=True, default=None, hidden=True),
+            click.option("--log_target", multiple=True, hidden=True),
+            click.option("--log_stacktrace_level", default=None, hidden=True),
+            click.option("--log_caller", default=None, hidden=True),
+            click.option("--vklog", default=None, hidden=True),
+        )
+    ):
+        command = option(command)
+    return command
+
+
 @main.command(cls=_StrictCommand)
 @click.argument("args", nargs=-1)
 @click.option("--debug-port", "debug_port", default="15000", help="admin port: 15000, 15004, 15020 or 15021")
-@click.option("--log_output_level", default=None, hidden=True)
-@click.option("--log_as_json", is_flag=True, default=None, hidden=True)
-@click.option("--log_target", multiple=True, hidden=True)
-@click.option("--log_stacktrace_level", default=None, hidden=True)
-@click.option("--log_caller", default=None, hidden=True)
-@click.option("--vklog", default=None, hidden=True)
+@_log_flags
 def request(args: tuple[str, ...], debug_port: str, **_ignored: object) -> None:
     """Makes an HTTP request to the Envoy admin API: request <method> <path> [<body>].
 
@@ -482,6 +494,66 @@ async def _request_and_print(method: str, path: str, body: str, port: int) -> No
     content = await admin_request(method, path, body, port=port)
     sys.stdout.buffer.write(content + b"\n")
     sys.stdout.buffer.flush()
+
+
+def _capture_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """istio-iptables' flags, Go-style (``-p 15001``, ``--envoy-port=15001``), from the one table of them."""
+    from istio_agent.cni.capture_config import FLAGS
+
+    for flag in reversed(FLAGS):
+        names = [f"--{flag.name}", *([f"-{flag.short}"] if flag.short else [])]
+        key = flag.name.replace("-", "_")
+        if flag.boolean:
+            command = click.option(*names, key, is_flag=True, default=False, help=flag.help)(command)
+        else:
+            command = click.option(*names, key, default=None, help=f"{flag.help} ({flag.default or 'none'})")(
+                command
+            )
+    return command
+
+
+@main.command("istio-iptables", cls=_StrictCommand)
+@_capture_flags
+@_log_flags
+def istio_iptables(**options: object) -> None:
+    """Sets up the sidecar's traffic capture (Istio's istio-iptables); --dry-run prints the rules.
+
+    Only generation works yet: without --dry-run it fails rather than pretend to have applied anything.
+    """
+    from istio_agent.cni.capture_config import FLAGS, read_capture_config, read_run_mode
+    from istio_agent.cni.rules import render_families
+
+    given: dict[str, str | None] = {}
+    for flag in FLAGS:
+        value = options[flag.name.replace("-", "_")]
+        given[flag.name] = ("true" if value else None) if flag.boolean else value  # type: ignore[assignment]
+    env = Env()
+    try:
+        config = read_capture_config(given, env)
+        mode = read_run_mode(given, env)
+        if config.redirect_dns and not config.capture_all_dns:
+            config = dataclasses.replace(config, dns_servers=_resolv_conf_servers())
+        if mode.skip_rule_apply and not mode.run_validation:
+            return
+        if mode.run_validation:
+            _fail("--run-validation is not implemented yet")
+        if not mode.dry_run:
+            _fail("applying rules is not implemented yet; use --dry-run")
+        if mode.cleanup_only:
+            _fail("--cleanup-only is not implemented yet")
+        v4, v6 = render_families(config)
+    except ConfigError as err:
+        _fail(str(err))
+    sys.stdout.write(v4 + (v6 or ""))
+    sys.stdout.flush()
+
+
+def _resolv_conf_servers() -> tuple[str, ...]:
+    """The pod's DNS servers, as istio-init captures them when not capturing all DNS (scoped ones left out)."""
+    from istio_agent.dns.resolvconf import read_resolv_conf
+
+    servers = read_resolv_conf(Path("/etc/resolv.conf")).nameservers
+    return tuple(host for host, _port in servers if "%" not in host)
 
 
 def _fail(message: str) -> NoReturn:

@@ -1,0 +1,113 @@
+"""``pilot-agent istio-iptables``: Go-style flags and env in, the rule set out with --dry-run, 255 on errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from istio_agent.cli.pilot_agent import main
+from istio_agent.cni.capture_config import read_capture_config
+from istio_agent.config.env import ConfigError, Env
+
+GOLDEN = Path(__file__).parent.parent / "cni" / "golden"
+ISTIO_INIT = ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*"]
+ISTIO_INIT += ["-d", "15090,15021,15020", "--log_output_level=default:info"]
+
+
+def invoke(*args: str, **env: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["istio-iptables", *args], env=env)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_dry_run_prints_the_injectors_rule_set() -> None:
+    code, out, err = invoke(*ISTIO_INIT, "--dry-run")
+    assert (code, err) == (0, "")
+    assert out == (GOLDEN / "istio-init-default.txt").read_text()
+
+
+def test_long_flags_with_equals_and_env_give_the_same_rules() -> None:
+    code, out, _ = invoke(
+        "--envoy-port=15001",
+        "--istio-service-cidr=*",
+        "--istio-inbound-ports=*",
+        "--istio-local-exclude-ports=15090,15021,15020",
+        DRY_RUN="true",
+        PROXY_UID="1337",
+    )
+    assert code == 0
+    assert out == (GOLDEN / "istio-init-default.txt").read_text()
+
+
+def test_dual_stack_prints_both_families() -> None:
+    code, out, _ = invoke(*ISTIO_INIT, "--dry-run", "--dual-stack")
+    assert code == 0
+    assert out.count("* nat") == 2
+    assert "-A ISTIO_OUTPUT -o lo -s ::6/128 -j RETURN" in out
+
+
+def test_without_dry_run_applying_is_refused_honestly() -> None:
+    code, out, err = invoke(*ISTIO_INIT)
+    assert (code, out) == (255, "")
+    assert "applying rules is not implemented yet; use --dry-run" in err
+
+
+def test_skip_rule_apply_does_nothing() -> None:
+    assert invoke(*ISTIO_INIT, "--skip-rule-apply") == (0, "", "")
+
+
+def test_run_validation_is_not_pretended() -> None:
+    code, _, err = invoke("--run-validation", "--skip-rule-apply")
+    assert code == 255
+    assert "--run-validation is not implemented yet" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["-p", "15x01"], {}, "invalid value '15x01' for --envoy-port: not a port number"),
+        (["-z", "70000"], {}, "for --inbound-capture-port: must be between 1 and 65535"),
+        (["-m", "NAT"], {}, "must be REDIRECT or TPROXY"),
+        (["-i", "10.0.0.0"], {}, "'10.0.0.0' is not a CIDR"),
+        (["-x", "10.0.0.300/8"], {}, "for --istio-service-exclude-cidr"),
+        (["-x", "*"], {}, "OUTBOUND_IP_RANGES_EXCLUDE"),
+        (["-u", "envoy"], {}, "'envoy' is not a numeric id"),
+        (["--bogus"], {}, "No such option '--bogus'"),
+        ([], {"ENVOY_PORT": "0"}, "invalid value '0' for ENVOY_PORT"),
+        ([], {"DUAL_STACK": "yes"}, "invalid value for DUAL_STACK"),
+        ([], {"ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR": "10.0.0.1/32"}, "not an IPv4 loopback CIDR"),
+        (
+            [],
+            {"ISTIO_OUTBOUND_OWNER_GROUPS": "java", "ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE": "ftp"},
+            "only one of",
+        ),
+    ],
+)
+def test_bad_flags_and_env_exit_255(args: list[str], env: dict[str, str], message: str) -> None:
+    code, out, err = invoke("--dry-run", *args, **env)
+    assert (code, out) == (255, "")
+    assert err.startswith("Error: ")
+    assert message in err
+
+
+def test_gid_defaults_to_the_uid_and_flags_beat_env() -> None:
+    config = read_capture_config({"proxy-uid": "3,4", "envoy-port": "16001"}, Env({"ENVOY_PORT": "17001"}))
+    assert (config.proxy_uid, config.proxy_gid, config.proxy_port) == (("3", "4"), ("3", "4"), 16001)
+
+
+def test_agent_wide_env_turns_on_dns_capture() -> None:
+    assert read_capture_config({}, Env({"ISTIO_META_DNS_CAPTURE": "true"})).redirect_dns
+    assert not read_capture_config(
+        {}, Env({"ISTIO_META_DNS_CAPTURE": "true", "REDIRECT_DNS": "false"})
+    ).redirect_dns
+
+
+def test_trailing_commas_are_ignored() -> None:
+    config = read_capture_config({"istio-local-outbound-ports-exclude": "6000,7000,"}, Env({}))
+    assert config.outbound_ports_exclude == (6000, 7000)
+
+
+def test_bad_bool_names_its_source() -> None:
+    with pytest.raises(ConfigError, match="CAPTURE_ALL_DNS"):
+        read_capture_config({}, Env({"CAPTURE_ALL_DNS": "maybe"}))
