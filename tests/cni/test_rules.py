@@ -3,8 +3,9 @@
 Each golden file is laid out as Istio's ``tools/istio-iptables/pkg/capture/run_test.go`` records a
 run (every command line its stub executor saw, the restore input split into lines), and the
 ``cni-*`` cases as ``cni/pkg/plugin/plugin_dryrun_test.go`` compares them (the restore input alone).
-The expected files were written from the rules' description and reviewed line by line; the builder
-is never used to produce them.
+The expected files follow the generation order of ``capture/run.go`` and were reviewed line by line
+against it; ``cni-basic`` matches Istio's ``cni/pkg/plugin/testdata/basic.txt.golden`` rule for rule.
+Case values not pinned by name (the ``tproxy`` interface, the excluded ports) are our own choice.
 """
 
 from __future__ import annotations
