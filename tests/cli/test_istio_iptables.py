@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from istio_agent.cli.pilot_agent import main
-from istio_agent.cni.capture_config import read_capture_config
+from istio_agent.cni.capture_config import read_capture_config, usable_dns_servers
 from istio_agent.config.env import ConfigError, Env
 
 GOLDEN = Path(__file__).parent.parent / "cni" / "golden"
@@ -111,3 +111,14 @@ def test_trailing_commas_are_ignored() -> None:
 def test_bad_bool_names_its_source() -> None:
     with pytest.raises(ConfigError, match="CAPTURE_ALL_DNS"):
         read_capture_config({}, Env({"CAPTURE_ALL_DNS": "maybe"}))
+
+
+def test_dns_capture_from_the_agent_wide_env() -> None:
+    code, out, _ = invoke(*ISTIO_INIT, "--dry-run", "--capture-all-dns", ISTIO_META_DNS_CAPTURE="true")
+    assert code == 0
+    assert "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -j REDIRECT --to-port 15053" in out
+    assert "-A ISTIO_INBOUND -p udp --sport 53 -j CT --zone 1" in out
+
+
+def test_only_plain_addresses_from_resolv_conf_become_rules() -> None:
+    assert usable_dns_servers(["10.0.0.10", "fe80::1%eth0", "::1", "dns.example"]) == ("10.0.0.10", "::1")

@@ -549,11 +549,12 @@ def istio_iptables(**options: object) -> None:
 
 
 def _resolv_conf_servers() -> tuple[str, ...]:
-    """The pod's DNS servers, as istio-init captures them when not capturing all DNS (scoped ones left out)."""
+    """The pod's DNS servers, as istio-init captures them when not capturing all DNS."""
+    from istio_agent.cni.capture_config import usable_dns_servers
     from istio_agent.dns.resolvconf import read_resolv_conf
 
     servers = read_resolv_conf(Path("/etc/resolv.conf")).nameservers
-    return tuple(host for host, _port in servers if "%" not in host)
+    return usable_dns_servers(host for host, _port in servers)
 
 
 def _fail(message: str) -> NoReturn:

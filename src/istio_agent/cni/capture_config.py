@@ -9,7 +9,7 @@ typo fails the init container with a message naming the flag, before any rule is
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from istio_agent.config.env import ConfigError, Env, out_of_range, parse_go_bool, parse_go_int
@@ -271,6 +271,20 @@ def read_capture_config(given: Mapping[str, str | None], env: Env) -> CaptureCon
         drop_invalid=drop_invalid,
         enable_ipv6=ipv6,
     )
+
+
+def usable_dns_servers(hosts: Iterable[str]) -> tuple[str, ...]:
+    """The servers a rule can name: IP addresses without a zone (``fe80::1%eth0`` has no /128 form)."""
+    usable = []
+    for host in hosts:
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            continue
+        if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
+            continue
+        usable.append(host)
+    return tuple(usable)
 
 
 def read_run_mode(given: Mapping[str, str | None], env: Env) -> RunMode:
