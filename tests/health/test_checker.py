@@ -12,6 +12,7 @@ from aiohttp import web
 from istio_agent.config.probes import ExecCheck, HTTPGetCheck, ReadinessProbeConfig, TCPCheck
 from istio_agent.health.checker import UNHEALTHY_PLACEHOLDER, HealthChecker
 from istio_agent.probe.workload import HEALTHY, ProbeOutcome, ProbeResult, build_probers
+from tests.aiohttp_apps import serve_app
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -130,14 +131,9 @@ async def flapping_app() -> AsyncIterator[int]:
 
     app = web.Application()
     app.router.add_get("/", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = site._server
-    assert isinstance(server, asyncio.base_events.Server)
+    runner, port = await serve_app(app)
     try:
-        yield int(server.sockets[0].getsockname()[1])
+        yield port
     finally:
         await runner.cleanup()
 

@@ -25,6 +25,7 @@ from istio_agent.probe.workload import (
     TCPProber,
     build_probers,
 )
+from tests.aiohttp_apps import serve_app
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -42,13 +43,7 @@ class Seen:
 
 
 async def start_app(app: web.Application) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = site._server
-    assert isinstance(server, asyncio.base_events.Server)
-    return runner, int(server.sockets[0].getsockname()[1])
+    return await serve_app(app)
 
 
 @pytest.fixture

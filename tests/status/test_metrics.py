@@ -29,6 +29,7 @@ from istio_agent.status.metrics import (
     scrape_timeout,
     strip_eof,
 )
+from tests.aiohttp_apps import serve_app
 
 TEXT_CT = "text/plain; version=0.0.4; charset=utf-8"
 OM1_CT = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -71,14 +72,9 @@ class Servers:
     async def _serve(self, handler: FakeHandler) -> int:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app, shutdown_timeout=0.5)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, port = await serve_app(app, shutdown_timeout=0.5)
         self.runners.append(runner)
-        server = site._server
-        assert isinstance(server, asyncio.base_events.Server)
-        return int(server.sockets[0].getsockname()[1])
+        return port
 
     async def fake(self, handler: FakeHandler) -> Fake:
         fake = Fake(0)

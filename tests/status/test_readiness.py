@@ -20,6 +20,7 @@ from istio_agent.envoy.binary import find_envoy
 from istio_agent.envoy.readiness import CONFIG_FILTER, LIVE_FILTER, EnvoyReadiness, parse_stats
 from istio_agent.metrics import Registry
 from istio_agent.status.readiness import DNS_NOT_READY, DnsReadiness, GrpcBootstrapReadiness, Readiness
+from tests.aiohttp_apps import serve_app
 
 FULL_CONFIG = (
     "cluster_manager.cds.update_rejected: 0\n"
@@ -61,11 +62,7 @@ async def admin() -> AsyncIterator[FakeAdmin]:
     fake = FakeAdmin()
     app = web.Application()
     app.router.add_get("/stats", fake.stats)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    fake.port = runner.addresses[0][1]
+    runner, fake.port = await serve_app(app, shutdown_timeout=0.1)
     try:
         yield fake
     finally:
