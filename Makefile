@@ -6,15 +6,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-fast lint protos bench soak demo clean
 
-# Debian tools the DNS tests and benchmark run against: dnsmasq (upstream resolver and peer), dig, dnsperf.
-DEB_TOOLS := dnsmasq dig dnsperf
-DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf
+# Debian tools the tests and benchmarks run against: dnsmasq (upstream resolver and peer), dig, dnsperf for
+# DNS; iptables (legacy and nft), nft, conntrack, ip and the reference CNI plugins (bridge, host-local…
+# in /usr/lib/cni) for the CNI tests in network namespaces.
+DEB_TOOLS := dnsmasq dig dnsperf iptables-legacy iptables-nft nft conntrack ip /usr/lib/cni/bridge
+DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf iptables nftables conntrack iproute2 containernetworking-plugins
 
 $(STAMP): pyproject.toml
 	@missing=""; for t in $(DEB_TOOLS); do command -v $$t >/dev/null || [ -x /usr/sbin/$$t ] || missing=yes; done; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" != 0 ]; then \
-			echo "note: the DNS tests and benchmark need Debian's $(DEB_PACKAGES) (they skip without them);"; \
+			echo "note: the DNS and CNI tests and benchmarks need Debian's $(DEB_PACKAGES) (they skip without them);"; \
 			echo "      installing them needs root: sudo apt-get install $(DEB_PACKAGES)"; \
 		else \
 			echo "installing Debian packages: $(DEB_PACKAGES)"; \
