@@ -1,0 +1,230 @@
+"""The istio-cni plugin's ADD: decide from the pod whether it needs sidecar capture, and program it.
+
+The order of the decisions is Istio's (``cni/pkg/plugin/plugin.go``, ``CmdAdd``/``doAddRun``): the
+node agent's own pod first (before the kubeconfig is even read: on a reboot the agent that writes it
+is that very pod), excluded namespaces, then the pod from the API server, the skip rules and the
+pod's capture settings (``redirect.py``), and last the rules inside the pod's network namespace.
+
+It fails closed and in bounded time: the whole ADD, API retries and programming included, runs
+under one deadline (``add_timeout`` in the config, else :data:`DEFAULT_ADD_TIMEOUT`), and an API
+error, an RBAC denial, a timeout or a vanished netns is a CNI error: the pod's sandbox is not
+created, rather than created without its rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+from istio_agent.cni import result
+from istio_agent.cni.args import ArgsError, K8sArgs, is_agent_pod, parse_k8s_args
+from istio_agent.cni.capture_config import CaptureConfig
+from istio_agent.cni.plugin_config import NetworkConfig, parse_network_config
+from istio_agent.cni.skel import ERR_INTERNAL, CmdArgs, CniError
+from istio_agent.config.env import ConfigError
+
+DEFAULT_ADD_TIMEOUT = timedelta(seconds=30)
+"""Istio retries the pod GET 30 times a second apart; the same bound here, for everything."""
+RETRY_INTERVAL = 1.0
+ATTEMPT_TIMEOUT = 5.0
+"""One API request may take this long before it is abandoned and tried again (within the deadline)."""
+DRY_RUN_ENV = "DRY_RUN_FILE_PATH"
+
+log = logging.getLogger("istio.cni-plugin")
+
+
+class PluginError(Exception):
+    """ADD cannot complete; the message is the CNI error's ``msg``."""
+
+
+class Programmer(Protocol):
+    """Sets up ``config``'s rules inside the network namespace ``netns`` before ``deadline``
+    (``time.monotonic()``); raises an error saying what failed, leaving nothing half applied."""
+
+    def __call__(self, config: CaptureConfig, netns: Path, deadline: float) -> None: ...
+
+
+PodGetter = Callable[[str, str, float], Awaitable[dict[str, Any]]]
+"""Fetches ``(namespace, name)`` before the deadline; raises ``KubeError``."""
+
+
+@dataclass(frozen=True)
+class DryRunWriter:
+    """Istio's dry run (``DRY_RUN_FILE_PATH``): the rule set goes to a file, nothing is applied."""
+
+    path: Path
+
+    def __call__(self, config: CaptureConfig, netns: Path, deadline: float) -> None:
+        from istio_agent.cni.rules import render_families
+        from istio_agent.files import write_atomic
+
+        v4, v6 = render_families(config)
+        try:
+            write_atomic(self.path, v4 + (v6 or ""))
+        except OSError as err:
+            raise PluginError(
+                f"cannot write the dry-run rules to {self.path}: {err.strerror or err}"
+            ) from None
+
+
+def select_programmer(environ: Mapping[str, str]) -> Programmer | None:
+    """The dry-run writer when ``DRY_RUN_FILE_PATH`` is set, else None (the caller supplies the applier)."""
+    path = environ.get(DRY_RUN_ENV, "")
+    return DryRunWriter(Path(path)) if path else None
+
+
+def _configure_logging(level: str) -> None:
+    from istio_agent import log as istio_log
+
+    try:
+        istio_log.configure(level, as_json=True)
+    except ValueError:
+        istio_log.configure("info", as_json=True)
+        log.warning("plugin_log_level %r is not a log level; using info", level)
+
+
+async def fetch_pod(
+    get: PodGetter,
+    namespace: str,
+    name: str,
+    deadline: float,
+    *,
+    retry_interval: float = RETRY_INTERVAL,
+) -> dict[str, Any]:
+    """The pod, asked again while the failure may pass (an outage, a 5xx, a timeout) and time remains.
+
+    An answer that cannot change by asking again (403, 404, 401) fails at once, naming the status:
+    on a node with hundreds of pods starting, retrying a denial only adds load and delay.
+    """
+    from istio_agent.cni.kube import KubeError
+
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await get(namespace, name, min(deadline, time.monotonic() + ATTEMPT_TIMEOUT))
+        except KubeError as err:
+            if not err.retryable:
+                raise PluginError(str(err)) from None
+            if deadline - time.monotonic() <= retry_interval:
+                raise PluginError(
+                    f"{err} (gave up after {attempt} attempt(s): the ADD deadline is reached)"
+                ) from None
+            log.warning("%s; trying again in %gs (attempt %d)", err, retry_interval, attempt)
+        await asyncio.sleep(retry_interval)
+
+
+async def plan(k8s: K8sArgs, config: NetworkConfig, get: PodGetter, deadline: float) -> CaptureConfig | None:
+    """The capture the pod needs, or None when the plugin leaves it alone (logged with the reason)."""
+    from istio_agent.cni.redirect import capture_config, skip_reason
+
+    pod_id = f"{k8s.pod_namespace}/{k8s.pod_name}"
+    pod = await fetch_pod(get, k8s.pod_namespace, k8s.pod_name, deadline)
+    reason = skip_reason(pod)
+    if reason is not None:
+        log.info("pod %s: no redirect: %s", pod_id, reason)
+        return None
+    try:
+        return capture_config(pod, os.environ)
+    except ConfigError as err:
+        raise PluginError(f"pod {pod_id}: {err}") from None
+
+
+def _not_kubernetes(k8s: K8sArgs) -> bool:
+    return k8s.pod_namespace == "" or k8s.pod_name == ""
+
+
+def add(
+    args: CmdArgs,
+    *,
+    programmer: Programmer | None,
+    get_pod: PodGetter | None = None,
+    started: float | None = None,
+) -> dict[str, Any]:
+    """ADD: the result to print (the previous plugin's, unchanged); raises PluginError or CniError.
+
+    ``get_pod`` replaces the API client built from the kubeconfig (tests); ``started`` is when the
+    deadline started counting (default: now).
+    """
+    begin = time.monotonic() if started is None else started
+    try:
+        config = parse_network_config(args.config)
+    except ConfigError as err:
+        raise PluginError(str(err)) from None
+    _configure_logging(config.plugin.plugin_log_level)
+    budget = config.plugin.add_timeout or DEFAULT_ADD_TIMEOUT
+    deadline = begin + budget.total_seconds()
+    try:
+        previous = None if config.prev_result is None else result.parse(config.prev_result, args.cni_version)
+    except result.ResultError as err:
+        raise PluginError(f"cannot read prevResult as a {args.cni_version} result: {err}") from None
+    answer = result.empty(args.cni_version) if previous is None else result.render(previous, args.cni_version)
+    try:
+        k8s = parse_k8s_args(args.args)
+    except ArgsError as err:
+        raise PluginError(str(err)) from None
+    if is_agent_pod(k8s, config.plugin.pod_namespace):
+        log.info("pod %s/%s is the node agent itself: no redirect", k8s.pod_namespace, k8s.pod_name)
+        return answer
+    if get_pod is None:
+        get_pod = _api_getter(config)
+    if _not_kubernetes(k8s):
+        log.info("container %s is not a kubernetes pod: no redirect", args.container_id)
+        return answer
+    if k8s.pod_namespace in config.plugin.exclude_namespaces:
+        log.info("pod %s/%s is in an excluded namespace: no redirect", k8s.pod_namespace, k8s.pod_name)
+        return answer
+    if config.plugin.ambient_enabled:
+        raise PluginError(
+            "ambient_enabled is set, but this istio-cni implements sidecar capture only; "
+            "refusing the pod rather than starting it without the capture it may need"
+        )
+    capture = asyncio.run(plan(k8s, config, get_pod, deadline))
+    if capture is None:
+        return answer
+    netns = Path(args.netns)
+    if not netns.exists():
+        raise PluginError(f"the pod's network namespace {netns} no longer exists")
+    if programmer is None:
+        raise PluginError(
+            "this istio-cni build cannot apply rules inside a pod's network namespace; "
+            f"only the dry run ({DRY_RUN_ENV}) is available"
+        )
+    if time.monotonic() >= deadline:
+        raise PluginError(
+            f"the ADD deadline of {budget.total_seconds():g}s passed before the rules were set up"
+        )
+    programmer(capture, netns, deadline)
+    log.info("pod %s/%s: redirect set up in %s (%s)", k8s.pod_namespace, k8s.pod_name, netns, capture.mode)
+    return answer
+
+
+def _api_getter(config: NetworkConfig) -> PodGetter:
+    """The pod GET on the API server of install-cni's kubeconfig (read now: a bad file fails the ADD)."""
+    from istio_agent.cni.kube import KUBECONFIG_NAME, KubeClient, read_kubeconfig
+
+    try:
+        client = KubeClient(read_kubeconfig(Path(config.plugin.cni_agent_run_dir) / KUBECONFIG_NAME))
+    except ConfigError as err:
+        raise PluginError(str(err)) from None
+
+    async def get(namespace: str, name: str, deadline: float) -> dict[str, Any]:
+        return await client.get_pod(namespace, name, deadline=deadline)
+
+    return get
+
+
+def cmd_add(args: CmdArgs, *, started: float | None = None) -> dict[str, Any]:
+    """The ADD handler the executable runs: PluginError becomes the CNI error result (code 999)."""
+    try:
+        return add(args, programmer=select_programmer(os.environ), started=started)
+    except PluginError as err:
+        log.error("istio-cni cmdAdd error: %s", err)
+        raise CniError(ERR_INTERNAL, str(err)) from None

@@ -1,0 +1,38 @@
+"""The ``istio-cni`` executable: exec'd by the container runtime once per CNI command.
+
+It lives here rather than in ``istio_agent.cli``, whose package start-up prepares a process for
+grpc and loads asyncio: a CNI plugin pays its start-up on every pod sandbox, so only what a command
+needs is imported, when it needs it (VERSION needs nothing beyond ``skel``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from istio_agent import __version__
+from istio_agent.cni import skel
+
+
+def _add(args: skel.CmdArgs) -> dict[str, Any]:
+    from istio_agent.cni.plugin import cmd_add
+
+    return cmd_add(args, started=_STARTED)
+
+
+def _nothing(args: skel.CmdArgs) -> None:
+    """CHECK and DEL: the rules live in the pod's netns and go with it; nothing to verify or undo."""
+    return None
+
+
+_STARTED = time.monotonic()
+HANDLERS: dict[str, skel.Handler] = {"ADD": _add, "CHECK": _nothing, "DEL": _nothing}
+
+
+def main() -> None:
+    sys.exit(skel.main(HANDLERS, about=f"CNI plugin istio-cni {__version__}"))
+
+
+if __name__ == "__main__":
+    main()
