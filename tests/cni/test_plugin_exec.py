@@ -267,7 +267,7 @@ async def test_dry_run_rules(node: Node, case: str) -> None:
 async def test_api_failure_is_an_error_result(node: Node, failures: list[int | str], needle: str) -> None:
     node.kube.add_pod(sidecar_pod())
     node.kube.failures.extend(failures)
-    run = await run_plugin(node.env(), node.config(add_timeout="500ms"))
+    run = await run_plugin(node.env(), node.config(add_timeout="1s"))
     assert run.code == 1, run.stdout
     assert run.json["code"] == 999 and needle in run.json["msg"], run.json
     assert run.seconds < 5, "the ADD deadline must bound the whole run"
@@ -276,7 +276,7 @@ async def test_api_failure_is_an_error_result(node: Node, failures: list[int | s
 
 async def test_unreachable_api_server_is_an_error_result(node: Node, tmp_path: Path) -> None:
     (node.run_dir / "istio-cni-kubeconfig").write_text(node.kube.kubeconfig(server="https://127.0.0.1:1"))
-    run = await run_plugin(node.env(), node.config(add_timeout="300ms"))
+    run = await run_plugin(node.env(), node.config(add_timeout="1s"))
     assert run.code == 1
     assert "cannot connect to 127.0.0.1:1" in run.json["msg"]
     assert not node.dry_run.exists()

@@ -154,11 +154,7 @@ def add(
     deadline started counting (default: now).
     """
     begin = time.monotonic() if started is None else started
-    try:
-        config = parse_network_config(args.config)
-    except ConfigError as err:
-        raise PluginError(str(err)) from None
-    _configure_logging(config.plugin.plugin_log_level)
+    config = _network_config(args)
     budget = config.plugin.add_timeout or DEFAULT_ADD_TIMEOUT
     deadline = begin + budget.total_seconds()
     try:
@@ -206,6 +202,13 @@ def add(
     return answer
 
 
+def _network_config(args: CmdArgs) -> NetworkConfig:
+    try:
+        return parse_network_config(args.config)
+    except ConfigError as err:
+        raise PluginError(str(err)) from None
+
+
 def _api_getter(config: NetworkConfig) -> PodGetter:
     """The pod GET on the API server of install-cni's kubeconfig (read now: a bad file fails the ADD)."""
     from istio_agent.cni.kube import KUBECONFIG_NAME, KubeClient, read_kubeconfig
@@ -224,6 +227,7 @@ def _api_getter(config: NetworkConfig) -> PodGetter:
 def cmd_add(args: CmdArgs, *, started: float | None = None) -> dict[str, Any]:
     """The ADD handler the executable runs: PluginError becomes the CNI error result (code 999)."""
     try:
+        _configure_logging(_network_config(args).plugin.plugin_log_level)
         return add(args, programmer=select_programmer(os.environ), started=started)
     except PluginError as err:
         log.error("istio-cni cmdAdd error: %s", err)

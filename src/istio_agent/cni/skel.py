@@ -30,6 +30,7 @@ ERR_UNKNOWN_CONTAINER = 3
 ERR_INVALID_ENV = 4
 ERR_DECODING = 6
 ERR_INVALID_CONFIG = 7
+ERR_INVALID_NETNS = 8
 ERR_INTERNAL = 999
 """A handler's error (Istio's plugin returns plain errors, which the library reports as 999)."""
 
@@ -129,10 +130,13 @@ def read_args(environ: Mapping[str, str], stdin: bytes) -> CmdArgs:
     if command != "VERSION":
         config = parse_config(stdin)
         version = config_version(config)
+    netns = environ.get("CNI_NETNS", "")
+    if command in ("ADD", "CHECK", "DEL") and netns and not environ.get("CNI_NETNS_OVERRIDE"):
+        _check_not_own_netns(netns)
     return CmdArgs(
         command=command,
         container_id=container_id,
-        netns=environ.get("CNI_NETNS_OVERRIDE") or environ.get("CNI_NETNS", ""),
+        netns=environ.get("CNI_NETNS", ""),
         ifname=ifname,
         args=environ.get("CNI_ARGS", ""),
         path=environ.get("CNI_PATH", ""),
@@ -140,6 +144,18 @@ def read_args(environ: Mapping[str, str], stdin: bytes) -> CmdArgs:
         config=config,
         cni_version=version,
     )
+
+
+def _check_not_own_netns(netns: str) -> None:
+    """A runtime bug (or a test) handing the plugin its own, the host's, netns must not get the host's
+    rules changed: refused unless CNI_NETNS_OVERRIDE says it is meant. A path that does not resolve is
+    the handler's concern (a pod that needs no rules does not need its netns)."""
+    try:
+        given, own = os.stat(netns), os.stat("/proc/self/ns/net")
+    except OSError:
+        return
+    if (given.st_dev, given.st_ino) == (own.st_dev, own.st_ino):
+        raise CniError(ERR_INVALID_NETNS, f"netns {netns} is the plugin's own network namespace")
 
 
 def parse_config(stdin: bytes) -> Mapping[str, Any]:
