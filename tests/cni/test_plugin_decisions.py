@@ -151,7 +151,7 @@ def test_without_a_programmer_the_add_fails(tmp_path: Path) -> None:
 
 def test_bad_cni_args_fail_the_add(tmp_path: Path) -> None:
     args = cmd(tmp_path)
-    args = CmdArgs(**{**args.__dict__, "args": "K8S_POD_NAME=x;Unknown=1"})
+    args.args = "K8S_POD_NAME=x;Unknown=1"
     with pytest.raises(PluginError, match="unknown args"):
         add(args, programmer=Recorder(), get_pod=FakePods())
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
 
 from istio_agent import __version__
 from istio_agent.cni import skel
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def _add(args: skel.CmdArgs) -> dict[str, Any]:

@@ -59,18 +59,20 @@ def _metadata(pod: Mapping[str, Any], key: str) -> Mapping[str, str]:
 
 def proxy_container(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The istio-proxy container: a regular one, or a native sidecar among the init containers."""
-    for container in (*_containers(pod, "containers"), *_containers(pod, "initContainers")):
+    for container in (*_containers(pod, "initContainers"), *_containers(pod, "containers")):
         if container.get("name") == PROXY_CONTAINER:
             return container
     return None
 
 
 def _env(container: Mapping[str, Any], name: str) -> str | None:
+    """An env value given literally (``valueFrom`` reads as ""); of duplicates the last wins, as in Istio."""
+    found = None
     for item in container.get("env") or ():
         if isinstance(item, dict) and item.get("name") == name:
             value = item.get("value")
-            return value if isinstance(value, str) else ""
-    return None
+            found = value if isinstance(value, str) else ""
+    return found
 
 
 def _env_flag(container: Mapping[str, Any], name: str) -> bool:

@@ -7,18 +7,19 @@ reference library Istio's plugin is built on (``containernetworking/cni``, ``pkg
 first (code 4), then the config (6: not JSON, 7: no valid ``name``), then the version (1). Errors
 are printed as that library prints them (4-space indented JSON on stdout) and the process exits 1.
 
-Kept free of asyncio, logging and the agent's other packages: ``VERSION`` (and every error found
-before the handler runs) costs no more than the interpreter's start.
+Kept free of asyncio, logging and the agent's other packages, and imports at run time only ``os``
+(``json`` once there is JSON to read or write): ``VERSION`` costs no more than the interpreter's
+start, which the runtime pays on every pod sandbox.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, BinaryIO, TextIO
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from typing import Any, BinaryIO, TextIO
 
 SUPPORTED_VERSIONS = ("0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 CURRENT_VERSION = "1.1.0"
@@ -41,7 +42,8 @@ _REQUIRED = {
     "CNI_IFNAME": ("ADD", "CHECK", "DEL"),
     "CNI_PATH": ("ADD", "CHECK", "DEL", "GC", "STATUS"),
 }
-_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+_NAME_CHARS = _ALNUM | frozenset("_.-")
 _MAX_IFNAME = 15
 
 
@@ -61,34 +63,50 @@ class CniError(Exception):
         return out
 
 
-@dataclass(frozen=True)
 class CmdArgs:
-    """One invocation: the command, its CNI_* values and the raw network config."""
+    """One invocation: the command, its CNI_* values and the network config (parsed: a JSON object
+    with a valid ``name``)."""
 
-    command: str
-    container_id: str
-    netns: str
-    ifname: str
-    args: str
-    path: str
-    stdin: bytes
-    config: Mapping[str, Any]
-    """The network config, parsed (a JSON object with a valid ``name``)."""
-    cni_version: str
+    def __init__(
+        self,
+        *,
+        command: str,
+        container_id: str,
+        netns: str,
+        ifname: str,
+        args: str,
+        path: str,
+        stdin: bytes,
+        config: Mapping[str, Any],
+        cni_version: str,
+    ) -> None:
+        self.command = command
+        self.container_id = container_id
+        self.netns = netns
+        self.ifname = ifname
+        self.args = args
+        self.path = path
+        self.stdin = stdin
+        self.config = config
+        self.cni_version = cni_version
 
 
-Handler = Callable[[CmdArgs], "dict[str, Any] | None"]
-"""Runs one command; returns the result to print (ADD), or None (CHECK, DEL: nothing printed)."""
+if TYPE_CHECKING:
+    Handler = Callable[[CmdArgs], "dict[str, Any] | None"]
+    """Runs one command; returns the result to print (ADD), or None (CHECK, DEL: nothing printed)."""
+
+
+def _valid_name(name: str) -> bool:
+    """The library's rule for network names and container ids: ``[a-zA-Z0-9][a-zA-Z0-9_.-]*``."""
+    return name != "" and name[0] in _ALNUM and all(ch in _NAME_CHARS for ch in name)
 
 
 def go_json(value: object) -> str:
     """JSON as Go's ``json.MarshalIndent(v, "", "    ")`` writes it (``<``, ``>``, ``&`` escaped)."""
+    import json
+
     text = json.dumps(value, indent=4, ensure_ascii=False)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-
-
-def version_info() -> dict[str, Any]:
-    return {"cniVersion": CURRENT_VERSION, "supportedVersions": list(SUPPORTED_VERSIONS)}
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -120,7 +138,7 @@ def read_args(environ: Mapping[str, str], stdin: bytes) -> CmdArgs:
     if missing:
         raise CniError(ERR_INVALID_ENV, f"required env variables [{','.join(missing)}] missing")
     container_id = environ.get("CNI_CONTAINERID", "")
-    if command in _REQUIRED["CNI_CONTAINERID"] and not _NAME.fullmatch(container_id):
+    if command in _REQUIRED["CNI_CONTAINERID"] and not _valid_name(container_id):
         raise CniError(ERR_INVALID_ENV, "invalid characters in containerID", container_id)
     ifname = environ.get("CNI_IFNAME", "")
     if command in _REQUIRED["CNI_IFNAME"]:
@@ -160,6 +178,8 @@ def _check_not_own_netns(netns: str) -> None:
 
 def parse_config(stdin: bytes) -> Mapping[str, Any]:
     """The network config: a JSON object (code 6 otherwise) with a valid network ``name`` (code 7)."""
+    import json
+
     try:
         config = json.loads(stdin)
     except ValueError as err:  # UnicodeDecodeError is a ValueError too
@@ -172,7 +192,7 @@ def parse_config(stdin: bytes) -> Mapping[str, Any]:
     name = config.get("name")
     if not isinstance(name, str) or name == "":
         raise CniError(ERR_INVALID_CONFIG, "missing network name")
-    if not _NAME.fullmatch(name):
+    if not _valid_name(name):
         raise CniError(ERR_INVALID_CONFIG, "invalid characters found in network name", name)
     return config
 
@@ -233,7 +253,8 @@ def main(
         args = read_args(environ, data)
         if args.command == "VERSION":
             # the library writes this one with json.Encoder: compact, newline-terminated
-            out.write(json.dumps(version_info(), separators=(",", ":")) + "\n")
+            versions = ",".join(f'"{v}"' for v in SUPPORTED_VERSIONS)
+            out.write(f'{{"cniVersion":"{CURRENT_VERSION}","supportedVersions":[{versions}]}}\n')
             return 0
         _check_command_version(args)
         handler = handlers.get(args.command)
