@@ -303,3 +303,24 @@ async def test_agent_pod_needs_no_kubeconfig(node: Node) -> None:
         run = await run_plugin(node.env(CNI_ARGS=args), node.config(ambient_enabled=ambient))
         assert run.code == 0, run.stdout
         assert run.json["ips"] == PREV_RESULT["ips"]
+
+
+async def test_api_server_certificate_is_verified(node: Node, tmp_path: Path) -> None:
+    from istio_agent.cni.kube import KubeClient, KubeError, read_kubeconfig
+    from istio_agent.controlplane.ca import LocalCA
+
+    other = tmp_path / "other-ca"
+    other.mkdir()
+    node.kube.add_pod(sidecar_pod())
+    path = node.run_dir / "istio-cni-kubeconfig"
+    good = await KubeClient(read_kubeconfig(path)).get_pod("default", "app-1", deadline=time.monotonic() + 5)
+    assert good["metadata"]["name"] == "app-1"
+    wrong_ca = LocalCA.load_or_create(other, "cluster.local").root_pem
+    path.write_text(dataclasses.replace(node.kube, ca_pem=wrong_ca).kubeconfig())
+    with pytest.raises(KubeError, match="certificate verify failed"):
+        await KubeClient(read_kubeconfig(path)).get_pod("default", "app-1", deadline=time.monotonic() + 5)
+    path.write_text(node.kube.kubeconfig(insecure=True))
+    unverified = await KubeClient(read_kubeconfig(path)).get_pod(
+        "default", "app-1", deadline=time.monotonic() + 5
+    )
+    assert unverified["metadata"]["name"] == "app-1"

@@ -46,7 +46,8 @@ class PluginError(Exception):
 
 class Programmer(Protocol):
     """Sets up ``config``'s rules inside the network namespace ``netns`` before ``deadline``
-    (``time.monotonic()``); raises an error saying what failed, leaving nothing half applied."""
+    (``time.monotonic()``); raises PluginError saying what failed, leaving nothing half applied
+    (the ADD then fails with it as the CNI error's message)."""
 
     def __call__(self, config: CaptureConfig, netns: Path, deadline: float) -> None: ...
 
