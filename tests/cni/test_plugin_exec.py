@@ -257,17 +257,19 @@ async def test_dry_run_rules(node: Node, case: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("failures", "needle"),
+    ("failures", "timeout", "needle"),
     [
-        ([500, 500, 500], "500"),
-        ([403], "403 Forbidden: fake failure 403"),
-        (["hang"], "no answer from 127.0.0.1"),
+        ([500, 500, 500], "1s", "500"),
+        ([403], "1s", "403 Forbidden: fake failure 403"),
+        (["hang"], "400ms", "no answer from 127.0.0.1"),
     ],
 )
-async def test_api_failure_is_an_error_result(node: Node, failures: list[int | str], needle: str) -> None:
+async def test_api_failure_is_an_error_result(
+    node: Node, failures: list[int | str], timeout: str, needle: str
+) -> None:
     node.kube.add_pod(sidecar_pod())
     node.kube.failures.extend(failures)
-    run = await run_plugin(node.env(), node.config(add_timeout="1s"))
+    run = await run_plugin(node.env(), node.config(add_timeout=timeout))
     assert run.code == 1, run.stdout
     assert run.json["code"] == 999 and needle in run.json["msg"], run.json
     assert run.seconds < 5, "the ADD deadline must bound the whole run"
