@@ -326,3 +326,63 @@ async def test_api_server_certificate_is_verified(node: Node, tmp_path: Path) ->
         "default", "app-1", deadline=time.monotonic() + 5
     )
     assert unverified["metadata"]["name"] == "app-1"
+
+
+# -- chained after Debian's bridge plugin, as a runtime chains them ---------------------------------
+
+BRIDGE = Path("/usr/lib/cni/bridge")
+
+
+async def _new_netns() -> tuple[asyncio.subprocess.Process, Path]:
+    """A network namespace held by a sleeping process (no /run/netns mount involved)."""
+    holder = await asyncio.create_subprocess_exec("unshare", "--net", "sleep", "60")
+    path = Path(f"/proc/{holder.pid}/ns/net")
+    for _ in range(200):  # until unshare has exec'd sleep in its new namespace
+        if os.stat(path).st_ino != os.stat("/proc/self/ns/net").st_ino:
+            return holder, path
+        await asyncio.sleep(0.005)
+    holder.kill()
+    raise AssertionError("unshare --net did not enter a new network namespace")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates network namespaces")
+@pytest.mark.skipif(
+    not BRIDGE.exists(), reason=f"{BRIDGE} missing: apt-get install containernetworking-plugins"
+)
+@pytest.mark.parametrize("version", ["1.0.0", "0.4.0"])
+async def test_chained_after_the_bridge_plugin(node: Node, tmp_path: Path, version: str) -> None:
+    """bridge + host-local set up a pod netns (inside a node netns the test creates); istio-cni,
+    given their result as prevResult, hands it on unchanged in the same cniVersion."""
+    node.kube.add_pod(sidecar_pod())
+    host, host_path = await _new_netns()
+    pod, pod_path = await _new_netns()
+    try:
+        bridge_conf = {
+            "cniVersion": version,
+            "name": "k8s-pod-network",
+            "type": "bridge",
+            "bridge": "cni0",
+            "isGateway": True,
+            "ipam": {"type": "host-local", "subnet": "10.244.1.0/24", "dataDir": str(tmp_path / "ipam")},
+        }
+        env = {**node.env(), "CNI_NETNS": str(pod_path), "CNI_PATH": str(BRIDGE.parent)}
+        process = await asyncio.create_subprocess_exec(
+            "nsenter",
+            f"--net={host_path}",
+            str(BRIDGE),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env},
+        )
+        out, _ = await process.communicate(json.dumps(bridge_conf).encode())
+        assert process.returncode == 0, out.decode()
+        bridge_result = json.loads(out)
+        assert bridge_result["ips"][0]["address"] == "10.244.1.2/24"
+        run = await run_plugin(env, node.config(cniVersion=version, prevResult=bridge_result))
+        assert run.code == 0, run.stdout + run.stderr
+        assert run.json == bridge_result
+        assert node.dry_run.exists()
+    finally:
+        for holder in (host, pod):
+            holder.kill()
+            await holder.wait()
