@@ -232,22 +232,17 @@ def _dns(rules: RuleSet, config: CaptureConfig, v4: _Family, v6: _Family) -> Non
     for family in (v4, v6):
         if config.capture_all_dns or family.dns_servers:
             rules.append("nat", OUTPUT, "-j", OUTPUT_DNS, v4=family.v4, v6=not family.v4)
-    if config.capture_all_dns:
-        rules.append("nat", OUTPUT_DNS, *tcp53, *to_agent_tcp)
-        rules.append("nat", OUTPUT_DNS, *udp53, *to_agent_udp)
-    else:
-        for family in (v4, v6):
-            for server in family.dns_servers:
-                dest = ("-d", f"{server}/{32 if family.v4 else 128}")
-                rules.append("nat", OUTPUT_DNS, *tcp53, *dest, *to_agent_tcp, v4=family.v4, v6=not family.v4)
-                rules.append("nat", OUTPUT_DNS, *udp53, *dest, *to_agent_udp, v4=family.v4, v6=not family.v4)
+    _to_agent(rules, config, v4, v6, tcp53, to_agent_tcp)
+    _to_agent(rules, config, v4, v6, udp53, to_agent_udp)
     for option, ids in (("--uid-owner", config.proxy_uid), ("--gid-owner", config.proxy_gid)):
         for owner in ids:
             rules.append("raw", OUTPUT_DNS, *udp53, "-m", "owner", option, owner, *zone1)
             rules.append(
                 "raw", OUTPUT_DNS, "-p", "udp", "--sport", DNS_PORT, "-m", "owner", option, owner, *zone2
             )
-    rules.append("raw", "PREROUTING", "-j", INBOUND)
+    for family in (v4, v6):
+        if config.capture_all_dns or family.dns_servers:
+            rules.append("raw", "PREROUTING", "-j", INBOUND, v4=family.v4, v6=not family.v4)
     if config.capture_all_dns:
         rules.append("raw", OUTPUT_DNS, *udp53, *zone2)
         rules.append("raw", INBOUND, "-p", "udp", "--sport", "53", *zone1)
@@ -269,6 +264,24 @@ def _dns(rules: RuleSet, config: CaptureConfig, v4: _Family, v6: _Family) -> Non
                 v4=family.v4,
                 v6=not family.v4,
             )
+
+
+def _to_agent(
+    rules: RuleSet,
+    config: CaptureConfig,
+    v4: _Family,
+    v6: _Family,
+    match: tuple[str, ...],
+    target: tuple[str, ...],
+) -> None:
+    """DNS of one protocol to the agent: to any server with capture-all, else to each known server."""
+    if config.capture_all_dns:
+        rules.append("nat", OUTPUT_DNS, *match, *target)
+        return
+    for family in (v4, v6):
+        for server in family.dns_servers:
+            dest = ("-d", f"{server}/{32 if family.v4 else 128}")
+            rules.append("nat", OUTPUT_DNS, *match, *dest, *target, v4=family.v4, v6=not family.v4)
 
 
 def _outbound_ranges(rules: RuleSet, config: CaptureConfig, family: _Family) -> None:
