@@ -20,8 +20,12 @@ TIMEOUT = 3.0
 
 
 def original_dst(conn: socket.socket) -> tuple[str, int]:
-    """Where the client meant to connect before REDIRECT rewrote it (netfilter's SO_ORIGINAL_DST)."""
-    raw = conn.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+    """Where the client meant to connect before REDIRECT rewrote it (netfilter's SO_ORIGINAL_DST);
+    without conntrack in this namespace (nothing redirected) the address it reached."""
+    try:
+        raw = conn.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+    except OSError:
+        return conn.getsockname()
     port, packed = struct.unpack_from("!2xH4s", raw)
     return socket.inet_ntoa(packed), port
 
