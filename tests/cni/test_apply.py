@@ -161,7 +161,7 @@ def test_a_config_iptables_refuses_is_caught_before_anything_is_written(
     apply_capture(ISTIO_INIT, netns=pod.path, backend=backend)
     before = state(backend, pod)
     _with_bad_rule(monkeypatch, BAD)
-    with pytest.raises(ApplyError, match="no_such_match"):
+    with pytest.raises(ApplyError, match=r"refuses the rules .*nothing was changed.*no_such_match"):
         apply_capture(dataclasses.replace(ISTIO_INIT, redirect_dns=True), netns=pod.path, backend=backend)
     assert state(backend, pod) == before
 

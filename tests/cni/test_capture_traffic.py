@@ -36,14 +36,21 @@ def apply(pod: Netns, config: CaptureConfig = SIDECAR) -> None:
     apply_capture(config, netns=pod.path, backend=detect(os.environ))
 
 
+def lands_on(listener: Netns, port: str, client: Netns, uid: int, host: str, dport: str) -> str:
+    """Where a connection from ``client`` (as ``uid``) to host:dport ends up: the line printed by the
+    listener on ``port`` in ``listener`` (``accepted <original ip> <original port>``). The listener
+    runs as the proxy's uid, except on a privileged port (the real destination's)."""
+    with peer(listener, PROXY if int(port) >= 1024 else APP, "listen", "tcp", port) as accepting:
+        assert run_peer(client, uid, "connect", "tcp", host, dport) == "connected"
+        return accepting.line()
+
+
 def test_the_apps_outbound_connection_lands_on_the_proxy_with_its_original_destination(
     pods: tuple[Netns, Netns],
 ) -> None:
     pod, _ = pods
     apply(pod)
-    with peer(pod, PROXY, "listen", "tcp", "15001") as proxy:
-        assert run_peer(pod, APP, "connect", "tcp", "1.2.3.4", "80") == "connected"
-        assert proxy.line() == "accepted 1.2.3.4 80"
+    assert lands_on(pod, "15001", pod, APP, "1.2.3.4", "80") == "accepted 1.2.3.4 80"
 
 
 def test_an_inbound_connection_lands_on_the_inbound_port_with_the_pod_address(
@@ -51,9 +58,7 @@ def test_an_inbound_connection_lands_on_the_inbound_port_with_the_pod_address(
 ) -> None:
     pod, other = pods
     apply(pod)
-    with peer(pod, PROXY, "listen", "tcp", "15006") as proxy:
-        assert run_peer(other, APP, "connect", "tcp", POD_IP, "8080") == "connected"
-        assert proxy.line() == f"accepted {POD_IP} 8080"
+    assert lands_on(pod, "15006", other, APP, POD_IP, "8080") == f"accepted {POD_IP} 8080"
 
 
 @pytest.mark.parametrize(
@@ -71,9 +76,7 @@ def test_traffic_that_must_bypass_the_proxy_reaches_the_real_destination(
 ) -> None:
     pod, other = pods
     apply(pod, config)
-    with peer(other, APP, "listen", "tcp", "80") as destination:
-        assert run_peer(pod, uid, "connect", "tcp", "1.2.3.4", "80") == "connected"
-        assert destination.line() == "accepted 1.2.3.4 80"
+    assert lands_on(other, "80", pod, uid, "1.2.3.4", "80") == "accepted 1.2.3.4 80"
 
 
 def test_dns_goes_to_the_agent_when_dns_capture_is_on(pods: tuple[Netns, Netns]) -> None:

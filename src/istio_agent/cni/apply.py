@@ -98,7 +98,7 @@ def apply_capture(
             raise ApplyError(str(err)) from None
         raise ApplyError(applier.roll_back(err)) from None
     saved = {}
-    for family in applier.available:
+    for family in (f for f in families if f in applier.available):
         try:
             saved[family] = chosen.save(family, netns=netns, deadline=budget)
         except CommandError as err:
@@ -208,7 +208,11 @@ class _Applier:
                 try:
                     canonical = self.backend.canonical(family, text, deadline=self.deadline)
                 except CommandError as err:
-                    raise ApplyError(str(err)) from None
+                    restore = self.backend.binary(family, "restore")
+                    raise ApplyError(
+                        f"{restore} refuses the rules (tried in an empty network namespace, nothing was"
+                        f" changed): {err.stderr or err.problem}"
+                    ) from None
                 expected = istio_portion(parse_save(canonical))
             if expected != current[family]:
                 self._write(family, _table_blocks(planned[family]), current[family])
