@@ -248,3 +248,51 @@ def test_ipv6_follows_the_namespace_addresses() -> None:
         # 10.77.0.2 comes first: single-stack decides IPv4, dual-stack sees the v6 address too
         assert not ipv6_enabled(addresses(pod6.path), dual_stack=False)
         assert ipv6_enabled(addresses(pod6.path), dual_stack=True)
+
+
+def test_a_foreign_rule_in_a_builtin_chain_is_no_reason_to_rewrite(
+    backend: Backend, pod: Netns, restores: list[str]
+) -> None:
+    apply_capture(ISTIO_INIT, netns=pod.path, backend=backend)
+    pod.exec(backend.binary("v4"), "-t", "nat", "-A", "OUTPUT", "-p", "udp", "--dport", "9", "-j", "ACCEPT")
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=backend).action == "unchanged"
+    assert len(restores) == 1
+
+
+def test_an_extra_rule_in_an_istio_chain_is_replaced_away(backend: Backend, pod: Netns) -> None:
+    """Istio reports a delta here and fails without --reconcile; the re-run repairs it instead."""
+    apply_capture(ISTIO_INIT, netns=pod.path, backend=backend)
+    extra = ["-t", "nat", "-A", "ISTIO_INBOUND", "-p", "tcp", "--dport", "7777", "-j", "RETURN"]
+    pod.exec(backend.binary("v4"), *extra)
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=backend).action == "replaced"
+    assert istio_portion(state(backend, pod)) == expected(backend, ISTIO_INIT)
+
+
+def test_mixed_families_foreign_v6_rule_stays_and_stale_v6_istio_rules_go(
+    backend: Backend, pod: Netns
+) -> None:
+    ip6 = backend.binary("v6")
+    pod.exec(ip6, "-t", "nat", "-A", "OUTPUT", "-p", "udp", "--dport", "9", "-j", "ACCEPT")
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=backend).action == "applied"
+    assert state(backend, pod, "v6") == {"nat": {"OUTPUT": ["-p udp -m udp --dport 9 -j ACCEPT"]}}
+
+    pod.exec(ip6, "-t", "nat", "-N", "ISTIO_INBOUND")
+    pod.exec(ip6, "-t", "nat", "-A", "ISTIO_INBOUND", "-p", "tcp", "--dport", "15008", "-j", "RETURN")
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=backend).action == "replaced"
+    assert state(backend, pod, "v6") == {"nat": {"OUTPUT": ["-p udp -m udp --dport 9 -j ACCEPT"]}}
+    assert istio_portion(state(backend, pod)) == expected(backend, ISTIO_INIT)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoIp6tables(Backend):
+    """The backend of a node without ip6tables."""
+
+    def binary(self, family: str, tool: str = "") -> str:
+        return "ip6tables-missing" if family == "v6" else super().binary(family, tool)
+
+
+def test_a_missing_ip6tables_is_fatal_only_with_ipv6_on(backend: Backend, pod: Netns) -> None:
+    no_v6 = _NoIp6tables(backend.flavor, backend.version)
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=no_v6).action == "applied"
+    with pytest.raises(ApplyError, match="ip6tables-missing .*No such file or directory"):
+        apply_capture(dataclasses.replace(ISTIO_INIT, enable_ipv6=True), netns=pod.path, backend=no_v6)
