@@ -38,7 +38,7 @@ RICH = CaptureConfig(
 @pytest.fixture(params=["legacy", "nft"])
 def backend(request: pytest.FixtureRequest) -> Backend:
     try:
-        return probe(request.param)[0]
+        return probe(request.param)
     except CommandError as err:
         pytest.skip(f"iptables-{request.param} is not usable here: {err}")
 
@@ -294,5 +294,5 @@ class _NoIp6tables(Backend):
 def test_a_missing_ip6tables_is_fatal_only_with_ipv6_on(backend: Backend, pod: Netns) -> None:
     no_v6 = _NoIp6tables(backend.flavor, backend.version)
     assert apply_capture(ISTIO_INIT, netns=pod.path, backend=no_v6).action == "applied"
-    with pytest.raises(ApplyError, match="ip6tables-missing .*No such file or directory"):
+    with pytest.raises(ApplyError, match=r"ip6tables-missing .*No such file or directory"):
         apply_capture(dataclasses.replace(ISTIO_INIT, enable_ipv6=True), netns=pod.path, backend=no_v6)

@@ -104,15 +104,13 @@ def lock_env(netns: Path | None) -> dict[str, str] | None:
     return {**os.environ, "XTABLES_LOCKFILE": str(netns)}
 
 
-def probe(flavor: str, family: str = "v4", *, deadline: Deadline = NO_DEADLINE) -> tuple[Backend, str]:
-    """The backend if ``flavor``'s save command runs here, with what it printed (the existing rules)."""
-    backend = Backend(flavor, Version((), False))
-    saved = run([backend.binary(family, "save")], deadline=deadline)
+def probe(flavor: str, family: str = "v4", *, deadline: Deadline = NO_DEADLINE) -> Backend:
+    """The backend if ``flavor``'s binaries run here (``<binary>-save --version``), with its version."""
+    argv = [Backend(flavor, Version((), False)).binary(family, "save"), "--version"]
     try:
-        version = parse_version(run([backend.binary(family, "save"), "--version"], deadline=deadline))
+        return Backend(flavor, parse_version(run(argv, deadline=deadline)))
     except ValueError as err:
-        raise CommandError([backend.binary(family, "save"), "--version"], str(err)) from None
-    return Backend(flavor, version), saved
+        raise CommandError(argv, str(err)) from None
 
 
 def detect(env: Mapping[str, str], *, deadline: Deadline = NO_DEADLINE) -> Backend:
@@ -122,20 +120,19 @@ def detect(env: Mapping[str, str], *, deadline: Deadline = NO_DEADLINE) -> Backe
         raise ConfigError(f"invalid value {forced!r} for FORCE_IPTABLES_BINARY: must be legacy or nft")
     if forced:
         try:
-            return probe(forced, deadline=deadline)[0]
+            return probe(forced, deadline=deadline)
         except CommandError as err:
             raise ConfigError(f"FORCE_IPTABLES_BINARY={forced}, but it is not usable: {err}") from None
     problems = []
     for flavor in FLAVORS:
         try:
-            backend, saved = probe(flavor, deadline=deadline)
+            if flavor == "legacy":
+                saved = run(["iptables-legacy-save"], deadline=deadline)
+                if len(saved.splitlines()) < 3:
+                    continue  # usable, but the node's rules live elsewhere: nft, or plain iptables
+            return probe(flavor, deadline=deadline)
         except CommandError as err:
             problems.append(str(err))
-            continue
-        rule_lines = len(saved.splitlines())
-        if flavor == "legacy" and rule_lines < 3:
-            continue  # usable, but the node's rules live elsewhere: nft, or plain iptables
-        return backend
     raise ConfigError("no usable iptables binary: " + "; ".join(problems))
 
 
