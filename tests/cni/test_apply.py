@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -296,3 +297,16 @@ def test_a_missing_ip6tables_is_fatal_only_with_ipv6_on(backend: Backend, pod: N
     assert apply_capture(ISTIO_INIT, netns=pod.path, backend=no_v6).action == "applied"
     with pytest.raises(ApplyError, match=r"ip6tables-missing .*No such file or directory"):
         apply_capture(dataclasses.replace(ISTIO_INIT, enable_ipv6=True), netns=pod.path, backend=no_v6)
+
+
+def _detected_in(space: Netns, **env: str) -> str:
+    code = "import os; from istio_agent.cni.iptables import detect; print(detect(os.environ).flavor)"
+    return space.exec("env", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-c", code).strip()
+
+
+def test_the_backend_is_the_one_holding_the_nodes_rules(pod: Netns) -> None:
+    """Detection runs in the namespace it is called from (the node's, for the plugin)."""
+    assert _detected_in(pod) == "nft"  # no legacy rules: the default
+    pod.exec("iptables-legacy", "-t", "nat", "-A", "OUTPUT", "-p", "udp", "--dport", "9", "-j", "ACCEPT")
+    assert _detected_in(pod) == "legacy"
+    assert _detected_in(pod, FORCE_IPTABLES_BINARY="nft") == "nft"

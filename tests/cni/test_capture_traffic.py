@@ -61,6 +61,18 @@ def test_an_inbound_connection_lands_on_the_inbound_port_with_the_pod_address(
     assert lands_on(pod, "15006", other, APP, POD_IP, "8080") == f"accepted {POD_IP} 8080"
 
 
+def test_tproxy_inbound_keeps_the_original_destination_on_a_transparent_listener(
+    pods: tuple[Netns, Netns],
+) -> None:
+    """TPROXY delivers without NAT, through the fwmark route table: the proxy's transparent socket
+    (root here for IP_TRANSPARENT; Envoy has CAP_NET_ADMIN) sees the pod address as its own."""
+    pod, other = pods
+    apply(pod, dataclasses.replace(SIDECAR, mode="TPROXY"))
+    with peer(pod, APP, "listen", "tproxy", "15006") as proxy:
+        assert run_peer(other, APP, "connect", "tcp", POD_IP, "8080") == "connected"
+        assert proxy.line() == f"accepted {POD_IP} 8080"
+
+
 @pytest.mark.parametrize(
     ("uid", "config"),
     [

@@ -2,6 +2,8 @@
 
     listen tcp PORT      print "ready", accept one connection, print "accepted <orig-ip> <orig-port>"
     listen udp PORT      print "ready", receive one datagram, print "received <payload>"
+    listen tproxy PORT   as tcp, on a transparent socket (IP_TRANSPARENT, as Envoy in TPROXY mode):
+                         the accepted connection's local address is the original destination
     connect tcp HOST PORT    print "connected" or "failed <error>"
     send udp HOST PORT TEXT  send one datagram
 
@@ -16,6 +18,7 @@ import struct
 import sys
 
 SO_ORIGINAL_DST = 80
+IP_TRANSPARENT = 19
 TIMEOUT = 3.0
 
 
@@ -33,16 +36,18 @@ def original_dst(conn: socket.socket) -> tuple[str, int]:
 def main(argv: list[str]) -> None:
     verb, proto, *rest = argv
     if verb == "listen":
-        kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
+        kind = socket.SOCK_DGRAM if proto == "udp" else socket.SOCK_STREAM
         server = socket.socket(socket.AF_INET, kind)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if proto == "tproxy":
+            server.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
         server.bind(("0.0.0.0", int(rest[0])))
         server.settimeout(TIMEOUT)
-        if proto == "tcp":
+        if kind == socket.SOCK_STREAM:
             server.listen(1)
         print("ready", flush=True)
         try:
-            if proto == "tcp":
+            if kind == socket.SOCK_STREAM:
                 conn, _ = server.accept()
                 print("accepted {} {}".format(*original_dst(conn)), flush=True)
             else:

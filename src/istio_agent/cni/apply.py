@@ -144,6 +144,13 @@ def removal(portion: Mapping[str, list[str]]) -> list[str]:
     return lines
 
 
+def _parse(saved: str) -> Tables:
+    try:
+        return parse_save(saved)
+    except ValueError as err:
+        raise ApplyError(f"cannot read the iptables-save output: {err}") from None
+
+
 def _table_blocks(rules: list[Rule]) -> dict[str, list[str]]:
     """The rendered restore lines of each table, without the ``*table`` and ``COMMIT`` lines."""
     blocks = {}
@@ -192,7 +199,7 @@ class _Applier:
                 log.info("skipping %s: %s", family, err)
                 continue
             self.available.append(family)
-        current = {family: istio_portion(parse_save(self.before[family])) for family in self.available}
+        current = {family: istio_portion(_parse(self.before[family])) for family in self.available}
         if not any(current.values()):
             if cleanup_only:
                 return "clean"
@@ -213,7 +220,7 @@ class _Applier:
                         f"{restore} refuses the rules (tried in an empty network namespace, nothing was"
                         f" changed): {err.stderr or err.problem}"
                     ) from None
-                expected = istio_portion(parse_save(canonical))
+                expected = istio_portion(_parse(canonical))
             if expected != current[family]:
                 self._write(family, _table_blocks(planned[family]), current[family])
                 changed = True
