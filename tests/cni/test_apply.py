@@ -310,3 +310,8 @@ def test_the_backend_is_the_one_holding_the_nodes_rules(pod: Netns) -> None:
     pod.exec("iptables-legacy", "-t", "nat", "-A", "OUTPUT", "-p", "udp", "--dport", "9", "-j", "ACCEPT")
     assert _detected_in(pod) == "legacy"
     assert _detected_in(pod, FORCE_IPTABLES_BINARY="nft") == "nft"
+
+
+def test_cleanup_in_a_vanished_namespace_is_an_error_not_clean(backend: Backend) -> None:
+    with pytest.raises(ApplyError, match="does not exist"):
+        apply_capture(ISTIO_INIT, netns=Path("/run/netns/ia-gone"), backend=backend, cleanup_only=True)

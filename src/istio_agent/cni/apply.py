@@ -76,11 +76,9 @@ def apply_capture(
     budget = Deadline(deadline)
     try:
         chosen = backend or detect(os.environ if env is None else env, deadline=budget)
-    except CommandError as err:
+        rules = build(config)
+    except (CommandError, ConfigError) as err:
         raise ApplyError(str(err)) from None
-    except ConfigError as err:
-        raise ApplyError(str(err)) from None
-    rules = build(config)
     planned = {"v4": rules.v4, "v6": rules.v6 if config.enable_ipv6 else []}
     if cleanup_only:
         planned = {"v4": [], "v6": []}
@@ -194,7 +192,7 @@ class _Applier:
             try:
                 self.before[family] = self.backend.save(family, netns=self.netns, deadline=self.deadline)
             except CommandError as err:
-                if planned[family]:
+                if family == "v4" or planned[family]:  # v6 may be missing on an IPv4-only node
                     raise ApplyError(str(err)) from None
                 log.info("skipping %s: %s", family, err)
                 continue
