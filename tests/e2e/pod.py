@@ -523,7 +523,9 @@ class Pod:
             lines.append(f"mount --bind {q(str(source))} {q(target)}")
             if read_only:
                 lines.append(f"mount -o remount,bind,ro {q(target)}")
-        lines += [f"mount -o remount,bind,ro {q(point)}" for point in [*_writable_system_mounts(), *overlays]]
+        # a host mount under an overlaid directory (/run/netns under /run) is hidden by the overlay
+        shown = [p for p in _writable_system_mounts() if not any(p.startswith(d + "/") for d in overlays)]
+        lines += [f"mount -o remount,bind,ro {q(point)}" for point in [*shown, *overlays]]
         lines += [f"echo ready >&{ready_fd}", f'exec "$@" 2>&1 {ready_fd}>&-']
         script = "\n".join(lines) + "\n"
         (workdir / "setup.sh").write_text(script)

@@ -515,11 +515,14 @@ def _capture_flags(command: Callable[..., None]) -> Callable[..., None]:
 @main.command("istio-iptables", cls=_StrictCommand)
 @_capture_flags
 @_log_flags
-def istio_iptables(**options: object) -> None:
+def istio_iptables(log_output_level: str | None, log_as_json: bool | None, **options: object) -> None:
     """Sets up the sidecar's traffic capture (Istio's istio-iptables); --dry-run prints the rules.
 
-    Only generation works yet: without --dry-run it fails rather than pretend to have applied anything.
+    Applies them in the current network namespace, --cleanup-only removes them, --run-validation
+    checks that traffic is captured (exit 126 if not).
     """
+    from istio_agent.cni import command
+    from istio_agent.cni.apply import ApplyError
     from istio_agent.cni.capture_config import FLAGS, read_capture_config, read_run_mode
     from istio_agent.cni.rules import render_families
 
@@ -535,17 +538,23 @@ def istio_iptables(**options: object) -> None:
             config = dataclasses.replace(config, dns_servers=_resolv_conf_servers())
         if mode.skip_rule_apply and not mode.run_validation:
             return
-        if mode.run_validation:
-            _fail("--run-validation is not implemented yet")
-        if not mode.dry_run:
-            _fail("applying rules is not implemented yet; use --dry-run")
-        if mode.cleanup_only:
-            _fail("--cleanup-only is not implemented yet")
-        v4, v6 = render_families(config)
-    except ConfigError as err:
+        if mode.dry_run:
+            v4, v6 = render_families(config)
+            sys.stdout.write(v4 + (v6 or ""))
+            sys.stdout.flush()
+            return
+        ctx = click.get_current_context()
+        levels, as_json = (
+            log_output_level or ctx.obj["log_output_level"],
+            bool(log_as_json) or ctx.obj["log_as_json"],
+        )
+        configure(levels, as_json, stream=sys.stdout)
+        status = command.run(config, mode, os.environ)
+    except ValueError as err:  # ConfigError, or a bad --log_output_level
         _fail(str(err))
-    sys.stdout.write(v4 + (v6 or ""))
-    sys.stdout.flush()
+    except ApplyError as err:
+        _fail(str(err))
+    sys.exit(status)
 
 
 def _resolv_conf_servers() -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from istio_agent.config.env import ConfigError, Env, out_of_range, parse_go_bool, parse_go_int
+from istio_agent.config.env import parse_go_duration as go_duration
 
 WILDCARD = "*"
 MODES = ("REDIRECT", "TPROXY")
@@ -64,6 +65,8 @@ FLAGS = (
     Flag("skip-rule-apply", "", "false", "do not apply rules", boolean=True),
     Flag("run-validation", "", "false", "validate that traffic is captured", boolean=True),
     Flag("cleanup-only", "", "false", "remove the rules and stop", boolean=True),
+    Flag("iptables-probe-port", "", "15002", "port --run-validation dials to see it captured"),
+    Flag("probe-timeout", "", "5s", "how long --run-validation tries (Go duration)"),
 )
 ENV_DEFAULTS = {
     "redirect-dns": "ISTIO_META_DNS_CAPTURE",
@@ -81,6 +84,8 @@ class RunMode:
     skip_rule_apply: bool
     run_validation: bool
     cleanup_only: bool
+    probe_port: int = 15002
+    probe_timeout: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -288,10 +293,17 @@ def usable_dns_servers(hosts: Iterable[str]) -> tuple[str, ...]:
 
 
 def read_run_mode(given: Mapping[str, str | None], env: Env) -> RunMode:
-    """--dry-run, --skip-rule-apply, --run-validation and --cleanup-only, flag or env."""
+    """--dry-run, --skip-rule-apply, --run-validation, --cleanup-only and the probe's port and timeout."""
     read = _Reader(given, env)
     names = ("dry-run", "skip-rule-apply", "run-validation", "cleanup-only")
-    return RunMode(*(read.boolean(name) for name in names))
+    port_raw, port_source = read.raw("iptables-probe-port")
+    timeout_raw, timeout_source = read.raw("probe-timeout")
+    try:
+        timeout = go_duration(timeout_raw.strip()).total_seconds()
+    except ValueError as err:
+        raise ConfigError(f"invalid value {timeout_raw!r} for {timeout_source}: {err}") from None
+    dry_run, skip, validation, cleanup = (read.boolean(name) for name in names)
+    return RunMode(dry_run, skip, validation, cleanup, _port(port_source, port_raw.strip()), timeout)
 
 
 def _loopback_cidr(raw: str) -> str:

@@ -1,0 +1,254 @@
+"""Applying the sidecar rule set in a network namespace: the one entry of the plugin and the CLI.
+
+Compared with istio-iptables (``tools/istio-iptables/pkg/capture/run.go``, ``VerifyIptablesState``):
+
+- the state check compares the installed Istio rules with the config's rules in iptables-save form
+  (one throwaway namespace gives that form, see ``Backend.canonical``) instead of one ``iptables -C``
+  per rule; an identical re-run executes no restore at all;
+- a different config *replaces* the old Istio rules, where Istio (without ``--reconcile``) fails; the
+  removal of the old rules and the new rules are one ``iptables-restore`` transaction per table, so
+  there is no moment without capture and no need for Istio's temporary DROP guardrails;
+- a failure rolls every family back to the rules it had before (the saved tables, restored as they
+  were), so nothing is left half-applied, and the error names the command and its stderr.
+
+What counts as Istio's in a pod's namespace: every ``ISTIO_*`` chain, and in the built-in chains the
+rules that jump to one, plus the shapes Istio writes there without a jump (``-i/-o <iface> -j
+RETURN``, the TPROXY ``MARK``/``CONNMARK`` rules and the ``--mark`` RETURN). Other rules are left alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from istio_agent.cni import tproxy_routes
+from istio_agent.cni.capture_config import CaptureConfig
+from istio_agent.cni.iptables import Backend, Tables, detect, parse_save
+from istio_agent.cni.netns import CommandError, Deadline
+from istio_agent.cni.rules import BUILTIN, Rule, build, render
+from istio_agent.config.env import ConfigError
+from istio_agent.log import scope
+
+log = scope("cni")
+FAMILIES = ("v4", "v6")
+ISTIO_PREFIX = "ISTIO_"
+ROLLBACK_SECONDS = 5.0
+"""Undoing a failed write gets its own budget: it must run even when the caller's is spent."""
+
+
+class ApplyError(Exception):
+    """Applying failed; the message names the failing command and its stderr, and the rollback."""
+
+
+@dataclass(frozen=True)
+class ApplyOutcome:
+    """What happened: ``applied`` (fresh), ``unchanged`` (identical re-run: nothing executed),
+    ``replaced`` (old Istio rules swapped for the config's), ``cleaned`` (cleanup-only removed them)
+    or ``clean`` (cleanup-only found nothing)."""
+
+    action: str
+    backend: Backend
+    saved: dict[str, str] = field(default_factory=dict)
+    """iptables-save of each family afterwards, for the log (istio-iptables prints it at the end)."""
+
+    @property
+    def changed(self) -> bool:
+        return self.action in ("applied", "replaced", "cleaned")
+
+
+def apply_capture(
+    config: CaptureConfig,
+    *,
+    netns: Path | None = None,
+    cleanup_only: bool = False,
+    deadline: float | None = None,
+    backend: Backend | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ApplyOutcome:
+    """Make ``netns`` (default: the current namespace) hold exactly the config's Istio rules.
+
+    ``deadline`` is a ``time.monotonic()`` instant (the plugin's ADD deadline): every command gets
+    only what is left of it. ``backend`` defaults to the one detected in the *current* namespace
+    (the node's, for the plugin). IPv6 rules are written only when ``config.enable_ipv6``.
+    """
+    budget = Deadline(deadline)
+    try:
+        chosen = backend or detect(os.environ if env is None else env, deadline=budget)
+        rules = build(config)
+    except (CommandError, ConfigError) as err:
+        raise ApplyError(str(err)) from None
+    planned = {"v4": rules.v4, "v6": rules.v6 if config.enable_ipv6 else []}
+    if cleanup_only:
+        planned = {"v4": [], "v6": []}
+    applier = _Applier(chosen, netns, budget)
+    action = applier.rules(planned, cleanup_only=cleanup_only)
+    families = ("v4", "v6") if config.enable_ipv6 else ("v4",)
+    mark, table = config.tproxy_mark, config.tproxy_route_table
+    try:
+        if cleanup_only or (action == "replaced" and not config.tproxy):
+            tproxy_routes.remove(FAMILIES, mark, table, netns=netns, deadline=budget)
+        if not cleanup_only:
+            tproxy_routes.ensure(families, mark, table, tproxy=config.tproxy, netns=netns, deadline=budget)
+    except CommandError as err:
+        if action == "unchanged":
+            raise ApplyError(str(err)) from None
+        raise ApplyError(applier.roll_back(err)) from None
+    saved = {}
+    for family in (f for f in families if f in applier.available):
+        try:
+            saved[family] = chosen.save(family, netns=netns, deadline=budget)
+        except CommandError as err:
+            log.warning("could not read back the rules: %s", err)
+    return ApplyOutcome(action, chosen, saved)
+
+
+def istio_portion(tables: Tables) -> Tables:
+    """Only Istio's part of a parsed save: its chains whole, its rules in the built-in chains."""
+    portion: Tables = {}
+    for table, chains in tables.items():
+        for chain, rules in chains.items():
+            if chain.startswith(ISTIO_PREFIX):
+                portion.setdefault(table, {})[chain] = list(rules)
+            elif chain in BUILTIN:
+                owned = [rule for rule in rules if istio_owned(rule)]
+                if owned:
+                    portion.setdefault(table, {})[chain] = owned
+    return portion
+
+
+def istio_owned(rule: str) -> bool:
+    """Whether a rule of a built-in chain (iptables-save form) is one istio-iptables writes there."""
+    tokens = rule.split()
+    if "-j" not in tokens[:-1]:
+        return False
+    at = len(tokens) - 1 - tokens[::-1].index("-j")
+    target, matches = tokens[at + 1], tokens[:at]
+    if target.startswith(ISTIO_PREFIX) or target in ("MARK", "CONNMARK"):
+        return True
+    if target != "RETURN":
+        return False
+    interface_only = len(matches) == 2 and matches[0] in ("-i", "-o")
+    return interface_only or "--mark" in matches
+
+
+def removal(portion: Mapping[str, list[str]]) -> list[str]:
+    """restore lines taking one table's Istio portion away: its rules in built-ins, then its chains."""
+    lines = [f"-D {chain} {rule}" for chain, rules in portion.items() if chain in BUILTIN for rule in rules]
+    istio = [chain for chain in portion if chain.startswith(ISTIO_PREFIX)]
+    lines += [f"-F {chain}" for chain in istio]
+    lines += [f"-X {chain}" for chain in istio]
+    return lines
+
+
+def _parse(saved: str) -> Tables:
+    try:
+        return parse_save(saved)
+    except ValueError as err:
+        raise ApplyError(f"cannot read the iptables-save output: {err}") from None
+
+
+def _table_blocks(rules: list[Rule]) -> dict[str, list[str]]:
+    """The rendered restore lines of each table, without the ``*table`` and ``COMMIT`` lines."""
+    blocks = {}
+    for table in sorted({rule.table for rule in rules}):
+        lines = render([rule for rule in rules if rule.table == table]).splitlines()
+        blocks[table] = lines[1:-1]
+    return blocks
+
+
+def _saved_tables(text: str, tables: set[str]) -> str:
+    """The given tables of an iptables-save output, as restore input; absent tables come back empty."""
+    out: list[str] = []
+    current: str | None = None
+    for line in text.splitlines():
+        if line.startswith("*"):
+            current = line[1:].strip()
+        if current in tables and not line.startswith("#"):
+            out.append(line)
+        if line.strip() == "COMMIT":
+            current = None
+    present = {line[1:].strip() for line in out if line.startswith("*")}
+    for table in sorted(tables - present):
+        out += [f"*{table}", "COMMIT"]
+    return "".join(f"{line}\n" for line in out)
+
+
+class _Applier:
+    """One apply: the state before, the writes made so far, and how to undo them."""
+
+    def __init__(self, backend: Backend, netns: Path | None, deadline: Deadline) -> None:
+        self.backend = backend
+        self.netns = netns
+        self.deadline = deadline
+        self.before: dict[str, str] = {}
+        self.available: list[str] = []
+        self.touched: dict[str, set[str]] = {}
+
+    def rules(self, planned: dict[str, list[Rule]], *, cleanup_only: bool) -> str:
+        """Write what differs; returns the action (see ApplyOutcome)."""
+        for family in FAMILIES:
+            try:
+                self.before[family] = self.backend.save(family, netns=self.netns, deadline=self.deadline)
+            except CommandError as err:
+                if family == "v4" or planned[family]:  # v6 may be missing on an IPv4-only node
+                    raise ApplyError(str(err)) from None
+                log.info("skipping %s: %s", family, err)
+                continue
+            self.available.append(family)
+        current = {family: istio_portion(_parse(self.before[family])) for family in self.available}
+        if not any(current.values()):
+            if cleanup_only:
+                return "clean"
+            for family in self.available:
+                if planned[family]:
+                    self._write(family, _table_blocks(planned[family]), {})
+            return "applied"
+        changed = False
+        for family in self.available:
+            expected: Tables = {}
+            if planned[family]:
+                text = render(planned[family])
+                try:
+                    canonical = self.backend.canonical(family, text, deadline=self.deadline)
+                except CommandError as err:
+                    restore = self.backend.binary(family, "restore")
+                    raise ApplyError(
+                        f"{restore} refuses the rules (tried in an empty network namespace, nothing was"
+                        f" changed): {err.stderr or err.problem}"
+                    ) from None
+                expected = istio_portion(_parse(canonical))
+            if expected != current[family]:
+                self._write(family, _table_blocks(planned[family]), current[family])
+                changed = True
+        if not changed:
+            return "unchanged"
+        return "cleaned" if cleanup_only else "replaced"
+
+    def _write(self, family: str, blocks: dict[str, list[str]], old: Tables) -> None:
+        """One restore per family: per table, the old Istio portion out and the new rules in."""
+        lines = []
+        for table in sorted(set(blocks) | set(old)):
+            lines += [f"*{table}", *removal(old.get(table, {})), *blocks.get(table, []), "COMMIT"]
+        self.touched[family] = set(blocks) | set(old)
+        try:
+            self.backend.restore(
+                family, "".join(f"{line}\n" for line in lines), netns=self.netns, deadline=self.deadline
+            )
+        except CommandError as err:
+            raise ApplyError(self.roll_back(err)) from None
+
+    def roll_back(self, cause: CommandError) -> str:
+        """Restore every table written so far as it was; the message for the error to raise."""
+        problems = []
+        grace = Deadline.after(ROLLBACK_SECONDS)
+        for family, tables in self.touched.items():
+            text = _saved_tables(self.before[family], tables)
+            try:
+                self.backend.restore(family, text, flush=True, netns=self.netns, deadline=grace)
+            except CommandError as err:
+                problems.append(str(err))
+        if problems:
+            return f"{cause}; rolling back failed too: {'; '.join(problems)}"
+        return f"{cause}; the rules before were restored"

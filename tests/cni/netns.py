@@ -1,0 +1,121 @@
+"""Network namespaces for the CNI tests: a "pod" with lo up, optionally wired to a "peer" by a veth.
+
+Names are unique per process and call (``ia-<pid>-<n>-<role>``) and every namespace is deleted on
+exit, even when the test fails. Root only: ``needs_root`` skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None,
+    reason="needs root and iproute2 to create network namespaces (CI runs as root)",
+)
+POD_IP, PEER_IP = "10.77.0.2", "10.77.0.1"
+_counter = itertools.count()
+
+
+def sh(*argv: str, input: str | None = None) -> str:
+    """Run a command, failing the test with its stderr if it fails."""
+    done = subprocess.run(argv, input=input, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+@dataclass(frozen=True)
+class Netns:
+    name: str
+
+    @property
+    def path(self) -> Path:
+        return Path("/run/netns") / self.name
+
+    def exec(self, *argv: str, input: str | None = None) -> str:
+        return sh("ip", "netns", "exec", self.name, *argv, input=input)
+
+    def ip(self, *args: str) -> str:
+        return sh("ip", "-n", self.name, *args)
+
+
+@contextmanager
+def netns(role: str = "pod") -> Iterator[Netns]:
+    """A fresh namespace with lo up, deleted afterwards whatever happens."""
+    name = f"ia-{os.getpid()}-{next(_counter)}-{role}"
+    sh("ip", "netns", "add", name)
+    try:
+        space = Netns(name)
+        space.ip("link", "set", "lo", "up")
+        yield space
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+
+
+@contextmanager
+def pod_and_peer(*, ipv6: bool = False) -> Iterator[tuple[Netns, Netns]]:
+    """A pod (10.77.0.2/24, default route via the peer) and a peer (10.77.0.1/24) joined by a veth.
+
+    With ``ipv6`` both ends also get fd77::2/64 and fd77::1/64 (nodad: usable at once).
+    """
+    with ExitStack() as stack:
+        pod = stack.enter_context(netns("pod"))
+        peer = stack.enter_context(netns("peer"))
+        sh("ip", "link", "add", "eth0", "netns", pod.name, "type", "veth", "peer", "eth0", "netns", peer.name)
+        for space, address in ((pod, POD_IP), (peer, PEER_IP)):
+            space.ip("address", "add", f"{address}/24", "dev", "eth0")
+            if ipv6:
+                suffix = "2" if space is pod else "1"
+                space.ip("address", "add", f"fd77::{suffix}/64", "dev", "eth0", "nodad")
+            space.ip("link", "set", "eth0", "up")
+        pod.ip("route", "add", "default", "via", PEER_IP)
+        yield pod, peer
+
+
+PEER_SCRIPT = Path(__file__).with_name("traffic_peer.py")
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@dataclass
+class Peer:
+    """A running traffic_peer.py; ``line()`` is its next line of output (it times out by itself)."""
+
+    process: subprocess.Popen[str]
+
+    def line(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+
+@contextmanager
+def peer(space: Netns, uid: int, *args: str) -> Iterator[Peer]:
+    """traffic_peer.py inside ``space`` as ``uid``; a listener has printed "ready" when this yields."""
+    argv = ["ip", "netns", "exec", space.name, "setpriv", f"--reuid={uid}", f"--regid={uid}"]
+    argv += ["--clear-groups", SYSTEM_PYTHON, "-I", "-S", str(PEER_SCRIPT), *args]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    running = Peer(process)
+    try:
+        if args[0] == "listen":
+            ready = running.line()
+            assert ready == "ready", (
+                f"{args} did not start: {ready!r} {process.stderr.read() if process.stderr else ''}"
+            )
+        yield running
+    finally:
+        process.kill()
+        process.wait()
+
+
+def run_peer(space: Netns, uid: int, *args: str) -> str:
+    """Run a one-shot traffic_peer.py command (connect, send) and return what it printed."""
+    with peer(space, uid, *args) as client:
+        return client.line()
