@@ -229,3 +229,17 @@ def chain_problem(path: Path, document: Any) -> str | None:
     if problem is None and "plugins" not in document:
         problem = "its plugins are in a plugin directory, which install-cni cannot chain into"
     return problem
+
+
+def load_chained(path: Path) -> tuple[Any, str | None]:
+    """The file's document and why it is corrupt or unusable for chaining (None when it is fine)."""
+    try:
+        document = read_document(path)
+    except CniConfigError as err:
+        return None, str(err)
+    return document, chain_problem(path, document)
+
+
+def corrupt_reason(path: Path, problem: str) -> str:
+    """The log line and readiness reason for a corrupt file left alone."""
+    return f"CNI config file {path} is corrupt and left alone until it is fixed: {problem}"

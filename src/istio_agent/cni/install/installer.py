@@ -189,7 +189,7 @@ class Installer:
         if verdict.check is Check.CORRUPT:
             self._block(CORRUPT, verdict.reason)
             return
-        if verdict.repair and self._guard_says_wait(verdict):
+        if verdict.repair and self._guard_says_wait():
             return
         log.info("configuration requires updates, (re)writing CNI config file: %s", verdict.reason)
         path = await self.create_config_file()
@@ -198,7 +198,7 @@ class Installer:
             self._unblock()
             log.info("Istio CNI configuration and binaries validated/reinstalled")
 
-    def _guard_says_wait(self, verdict: Verdict) -> bool:
+    def _guard_says_wait(self) -> bool:
         """Whether the conflict guard holds the repair back (and, the first time, why)."""
         remaining = self._guard.remaining()
         if remaining > 0:
@@ -212,8 +212,8 @@ class Installer:
             hint = " Hint: Cilium is writing it; set 'cni.exclusive=false' in the Cilium configuration."
         self._block(
             CONFLICT,
-            f"another component keeps rewriting the CNI config {self.config_path} without istio-cni "
-            f"({verdict.reason}); not fighting it: no rewrite for {goformat.duration(backoff)}.{hint}",
+            f"another component keeps rewriting the CNI config {self.config_path} without istio-cni; "
+            f"not fighting it: no rewrite for {goformat.duration(backoff)}.{hint}",
         )
         return True
 
@@ -262,18 +262,11 @@ class Installer:
         candidate = current
         if candidate is None and chained and not self._auto:
             candidate = conffiles.resolve_name(directory, settings.cni_conf_name)
-        document = None
+        document: object = None
         if chained and candidate is not None and candidate.exists():
-            try:
-                document = conffiles.read_document(candidate)
-                problem = conffiles.chain_problem(candidate, document)
-            except CniConfigError as err:
-                problem = str(err)
+            document, problem = conffiles.load_chained(candidate)
             if problem is not None:
-                return Verdict(
-                    Check.CORRUPT,
-                    f"CNI config file {candidate} is corrupt and left alone until it is fixed: {problem}",
-                )
+                return Verdict(Check.CORRUPT, conffiles.corrupt_reason(candidate, problem))
         if current is None:
             return Verdict(Check.REWRITE, "the CNI config is not installed yet")
         try:
@@ -332,16 +325,10 @@ class Installer:
             log.info("created CNI config %s", path)
             return path
         path = await self._chain_target()
-        try:
-            document = conffiles.read_document(path)
-            problem = conffiles.chain_problem(path, document)
-        except CniConfigError as err:
-            problem = str(err)
+        document, problem = conffiles.load_chained(path)
         if problem is not None:
             # Only a file we had not chosen yet can be corrupt here (kubelet skipped it too): a named one.
-            self._block(
-                CORRUPT, f"CNI config file {path} is corrupt and left alone until it is fixed: {problem}"
-            )
+            self._block(CORRUPT, conffiles.corrupt_reason(path, problem))
             return None
         chained = conffiles.insert_entry(document, self._entry)
         mode = stat.S_IMODE(path.stat().st_mode)
