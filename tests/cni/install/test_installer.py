@@ -309,3 +309,15 @@ async def test_health_readiness_and_metrics_over_http(node: Node, stoppers: list
     assert samples[("istio_cni_install_ready", ())] == 1
     assert samples[("istio_cni_installs_total", (("result", "SUCCESS"),))] == 1
     assert samples[("istio_cni_config_blocked", (("reason", "corrupt"),))] == 0
+
+
+async def test_a_rotated_token_rewrites_the_kubeconfig(node: Node, stoppers: list[Running]) -> None:
+    node.put("calico.conflist", "10-calico.conflist")
+    running = start(stoppers, node)
+    await running.ready()
+    kubeconfig = node.run / "istio-cni-kubeconfig"
+    (node.sa / "token").write_text("rotated-token\n")
+    await eventually(
+        lambda: "token: rotated-token" in kubeconfig.read_text(), "the new token in the kubeconfig"
+    )
+    await running.ready()
