@@ -81,7 +81,7 @@ async def test_runs_is_ready_and_cleans_up_on_sigterm(tmp_path: Path) -> None:
     assert conffiles.parse(calico.read_bytes()) == conffiles.parse(before)
     assert not (node.bin / "istio-cni").exists()
     assert not (node.run / "istio-cni-kubeconfig").exists()
-    assert "\tinfo\tinstall\t" in log and "token: <redacted>" in log
+    assert "\tinfo\tcni-agent\tCopied istio-cni to " in log and "token: <redacted>" in log
     assert TOKEN not in log
 
 

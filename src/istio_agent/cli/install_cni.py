@@ -74,7 +74,7 @@ def main(log_output_level: str, log_as_json: bool, **flags: str | None) -> None:
         settings = load_settings(given, plugin_log_level=_plugin_log_level(log_output_level))
     except ConfigError as err:
         _fail(str(err))
-    scope("install").info("install-cni %s starting", __version__)
+    scope("cni-agent").info("install-cni %s starting", __version__)
     sys.exit(runtime.run(serve(settings)))
 
 
@@ -85,7 +85,7 @@ async def serve(settings: Any) -> int:
     from istio_agent.log import scope
     from istio_agent.metrics import Registry
 
-    log = scope("install")
+    log = scope("cni-agent")
     stop = runtime.install_signal_handlers()
     registry = Registry(prefix="istio_")
     installer = Installer(settings, registry)

@@ -15,7 +15,7 @@ from pathlib import Path
 from istio_agent.files import write_atomic
 from istio_agent.log import scope
 
-log = scope("install")
+log = scope("cni-agent")
 
 
 class CopyError(Exception):
@@ -37,7 +37,7 @@ def copy_binaries(source: Path, targets: tuple[Path, ...]) -> set[str]:
             remove_stale_temporaries(target, file.name)
             _copy(file, target / file.name)
             copied.add(file.name)
-        log.info("copied %s to %s", ", ".join(f.name for f in files) or "nothing", target)
+            log.info("Copied %s to %s", file.name, target)
     return copied
 
 

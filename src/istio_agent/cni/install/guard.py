@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from istio_agent.log import scope
 
-log = scope("install")
+log = scope("cni-agent")
 
 
 class Throttle:

@@ -31,7 +31,7 @@ from istio_agent.files import write_atomic
 from istio_agent.log import scope
 from istio_agent.metrics import Registry
 
-log = scope("install")
+log = scope("cni-agent")
 
 SUCCESS = "SUCCESS"
 COPY_BINARIES_FAILURE = "COPY_BINARIES_FAILURE"
@@ -191,7 +191,11 @@ class Installer:
             return
         if verdict.repair and self._guard_says_wait():
             return
-        log.info("configuration requires updates, (re)writing CNI config file: %s", verdict.reason)
+        log.info(
+            'configuration requires updates, (re)writing CNI config file at "%s": %s',
+            self.config_path or "",
+            verdict.reason,
+        )
         path = await self.create_config_file()
         if path is not None:
             self.config_path = path

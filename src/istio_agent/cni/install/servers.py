@@ -15,7 +15,7 @@ from istio_agent.http.server import BaseSite, ServerRunner, TCPSite
 from istio_agent.log import scope
 from istio_agent.metrics import Registry
 
-log = scope("install")
+log = scope("cni-agent")
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 

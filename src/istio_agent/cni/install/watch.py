@@ -16,7 +16,7 @@ from pathlib import Path
 from istio_agent.inotify import IN_ATTRIB, IN_Q_OVERFLOW, Inotify
 from istio_agent.log import scope
 
-log = scope("install")
+log = scope("cni-agent")
 
 
 class DirWatcher:
