@@ -91,6 +91,12 @@ def test_a_bad_value_is_a_clear_error_and_exit_1() -> None:
     assert "invalid value for --chained-cni-plugin='maybe'" in result.output
 
 
+def test_a_bad_log_level_is_a_clear_error_and_exit_1() -> None:
+    result = CliRunner().invoke(main, ["--log_output_level=default:loud"], env={})
+    assert result.exit_code == 1
+    assert "invalid log level 'loud'" in result.output
+
+
 def test_the_plugin_log_level_is_the_cni_plugin_scopes() -> None:
     assert _plugin_log_level("default:info") == "info"
     assert _plugin_log_level("default:debug,cni-plugin:warn") == "warn"

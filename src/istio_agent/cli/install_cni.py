@@ -64,16 +64,14 @@ def main(log_output_level: str, log_as_json: bool, **flags: str | None) -> None:
     from istio_agent.cni.install.settings import load_settings
     from istio_agent.log import configure, scope
 
-    runtime.prepare_process()
-    try:
-        configure(log_output_level, log_as_json, stream=sys.stdout)
-    except ValueError as err:
-        _fail(str(err))
     given = {name.replace("_", "-"): value for name, value in flags.items()}
     try:
         settings = load_settings(given, plugin_log_level=_plugin_log_level(log_output_level))
-    except ConfigError as err:
+    except (ConfigError, ValueError) as err:  # ValueError: a bad --log_output_level
         _fail(str(err))
+    # Process-wide changes only once the command line is known good.
+    runtime.prepare_process()
+    configure(log_output_level, log_as_json, stream=sys.stdout)
     scope("cni-agent").info("install-cni %s starting", __version__)
     sys.exit(runtime.run(serve(settings)))
 

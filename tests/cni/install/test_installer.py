@@ -41,11 +41,9 @@ class Running:
     def __init__(self, node: Node, guard: GuardSettings | None = None, **changes: object) -> None:
         self.node = node
         self.registry = Registry(prefix="istio_")
+        self.guard = ConflictGuard(guard or GuardSettings())
         self.installer = Installer(
-            node.settings(**changes),
-            self.registry,
-            throttle=Throttle(interval=0.0),
-            guard=ConflictGuard(guard or GuardSettings()),
+            node.settings(**changes), self.registry, throttle=Throttle(interval=0.0), guard=self.guard
         )
         self.task = asyncio.create_task(self.installer.run())
 
@@ -227,7 +225,7 @@ async def test_backs_off_from_a_component_that_keeps_removing_our_entry(
     node: Node, stoppers: list[Running], caplog: pytest.LogCaptureFixture
 ) -> None:
     path = node.put("calico.conflist", "05-cilium.conflist")
-    guard = GuardSettings(repairs=3, window=30, backoff=0.3)
+    guard = GuardSettings(repairs=3, window=30, backoff=0.5)
     running = start(stoppers, node, guard)
     await running.ready()
     fights = 0
@@ -251,11 +249,12 @@ async def test_backs_off_from_a_component_that_keeps_removing_our_entry(
         assert "not fighting it" in line and "cni.exclusive=false" in line
         at_backoff = fights
         assert at_backoff <= guard.repairs + 1
-        await asyncio.sleep(0.1)  # within the back-off nothing is rewritten
-        assert fights == at_backoff
+        await asyncio.sleep(0.1)
+        if running.guard.remaining() > 0:  # still within the back-off (a very slow machine may be past it)
+            assert fights == at_backoff, "the file was rewritten during the back-off"
         # After the back-off one retry; removed again, so a longer back-off and a second count.
         await eventually(lambda: running.metric("cni_config_conflicts_total") == 2, "the second back-off")
-        assert "600ms" in running.installer.reason
+        assert "no rewrite for 1s" in running.installer.reason
     finally:
         fighting = False
         await fighter

@@ -50,6 +50,8 @@ class InstallError(Exception):
 
 
 class Check(enum.Enum):
+    """What a look at the installed config finds: fine, to be (re)written, or corrupt (left alone)."""
+
     OK = "ok"
     REWRITE = "rewrite"
     CORRUPT = "corrupt"
