@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from istio_agent.cni.install.guard import ConflictGuard, GuardSettings
+import pytest
+
+from istio_agent.cni.install.guard import ConflictGuard, GuardSettings, Throttle
 
 
 class Clock:
@@ -50,3 +52,21 @@ def test_quiet_after_a_retry_starts_over() -> None:
     assert guard.record_repair() is None
     assert guard.repairs_in_window() == 1
     assert guard.record_repair() == 5  # the base back-off again, not a doubled one
+
+
+async def test_the_throttle_delays_and_warns_about_a_conflicting_component(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    throttle = Throttle(interval=5.0, max_sleep=0.001, warn_after=5, clock=clock)
+    for _ in range(6):
+        await throttle.wait("/host/etc/cni/net.d/05-cilium.conflist")  # the clock stands still: all too soon
+    assert not caplog.records
+    await throttle.wait("/host/etc/cni/net.d/05-cilium.conflist")
+    (record,) = caplog.records
+    assert "reconciled multiple times in a short period of time" in record.getMessage()
+    assert "cni.exclusive=false" in record.getMessage()
+    clock.now += 3600  # a quiet hour: no delay, the count starts over
+    caplog.clear()
+    await throttle.wait("/host/etc/cni/net.d/10-calico.conflist")
+    assert not caplog.records

@@ -28,6 +28,8 @@ def copy_binaries(source: Path, targets: tuple[Path, ...]) -> set[str]:
         files = sorted(p for p in source.iterdir() if p.is_file())
     except OSError as err:
         raise CopyError(f"cannot list the plugin binaries in {source}: {err.strerror}") from None
+    if not files:
+        log.warning("no plugin binaries to copy in %s", source)
     copied: set[str] = set()
     for target in targets:
         if not os.access(target, os.W_OK):
