@@ -7,8 +7,12 @@ Operators grep for Istio's wording (``exit status 1``, ``signal: killed``, ``cod
 from __future__ import annotations
 
 import enum
+import json
+import math
 import signal
 from datetime import timedelta
+from decimal import Decimal
+from typing import Any
 
 
 def exit_text(returncode: int) -> str:
@@ -99,3 +103,65 @@ def tabwrite(lines: list[list[str]], *, minwidth: int = 0, padding: int = 1) -> 
 
     format_block(0, len(lines))
     return "".join(out)
+
+
+_JSON_ESCAPES = (
+    ("<", "\\u003c"),
+    (">", "\\u003e"),
+    ("&", "\\u0026"),
+    ("\u2028", "\\u2028"),
+    ("\u2029", "\\u2029"),
+)
+"""What Go's ``encoding/json`` escapes beyond JSON's rules (HTML-safe output); other non-ASCII is written raw."""
+
+
+def json_marshal(value: Any, indent: str = "  ", *, sort_keys: bool = False) -> str:
+    """Go's ``json.MarshalIndent(value, "", indent)``, without a final newline.
+
+    Strings are written as Go writes them (UTF-8 as is, ``<``, ``>``, ``&``, U+2028 and U+2029
+    escaped). ``sort_keys`` gives a Go map's order (a struct keeps its field order, as a dict here
+    does). A float is written as Go writes a float64 (``1500``, not ``1500.0``; ``1e+21``; ``1e-7``),
+    so a document read into floats and written again is what a Go program would write.
+    """
+    text = _json(value, indent, "\n", sort_keys)
+    for char, escape in _JSON_ESCAPES:
+        text = text.replace(char, escape)
+    return text
+
+
+def _json(value: Any, indent: str, newline: str, sort_keys: bool) -> str:
+    inner = newline + indent
+    if isinstance(value, dict):
+        if not value:
+            return "{}"
+        keys = sorted(value) if sort_keys else list(value)
+        items = [
+            f"{json.dumps(str(k), ensure_ascii=False)}: {_json(value[k], indent, inner, sort_keys)}"
+            for k in keys
+        ]
+        return "{" + inner + ("," + inner).join(items) + newline + "}"
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return "[]"
+        items = [_json(item, indent, inner, sort_keys) for item in value]
+        return "[" + inner + ("," + inner).join(items) + newline + "]"
+    if isinstance(value, float):
+        return go_float(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def go_float(value: float) -> str:
+    """A float64 as Go's ``encoding/json`` writes it: shortest round-trip digits, exponent only outside 1e-6..1e21."""
+    if not math.isfinite(value):
+        raise ValueError(f"json: unsupported value: {value!r}")
+    magnitude = abs(value)
+    if magnitude != 0 and (magnitude < 1e-6 or magnitude >= 1e21):
+        text = repr(value)  # shortest digits, exponent with a sign and at least two digits (as Go's)
+        mantissa, _, exponent = text.partition("e")
+        if exponent[:2] == "-0":  # Go writes e-07 as e-7 (but keeps e+21)
+            exponent = "-" + exponent[2:]
+        return f"{mantissa.removesuffix('.0')}e{exponent}"
+    text = format(Decimal(repr(value)), "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text

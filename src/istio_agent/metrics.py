@@ -220,13 +220,15 @@ _MetricT = TypeVar("_MetricT", bound=_Metric)
 class Registry:
     """The metrics of one agent (tests make their own), exposed as Prometheus text."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = PREFIX) -> None:
+        self.prefix = prefix
+        """Put before every name: ``istio_agent_`` for the agent, ``istio_`` for install-cni (``istio_cni_...``)."""
         self._metrics: dict[str, _Metric] = {}
         self._collectors: list[Collector] = []
         self._lock = threading.Lock()
 
     def gauge(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> Gauge:
-        return self._add(Gauge(PREFIX + name, documentation, labelnames))
+        return self._add(Gauge(self.prefix + name, documentation, labelnames))
 
     def counter(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> Gauge:
         """A monotonically increasing metric (call ``.inc()`` only), exposed as a gauge under Istio's name."""
@@ -239,7 +241,7 @@ class Registry:
         labelnames: Sequence[str] = (),
         buckets: Sequence[float] = DEFAULT_BUCKETS,
     ) -> Histogram:
-        return self._add(Histogram(PREFIX + name, documentation, labelnames, buckets))
+        return self._add(Histogram(self.prefix + name, documentation, labelnames, buckets))
 
     def _add(self, metric: _MetricT) -> _MetricT:
         """Register ``metric``, or return the one of that name already registered if it is the same kind.

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ import click
 from istio_agent import __version__, goformat
 from istio_agent.agent import Agent, AgentSettings
 from istio_agent.cli import runtime
+from istio_agent.cli.runtime import install_signal_handlers
 from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings, read_pod_annotations
 from istio_agent.config.dns import DnsSettings
@@ -42,27 +42,6 @@ flight (2 s), closing streams, saving the DNS table. Defaults give 15 s, within 
 LINGER_SECONDS = 1.0
 """Once stopped, how long exiting may wait for threads still busy (a key being generated)."""
 TOLERANT = {"ignore_unknown_options": True, "allow_extra_args": True}
-
-
-def install_signal_handlers(on_signal: Callable[[], None] = lambda: None) -> asyncio.Event:
-    """An event the first SIGINT/SIGTERM sets; later signals are swallowed, as in Istio.
-
-    Installed before anything starts: a signal that arrives while the agent is still starting (Envoy
-    may already serve traffic then) must stop it cleanly, not kill the process outright.
-    ``on_signal`` runs at the first signal, even while the agent is still starting.
-    """
-    stop = asyncio.Event()
-
-    def received() -> None:
-        if not stop.is_set():
-            log.info("received termination signal, shutting down")
-            on_signal()
-        stop.set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, received)
-    return stop
 
 
 @click.group(context_settings=TOLERANT)

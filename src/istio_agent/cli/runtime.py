@@ -9,12 +9,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
+
+from istio_agent.log import scope
 
 T = TypeVar("T")
 
@@ -105,3 +108,24 @@ class ExitDeadline:
             with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing more to say
                 stream.flush()
         os._exit(code)
+
+
+def install_signal_handlers(on_signal: Callable[[], None] = lambda: None) -> asyncio.Event:
+    """An event the first SIGINT/SIGTERM sets; later signals are swallowed, as in Istio.
+
+    Installed before anything starts: a signal that arrives while the agent is still starting (Envoy
+    may already serve traffic then) must stop it cleanly, not kill the process outright.
+    ``on_signal`` runs at the first signal, even while the agent is still starting.
+    """
+    stop = asyncio.Event()
+
+    def received() -> None:
+        if not stop.is_set():
+            scope("default").info("received termination signal, shutting down")
+            on_signal()
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, received)
+    return stop

@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from istio_agent.ctl.secrets import FileCheck, SecretItem, SecretItemDiff, expiry_text
-from istio_agent.goformat import tabwrite
+from istio_agent.goformat import json_marshal, tabwrite
 
 PADDING = 5
 SUMMARY_COLUMNS = [
@@ -114,17 +114,8 @@ def files_table(checks: list[FileCheck]) -> str:
 
 
 def go_json(value: Any, indent: str = " ") -> str:
-    """Go's ``json.MarshalIndent(value, "", indent)``: UTF-8 as is, ``<``, ``>``, ``&`` escaped, no final newline."""
-    text = json.dumps(value, indent=len(indent), ensure_ascii=False)
-    for char, escape in (
-        ("<", "\\u003c"),
-        (">", "\\u003e"),
-        ("&", "\\u0026"),
-        ("\u2028", "\\u2028"),
-        ("\u2029", "\\u2029"),
-    ):
-        text = text.replace(char, escape)
-    return text
+    """Go's ``json.MarshalIndent(value, "", indent)`` of istioctl's structs (field order kept)."""
+    return json_marshal(value, indent)
 
 
 def items_json(items: list[SecretItem]) -> str:

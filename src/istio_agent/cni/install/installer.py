@@ -1,0 +1,402 @@
+"""install-cni's work: install the plugin, keep it installed while the node changes, and take it out on exit.
+
+Istio: ``cni/pkg/install/install.go``. One *pass* copies the binaries, writes the kubeconfig and,
+when the CNI config no longer holds our entry as configured, writes it again. Between passes the
+installer waits for a change (a file in the config directory, a copied binary, the service-account
+token) and is *ready* only while waiting with everything in place.
+
+Beyond Istio (see docs/compatibility.md): the file we chained into is checked as a whole and, when
+it is corrupt, left alone with readiness false and the reason; another component that keeps removing
+our entry gets a back-off (:mod:`.guard`) instead of an endless rewrite loop; a changed entry of ours
+(other settings after an upgrade) is rewritten, not only a missing one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from istio_agent import goformat
+from istio_agent.cni.install import conffiles, kubeconfig
+from istio_agent.cni.install.binaries import CopyError, copy_binaries, remove_binary
+from istio_agent.cni.install.conffiles import CniConfigError, NoNetworksError
+from istio_agent.cni.install.guard import ConflictGuard, Throttle
+from istio_agent.cni.install.settings import InstallSettings
+from istio_agent.cni.install.watch import DirWatcher
+from istio_agent.cni.plugin_config import PLUGIN_TYPE
+from istio_agent.files import write_atomic
+from istio_agent.log import scope
+from istio_agent.metrics import Registry
+
+log = scope("cni-agent")
+
+SUCCESS = "SUCCESS"
+COPY_BINARIES_FAILURE = "COPY_BINARIES_FAILURE"
+CREATE_KUBECONFIG_FAILURE = "CREATE_KUBECONFIG_FAILURE"
+CREATE_CNI_CONFIG_FAILURE = "CREATE_CNI_CONFIG_FAILURE"
+CORRUPT = "corrupt"
+CONFLICT = "conflict"
+RECHECK_SECONDS = 30.0
+"""While waiting, the config is checked again this often even without an event (a missed event costs no more)."""
+MISSING_DIR_POLL_SECONDS = 1.0
+"""A directory that does not exist cannot be watched: look again this often."""
+
+
+class InstallError(Exception):
+    """A pass failed in a way install-cni cannot wait out (Istio exits, and kubelet restarts the pod)."""
+
+
+class Check(enum.Enum):
+    """What a look at the installed config finds: fine, to be (re)written, or corrupt (left alone)."""
+
+    OK = "ok"
+    REWRITE = "rewrite"
+    CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the config file needs, and why (the log line and the readiness reason)."""
+
+    check: Check
+    reason: str = ""
+    repair: bool = False
+    """Our entry was taken out of (or changed in) the file we had written: counted by the conflict guard."""
+
+
+class InstallMetrics:
+    """Istio's install-cni metrics and ours for the guardian."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.installs = registry.counter(
+            "cni_installs_total",
+            "Total number of CNI plugins installed by the Istio CNI installer",
+            ["result"],
+        )
+        self.ready = registry.gauge(
+            "cni_install_ready", "Whether the CNI plugin installation is ready or not"
+        )
+        self.conflicts = registry.counter(
+            "cni_config_conflicts_total",
+            "Times install-cni stopped rewriting the CNI config because another component kept removing its entry",
+        )
+        self.blocked = registry.gauge(
+            "cni_config_blocked",
+            "1 while install-cni leaves the CNI config alone on purpose (reason: corrupt or conflict)",
+            ["reason"],
+        )
+        for reason in (CORRUPT, CONFLICT):
+            self.blocked.labels(reason).set(0)
+
+
+class Installer:
+    """The install passes and the wait between them; ``run`` until cancelled, then ``cleanup``."""
+
+    def __init__(
+        self,
+        settings: InstallSettings,
+        registry: Registry,
+        *,
+        throttle: Throttle | None = None,
+        guard: ConflictGuard | None = None,
+        recheck_seconds: float = RECHECK_SECONDS,
+    ) -> None:
+        self.settings = settings
+        self.metrics = InstallMetrics(registry)
+        self._throttle = throttle or Throttle()
+        self._guard = guard or ConflictGuard()
+        self._recheck = recheck_seconds
+        self._auto = not settings.cni_conf_name
+        self._entry = conffiles.entry(settings.plugin)
+        self.config_path: Path | None = None
+        """The config file holding our entry (written by us); cleanup restores or removes it."""
+        self._binaries: set[str] | None = None
+        self._ready = False
+        self.reason = "installing"
+        """Why install-cni is not ready (empty when ready)."""
+        self._logged: set[str] = set()
+        """Block reasons logged since the config was last fine (each is logged once)."""
+        self._warned: set[str] = set()
+
+    # -- readiness ---------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def _set_ready(self, ready: bool, reason: str = "") -> None:
+        self._ready = ready
+        self.reason = "" if ready else (reason or self.reason or "installing")
+        self.metrics.ready.set(1 if ready else 0)
+
+    def _block(self, kind: str, reason: str) -> None:
+        """Leave the config alone on purpose: readiness false with ``reason``, the metric, one log line per reason."""
+        self.metrics.blocked.labels(kind).set(1)
+        self._set_ready(False, reason)
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.error("%s", reason)
+
+    def _unblock(self) -> None:
+        for kind in (CORRUPT, CONFLICT):
+            self.metrics.blocked.labels(kind).set(0)
+        self._logged.clear()
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Install, then keep it installed until cancelled; raises InstallError when a pass fails."""
+        await self.install_all()
+        while True:
+            await self._throttle.wait(str(self.config_path or ""))
+            await self.sleep_watch_install()
+            await self.install_all()
+
+    async def install_all(self) -> None:
+        """One pass: binaries, kubeconfig, then the CNI config if it needs writing."""
+        settings = self.settings
+        try:
+            copied = copy_binaries(settings.cni_bin_source_dir, settings.cni_bin_target_dirs)
+        except CopyError as err:
+            self.metrics.installs.labels(COPY_BINARIES_FAILURE).inc()
+            raise InstallError(str(err)) from None
+        if self._binaries is None:
+            self._binaries = copied  # only the first set is watched, as in Istio
+        try:
+            document = kubeconfig.write(settings)
+        except (kubeconfig.KubeconfigError, OSError) as err:
+            self.metrics.installs.labels(CREATE_KUBECONFIG_FAILURE).inc()
+            raise InstallError(f"failed to write the kubeconfig: {err}") from None
+        log.info(
+            "wrote kubeconfig file %s with: \n%s",
+            settings.kubeconfig_path,
+            kubeconfig.render(kubeconfig.redacted(document)),
+        )
+        try:
+            await self._install_config()
+        except (CniConfigError, OSError) as err:
+            self.metrics.installs.labels(CREATE_CNI_CONFIG_FAILURE).inc()
+            raise InstallError(f"failed to write the CNI config: {err}") from None
+        self.metrics.installs.labels(SUCCESS).inc()
+
+    async def _install_config(self) -> None:
+        verdict = self.check()
+        if verdict.check is Check.OK:
+            self._unblock()
+            log.info("existing CNI config %s is valid", self.config_path)
+            return
+        if verdict.check is Check.CORRUPT:
+            self._block(CORRUPT, verdict.reason)
+            return
+        if verdict.repair and self._guard_says_wait():
+            return
+        log.info(
+            'configuration requires updates, (re)writing CNI config file at "%s": %s',
+            self.config_path or "",
+            verdict.reason,
+        )
+        path = await self.create_config_file()
+        if path is not None:
+            self.config_path = path
+            self._unblock()
+            log.info("Istio CNI configuration and binaries validated/reinstalled")
+
+    def _guard_says_wait(self) -> bool:
+        """Whether the conflict guard holds the repair back (and, the first time, why)."""
+        remaining = self._guard.remaining()
+        if remaining > 0:
+            return True
+        backoff = self._guard.record_repair()
+        if backoff is None:
+            return False
+        self.metrics.conflicts.inc()
+        hint = ""
+        if self.config_path is not None and "cilium" in self.config_path.name:
+            hint = " Hint: Cilium is writing it; set 'cni.exclusive=false' in the Cilium configuration."
+        self._block(
+            CONFLICT,
+            f"another component keeps rewriting the CNI config {self.config_path} without istio-cni; "
+            f"not fighting it: no rewrite for {goformat.duration(backoff)}.{hint}",
+        )
+        return True
+
+    async def sleep_watch_install(self) -> None:
+        """Wait until something changes (return at once when the config needs a rewrite); ready meanwhile."""
+        settings = self.settings
+        interests: list[tuple[Path, frozenset[str] | None]] = [
+            (target, frozenset(self._binaries or ())) for target in settings.cni_bin_target_dirs
+        ]
+        interests.append((settings.mounted_cni_net_dir, None))
+        interests.append((settings.service_account_dir, None))
+        backoff = self._guard.remaining()
+        if backoff > 0:
+            await asyncio.sleep(backoff)  # out of the fight: changes meanwhile are the other side's
+            return
+        with DirWatcher(interests) as watcher:
+            verdict = self.check()
+            if verdict.check is Check.REWRITE:
+                self._set_ready(False, verdict.reason)
+                return
+            if verdict.check is Check.CORRUPT:
+                self._block(CORRUPT, verdict.reason)
+            elif watcher.pending():
+                return
+            else:
+                self._unblock()
+                self._set_ready(True)
+            try:
+                while not await watcher.wait(self._recheck):
+                    if self.check().check is not verdict.check:
+                        break
+            finally:
+                self._set_ready(False, self.reason or "detected changes to the node-level CNI setup")
+        log.info(
+            "detected changes to the node-level CNI setup, checking to see if configs or binaries need redeploying"
+        )
+
+    # -- the CNI config ----------------------------------------------------------------------------
+
+    def check(self) -> Verdict:
+        """Whether the config file we wrote still holds our entry as configured, is corrupt, or needs writing."""
+        settings = self.settings
+        chained = settings.chained_cni_plugin
+        directory = settings.mounted_cni_net_dir
+        current = self.config_path
+        candidate = current
+        if candidate is None and chained and not self._auto:
+            candidate = conffiles.resolve_name(directory, settings.cni_conf_name)
+        document: object = None
+        if chained and candidate is not None and candidate.exists():
+            document, problem = conffiles.load_chained(candidate)
+            if problem is not None:
+                return Verdict(Check.CORRUPT, conffiles.corrupt_reason(candidate, problem))
+        if current is None:
+            return Verdict(Check.REWRITE, "the CNI config is not installed yet")
+        try:
+            files, skipped = conffiles.config_filenames(directory)
+        except NoNetworksError as err:
+            return Verdict(Check.REWRITE, str(err))
+        for name, why in skipped.items():
+            self._log_once(f"skipping invalid CNI config file {directory / name}: {why}")
+        first = directory / files[0]
+        if first != current:
+            if self._auto and chained:
+                return Verdict(Check.REWRITE, f"CNI config file {current} preempted by {first}")
+            self._log_once(f"CNI config file {current} preempted by {first}")
+        if not current.exists():
+            return Verdict(Check.REWRITE, f"CNI config file removed: {current}")
+        if chained:
+            return self._check_chained(current, document)
+        return self._check_standalone(current)
+
+    def _check_chained(self, current: Path, document: object) -> Verdict:
+        assert isinstance(document, dict)  # chain_problem passed
+        entries = conffiles.istio_entries(document)
+        if not entries:
+            return Verdict(
+                Check.REWRITE, f"istio-cni CNI config removed from CNI config file: {current}", repair=True
+            )
+        if len(entries) > 1:
+            return Verdict(Check.REWRITE, f"more than one istio-cni entry in {current}")
+        if document["plugins"][entries[0]] != self._entry:
+            return Verdict(
+                Check.REWRITE,
+                f"the istio-cni entry in {current} differs from the configured one",
+                repair=True,
+            )
+        return Verdict(Check.OK)
+
+    def _check_standalone(self, current: Path) -> Verdict:
+        try:
+            document = conffiles.read_document(current)
+        except CniConfigError as err:
+            return Verdict(Check.REWRITE, str(err))
+        if not isinstance(document, dict) or document.get("type") != PLUGIN_TYPE:
+            return Verdict(Check.REWRITE, f"{current} is not the istio-cni config")
+        if document != conffiles.parse(conffiles.standalone_text(self.settings.plugin)):
+            return Verdict(Check.REWRITE, f"{current} differs from the configured istio-cni config")
+        return Verdict(Check.OK)
+
+    async def create_config_file(self) -> Path | None:
+        """Write our entry (waiting for the primary config when chained); None when the target is corrupt."""
+        settings = self.settings
+        directory = settings.mounted_cni_net_dir
+        if not settings.chained_cni_plugin:
+            path = directory / (settings.cni_conf_name or conffiles.STANDALONE_NAME)
+            directory.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, conffiles.standalone_text(settings.plugin), settings.conf_file_mode)
+            log.info("created CNI config %s", path)
+            return path
+        path = await self._chain_target()
+        document, problem = conffiles.load_chained(path)
+        if problem is not None:
+            # Only a file we had not chosen yet can be corrupt here (kubelet skipped it too): a named one.
+            self._block(CORRUPT, conffiles.corrupt_reason(path, problem))
+            return None
+        chained = conffiles.insert_entry(document, self._entry)
+        mode = stat.S_IMODE(path.stat().st_mode)
+        destination = path.with_name(path.name + "list") if path.suffix == ".conf" else path
+        write_atomic(destination, conffiles.marshal(chained), mode)
+        if destination != path:
+            path.unlink(missing_ok=True)
+        log.info("created CNI config %s", destination)
+        return destination
+
+    async def _chain_target(self) -> Path:
+        """The primary config to chain into, waiting until there is one (Istio's getCNIConfigFilepath)."""
+        directory = self.settings.mounted_cni_net_dir
+        while True:
+            with DirWatcher([(directory, None)]) as watcher:
+                name = self.settings.cni_conf_name
+                if self._auto:
+                    try:
+                        name = conffiles.config_filenames(directory)[0][0]
+                    except NoNetworksError as err:
+                        name = ""
+                        self._set_ready(False, f"waiting for a primary CNI config: {err}")
+                if name:
+                    path = conffiles.resolve_name(directory, name)
+                    if path is not None:
+                        return path
+                    self._set_ready(False, f"waiting for the CNI config file {directory / name}")
+                log.info("%s", self.reason)
+                await watcher.wait(None if directory.is_dir() else MISSING_DIR_POLL_SECONDS)
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning("%s", message)
+
+    # -- on exit -----------------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """Take our entry out (or remove our standalone file), remove the kubeconfig and the plugin binary."""
+        settings = self.settings
+        log.info("cleaning up")
+        path = self.config_path
+        if path is not None and path.exists():
+            if settings.chained_cni_plugin:
+                self._remove_entry(path)
+            else:
+                log.info("removing Istio CNI config file %s", path)
+                path.unlink(missing_ok=True)
+        try:
+            settings.kubeconfig_path.unlink(missing_ok=True)
+            log.info("removed kubeconfig %s", settings.kubeconfig_path)
+        except OSError as err:
+            log.warning("cannot remove the kubeconfig %s: %s", settings.kubeconfig_path, err.strerror)
+        remove_binary(settings.cni_bin_target_dirs, PLUGIN_TYPE)
+
+    def _remove_entry(self, path: Path) -> None:
+        try:
+            document = conffiles.read_document(path)
+            cleaned = conffiles.remove_entry(document)
+            mode = stat.S_IMODE(path.stat().st_mode)
+            write_atomic(path, conffiles.marshal(cleaned), mode)
+        except (CniConfigError, OSError) as err:
+            log.warning("leaving the CNI config %s as it is: %s", path, err)
+            return
+        log.info("removed the istio-cni entry from CNI config file %s", path)

@@ -1,0 +1,242 @@
+"""install-cni's settings: Istio's flags, each also read from its environment variable, plus its env-only settings.
+
+Istio (``cni/pkg/cmd/root.go``, cobra + viper) takes a flag when given, else the variable named
+like it (upper case, ``-`` as ``_``), else the default. So does this module, with one difference: a
+value that does not parse is an error naming the flag or variable, never silently the default.
+Settings Istio registers but never reads (``cni-network-config``, ``log-level``...) are accepted and
+ignored; ambient mode and the repair controller are not part of this install-cni (their settings
+are parsed so Istio's DaemonSet runs unchanged, and ``ambient-enabled`` is refused).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from istio_agent.cni.plugin_config import DEFAULT_RUN_DIR, PluginConfig
+from istio_agent.config.document import DocumentSyntaxError, load_document
+from istio_agent.config.env import ConfigError, Env, out_of_range, parse_go_bool
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+BIN_SOURCE_DIR = Path("/opt/cni/bin")
+"""Where Istio's image keeps the plugin; every regular file there is copied to the host."""
+BIN_TARGET_DIR = Path("/host/opt/cni/bin")
+DEFAULT_OWNED_FILENAME = "02-istio-cni.conflist"
+HEALTH_PORT = 8000
+"""Istio's readiness port for the istio-cni-node DaemonSet (``/healthz``, ``/readyz``)."""
+_OCTAL = re.compile(r"0[0-7]+")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: its flag name, its environment variable and how its text is read."""
+
+    flag: str
+    kind: str  # "str", "bool", "int", "mode", "list"
+    default: Any
+    env_only: bool = False
+    ours: bool = False
+    """Not an Istio setting: one this implementation adds (documented in docs/cni.md)."""
+
+    @property
+    def env(self) -> str:
+        return self.flag.upper().replace("-", "_")
+
+
+OPTIONS = (
+    Option("cni-conf-name", "str", ""),
+    Option("chained-cni-plugin", "bool", True),
+    Option("istio-owned-cni-config", "bool", False),
+    Option("istio-owned-cni-config-filename", "str", ""),
+    Option("mounted-cni-net-dir", "str", "/host/etc/cni/net.d"),
+    Option("cni-agent-run-dir", "str", DEFAULT_RUN_DIR),
+    Option("kubeconfig-mode", "mode", 0o600),
+    Option("cni-conf-group-read", "bool", False),
+    Option("kube-ca-file", "str", ""),
+    Option("skip-tls-verify", "bool", False),
+    Option("monitoring-port", "int", 15014),
+    Option("ztunnel-uds-address", "str", "/var/run/ztunnel/ztunnel.sock"),
+    Option("ambient-enabled", "bool", False),
+    Option("enable-ambient-detection-retry", "bool", False),
+    Option("repair-enabled", "bool", True),
+    Option("repair-delete-pods", "bool", False),
+    Option("repair-label-pods", "bool", False),
+    Option("repair-broken-pod-label-key", "str", "cni.istio.io/uninitialized"),
+    Option("repair-broken-pod-label-value", "str", "true"),
+    Option("repair-node-name", "str", ""),
+    Option("repair-sidecar-annotation", "str", "sidecar.istio.io/status"),
+    Option("repair-init-container-name", "str", "istio-validation"),
+    Option("repair-init-container-termination-message", "str", ""),
+    Option("repair-init-container-exit-code", "int", 126),
+    Option("repair-label-selectors", "str", ""),
+    Option("repair-field-selectors", "str", ""),
+    # Registered by Istio but never read.
+    Option("cni-network-config", "str", ""),
+    Option("cni-network-config-file", "str", ""),
+    Option("log-level", "str", ""),
+    # Env-only in Istio.
+    Option("exclude-namespaces", "list", (), env_only=True),
+    Option("pod-namespace", "str", "", env_only=True),
+    Option("native-nftables", "bool", False, env_only=True),
+    Option("ambient-enablement-selector", "str", "", env_only=True),
+    # Ours: Istio has these as constants; tests and non-Kubernetes hosts need them elsewhere.
+    Option("cni-bin-source-dir", "str", str(BIN_SOURCE_DIR), ours=True),
+    Option("cni-bin-target-dirs", "list", (str(BIN_TARGET_DIR),), ours=True),
+    Option("service-account-dir", "str", str(SERVICE_ACCOUNT_DIR), ours=True),
+    Option("health-port", "int", HEALTH_PORT, ours=True),
+)
+FLAGS = tuple(option for option in OPTIONS if not option.env_only)
+
+
+@dataclass(frozen=True)
+class InstallSettings:
+    """Everything install-cni runs on, read once at start."""
+
+    cni_conf_name: str = ""
+    chained_cni_plugin: bool = True
+    istio_owned_cni_config: bool = False
+    istio_owned_cni_config_filename: str = ""
+    mounted_cni_net_dir: Path = Path("/host/etc/cni/net.d")
+    cni_agent_run_dir: Path = Path(DEFAULT_RUN_DIR)
+    kubeconfig_mode: int = 0o600
+    cni_conf_group_read: bool = False
+    kube_ca_file: str = ""
+    skip_tls_verify: bool = False
+    monitoring_port: int = 15014
+    health_port: int = HEALTH_PORT
+    cni_bin_source_dir: Path = BIN_SOURCE_DIR
+    cni_bin_target_dirs: tuple[Path, ...] = (BIN_TARGET_DIR,)
+    service_account_dir: Path = SERVICE_ACCOUNT_DIR
+    repair_enabled: bool = True
+    kubernetes_service_protocol: str = "https"
+    kubernetes_service_host: str = ""
+    kubernetes_service_port: str = ""
+    plugin: PluginConfig = field(default_factory=PluginConfig)
+    """Our entry in the CNI config, as the plugin will read it."""
+
+    @property
+    def conf_file_mode(self) -> int:
+        """The mode of a config file we create (an existing one keeps its own)."""
+        return 0o640 if self.cni_conf_group_read else 0o600
+
+    @property
+    def ca_file(self) -> Path:
+        return Path(self.kube_ca_file) if self.kube_ca_file else self.service_account_dir / "ca.crt"
+
+    @property
+    def kubeconfig_path(self) -> Path:
+        return self.cni_agent_run_dir / "istio-cni-kubeconfig"
+
+
+def load_settings(
+    flags: Mapping[str, str | None],
+    environ: Mapping[str, str] | None = None,
+    *,
+    plugin_log_level: str = "info",
+) -> InstallSettings:
+    """Settings from flags given on the command line (name -> text, None when not given) and the environment.
+
+    Raises ConfigError naming the flag or variable of the first bad value.
+    """
+    env = Env(environ)
+    values = {option.flag: _read(option, flags.get(option.flag), env) for option in OPTIONS}
+    if values["ambient-enabled"]:
+        raise ConfigError(
+            "--ambient-enabled: ambient mode (the node agent and ztunnel) is not part of this install-cni; "
+            "run it with ambient disabled"
+        )
+    port_problem = out_of_range(values["monitoring-port"], None, 65535)
+    if port_problem:
+        raise ConfigError(f"invalid value for --monitoring-port={values['monitoring-port']}: {port_problem}")
+    health_problem = out_of_range(values["health-port"], 0, 65535)
+    if health_problem:
+        raise ConfigError(f"invalid value for --health-port={values['health-port']}: {health_problem}")
+    if not values["cni-bin-target-dirs"]:
+        raise ConfigError("--cni-bin-target-dirs: at least one directory is needed")
+    owned = values["istio-owned-cni-config"]
+    run_dir = values["cni-agent-run-dir"]
+    plugin = PluginConfig(
+        plugin_log_level=plugin_log_level,
+        cni_agent_run_dir=run_dir,
+        ambient_enabled=False,
+        enablement_selectors=_selectors(values["ambient-enablement-selector"]),
+        exclude_namespaces=tuple(values["exclude-namespaces"]),
+        pod_namespace=values["pod-namespace"],
+        native_nftables=values["native-nftables"],
+        enable_ambient_detection_retry=values["enable-ambient-detection-retry"],
+    )
+    return InstallSettings(
+        cni_conf_name=values["cni-conf-name"],
+        chained_cni_plugin=values["chained-cni-plugin"],
+        istio_owned_cni_config=owned,
+        istio_owned_cni_config_filename=values["istio-owned-cni-config-filename"]
+        or (DEFAULT_OWNED_FILENAME if owned else ""),
+        mounted_cni_net_dir=Path(values["mounted-cni-net-dir"]),
+        cni_agent_run_dir=Path(run_dir),
+        kubeconfig_mode=values["kubeconfig-mode"],
+        cni_conf_group_read=values["cni-conf-group-read"],
+        kube_ca_file=values["kube-ca-file"],
+        skip_tls_verify=values["skip-tls-verify"],
+        monitoring_port=values["monitoring-port"],
+        health_port=values["health-port"],
+        cni_bin_source_dir=Path(values["cni-bin-source-dir"]),
+        cni_bin_target_dirs=tuple(Path(d) for d in values["cni-bin-target-dirs"]),
+        service_account_dir=Path(values["service-account-dir"]),
+        repair_enabled=values["repair-enabled"],
+        kubernetes_service_protocol=env.text("KUBERNETES_SERVICE_PROTOCOL") or "https",
+        kubernetes_service_host=env.text("KUBERNETES_SERVICE_HOST"),
+        kubernetes_service_port=env.text("KUBERNETES_SERVICE_PORT"),
+        plugin=plugin,
+    )
+
+
+def _read(option: Option, flag_text: str | None, env: Env) -> Any:
+    """The flag's value when given, else the variable's, else the default; parsed by the option's kind."""
+    if flag_text is not None:
+        where, text = f"--{option.flag}", flag_text
+    elif option.env in env and env.text(option.env) != "":
+        where, text = option.env, env.text(option.env)
+    else:
+        return option.default
+    try:
+        return _parse(option.kind, text)
+    except ValueError as err:
+        raise ConfigError(f"invalid value for {where}={text!r}: {err}") from None
+
+
+def _parse(kind: str, text: str) -> Any:
+    if kind == "bool":
+        return parse_go_bool(text)
+    if kind == "int":
+        return int(text.strip(), 10)
+    if kind == "mode":
+        return _file_mode(text)
+    if kind == "list":
+        return tuple(item.strip() for item in text.split(",") if item.strip())
+    return text
+
+
+def _file_mode(text: str) -> int:
+    """A file mode as Go reads an int flag (base prefix honoured: ``0600``, ``0o600``, ``384``)."""
+    value = text.strip()
+    mode = int(value, 8) if _OCTAL.fullmatch(value) else int(value, 0)
+    problem = out_of_range(mode, 0, 0o777, oct)
+    if problem:
+        raise ValueError(f"a file mode {problem}")
+    return mode
+
+
+def _selectors(text: str) -> tuple[dict[str, Any], ...]:
+    """AMBIENT_ENABLEMENT_SELECTOR: a YAML list of ``{podSelector, namespaceSelector}`` (passed to the plugin)."""
+    if not text.strip():
+        return ()
+    try:
+        document = load_document(text)
+    except DocumentSyntaxError as err:
+        raise ConfigError(f"invalid value for AMBIENT_ENABLEMENT_SELECTOR: {err}") from None
+    if not isinstance(document, list) or not all(isinstance(item, dict) for item in document):
+        raise ConfigError("invalid value for AMBIENT_ENABLEMENT_SELECTOR: expected a list of selectors")
+    return tuple(document)

@@ -1,0 +1,69 @@
+"""A node's directories in a temp dir, and install-cni settings pointing at them (no root needed)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from istio_agent.cni.install.settings import InstallSettings
+from istio_agent.cni.plugin_config import PluginConfig
+
+DATA = Path(__file__).parent / "data"
+GOLDEN = Path(__file__).parent / "golden"
+PLUGIN = PluginConfig(
+    plugin_log_level="debug",
+    cni_agent_run_dir="/var/run/istio-cni",
+    exclude_namespaces=("kube-system", "istio-system"),
+    pod_namespace="istio-system",
+)
+TOKEN = "eyJhbGciOiJSUzI1NiJ9.secret-token-value"
+
+
+class Node:
+    """conf dir ``net.d``, plugin source ``src`` (an ``istio-cni`` file), target ``bin``, ``run``, service account ``sa``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.conf = root / "net.d"
+        self.source = root / "src"
+        self.bin = root / "bin"
+        self.run = root / "run"
+        self.sa = root / "sa"
+        for directory in (self.conf, self.source, self.bin, self.sa):
+            directory.mkdir()
+        plugin = self.source / "istio-cni"
+        plugin.write_text("#!/bin/sh\necho istio-cni\n")
+        plugin.chmod(0o755)
+        (self.sa / "token").write_text(TOKEN + "\n")
+        (self.sa / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+
+    def settings(self, **changes: object) -> InstallSettings:
+        base = InstallSettings(
+            mounted_cni_net_dir=self.conf,
+            cni_agent_run_dir=self.run,
+            cni_bin_source_dir=self.source,
+            cni_bin_target_dirs=(self.bin,),
+            service_account_dir=self.sa,
+            kubernetes_service_host="10.96.0.1",
+            kubernetes_service_port="443",
+            plugin=PLUGIN,
+        )
+        return replace(base, **changes)  # type: ignore[arg-type]
+
+    def put(self, data_name: str, as_name: str | None = None, mode: int = 0o644) -> Path:
+        """Copy an input file from ``data/`` into the conf dir."""
+        path = self.conf / (as_name or data_name)
+        shutil.copyfile(DATA / data_name, path)
+        path.chmod(mode)
+        return path
+
+
+def golden(name: str, actual: bytes) -> None:
+    """Compare with ``golden/<name>``; ``UPDATE_GOLDENS=1`` writes it instead (review the diff)."""
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDENS") == "1":
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_bytes(actual)
+    assert actual.decode() == path.read_text(), f"differs from golden {name}"
