@@ -144,11 +144,6 @@ def test_bad_annotation_fails_the_add(tmp_path: Path) -> None:
         programmed(tmp_path, pod)
 
 
-def test_without_a_programmer_the_add_fails(tmp_path: Path) -> None:
-    with pytest.raises(PluginError, match="cannot apply rules"):
-        add(cmd(tmp_path), programmer=None, get_pod=FakePods(sidecar_pod()))
-
-
 def test_bad_cni_args_fail_the_add(tmp_path: Path) -> None:
     args = cmd(tmp_path)
     args.args = "K8S_POD_NAME=x;Unknown=1"
@@ -161,8 +156,8 @@ def test_dual_stack_enables_ipv6(tmp_path: Path) -> None:
     assert config.enable_ipv6
 
 
-def test_dry_run_writer_is_chosen_by_env(tmp_path: Path) -> None:
-    assert plugin.select_programmer({}) is None
+def test_dry_run_writer_or_the_applier_is_chosen_by_env(tmp_path: Path) -> None:
+    assert isinstance(plugin.select_programmer({}), plugin.NetnsApplier)
     writer = plugin.select_programmer({"DRY_RUN_FILE_PATH": str(tmp_path / "out")})
     assert isinstance(writer, plugin.DryRunWriter)
     writer(CaptureConfig(), tmp_path, time.monotonic() + 1)

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -337,7 +338,8 @@ async def _new_netns() -> tuple[asyncio.subprocess.Process, Path]:
 @pytest.mark.parametrize("version", ["1.0.0", "0.4.0"])
 async def test_chained_after_the_bridge_plugin(node: Node, tmp_path: Path, version: str) -> None:
     """bridge + host-local set up a pod netns (inside a node netns the test creates); istio-cni,
-    given their result as prevResult, hands it on unchanged in the same cniVersion."""
+    given their result as prevResult, programs the pod's rules in that netns (no dry run) and
+    hands the result on unchanged in the same cniVersion."""
     node.kube.add_pod(sidecar_pod())
     host, host_path = await _new_netns()
     pod, pod_path = await _new_netns()
@@ -351,6 +353,7 @@ async def test_chained_after_the_bridge_plugin(node: Node, tmp_path: Path, versi
             "ipam": {"type": "host-local", "subnet": "10.244.1.0/24", "dataDir": str(tmp_path / "ipam")},
         }
         env = {**node.env(), "CNI_NETNS": str(pod_path), "CNI_PATH": str(BRIDGE.parent)}
+        del env["DRY_RUN_FILE_PATH"]
         process = await asyncio.create_subprocess_exec(
             "nsenter",
             f"--net={host_path}",
@@ -366,7 +369,15 @@ async def test_chained_after_the_bridge_plugin(node: Node, tmp_path: Path, versi
         run = await run_plugin(env, node.config(cniVersion=version, prevResult=bridge_result))
         assert run.code == 0, run.stdout + run.stderr
         assert run.json == bridge_result
-        assert node.dry_run.exists()
+        saved = subprocess.run(
+            ["nsenter", f"--net={pod_path}", "iptables-save", "-t", "nat"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "-A PREROUTING -p tcp -j ISTIO_INBOUND" in saved
+        assert "-A ISTIO_OUTPUT -j ISTIO_REDIRECT" in saved
+        assert not node.dry_run.exists()
     finally:
         for holder in (host, pod):
             holder.kill()

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -75,10 +75,31 @@ class DryRunWriter:
             ) from None
 
 
-def select_programmer(environ: Mapping[str, str]) -> Programmer | None:
-    """The dry-run writer when ``DRY_RUN_FILE_PATH`` is set, else None (the caller supplies the applier)."""
+@dataclass(frozen=True)
+class NetnsApplier:
+    """Applies the rules inside the pod's namespace with the node's iptables backend (``cni/apply.py``).
+
+    IPv6 is decided from the pod's own addresses, as Istio's plugin does: the first address that is
+    neither loopback nor link-local, or any IPv6 address when the proxy asks for dual stack (the
+    redirect carries ``ISTIO_DUAL_STACK`` in ``enable_ipv6``).
+    """
+
+    def __call__(self, config: CaptureConfig, netns: Path, deadline: float) -> None:
+        from istio_agent.cni.apply import ApplyError, apply_capture
+        from istio_agent.cni.netns import CommandError, Deadline, addresses, ipv6_enabled
+
+        try:
+            pod_addresses = addresses(netns, deadline=Deadline(deadline))
+            ipv6 = ipv6_enabled(pod_addresses, dual_stack=config.enable_ipv6)
+            apply_capture(replace(config, enable_ipv6=ipv6), netns=netns, deadline=deadline)
+        except (ApplyError, CommandError) as err:
+            raise PluginError(f"cannot set up the redirect in {netns}: {err}") from None
+
+
+def select_programmer(environ: Mapping[str, str]) -> Programmer:
+    """The dry-run writer when ``DRY_RUN_FILE_PATH`` is set, else the applier."""
     path = environ.get(DRY_RUN_ENV, "")
-    return DryRunWriter(Path(path)) if path else None
+    return DryRunWriter(Path(path)) if path else NetnsApplier()
 
 
 def _configure_logging(level: str) -> None:
@@ -145,7 +166,7 @@ def _not_kubernetes(k8s: K8sArgs) -> bool:
 def add(
     args: CmdArgs,
     *,
-    programmer: Programmer | None,
+    programmer: Programmer,
     get_pod: PodGetter | None = None,
     started: float | None = None,
 ) -> dict[str, Any]:
@@ -189,11 +210,6 @@ def add(
     netns = Path(args.netns)
     if not netns.exists():
         raise PluginError(f"the pod's network namespace {netns} no longer exists")
-    if programmer is None:
-        raise PluginError(
-            "this istio-cni build cannot apply rules inside a pod's network namespace; "
-            f"only the dry run ({DRY_RUN_ENV}) is available"
-        )
     if time.monotonic() >= deadline:
         raise PluginError(
             f"the ADD deadline of {budget.total_seconds():g}s passed before the rules were set up"
