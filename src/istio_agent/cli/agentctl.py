@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -181,6 +183,53 @@ def proxy_config_secret(
         runtime.run(run(query, click.echo, lambda line: click.echo(line, err=True)))
     except SecretsError as err:
         raise click.ClickException(str(err)) from None
+
+
+@main.group("cni")
+def cni() -> None:
+    """Check a pod's traffic capture (the istio-cni side)."""
+
+
+@cni.command("check")
+@click.argument("target")
+@click.option(
+    "--pod",
+    "pod_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="the pod object (kubectl get pod -o json|yaml) whose annotations decide the expected rules",
+)
+@click.option("--pod-name", help="NAMESPACE/NAME: fetch the pod from the API server of --kubeconfig")
+@click.option(
+    "--kubeconfig",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default="/var/run/istio-cni/istio-cni-kubeconfig",
+    show_default=True,
+    help="for --pod-name (default: the one install-cni writes for the plugin)",
+)
+@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def cni_check(
+    target: str, pod_file: Path | None, pod_name: str | None, kubeconfig: Path, output: str
+) -> None:
+    """Compare the capture rules in a pod's network namespace with the ones Istio expects for it.
+
+    TARGET is the namespace (a path such as /var/run/netns/cni-...) or the pid of any process in
+    the pod. The expected rules come from the pod (--pod or --pod-name) as the istio-cni plugin
+    decides them; without either, from the defaults of an injected pod without annotations.
+    Exit status: 0 when they match, 1 when rules are missing, left over or out of order, 2 on errors.
+    See docs/cni.md.
+    """
+    from istio_agent.cni.check import CheckError
+    from istio_agent.ctl.cnicheck import fetch_pod, load_pod, run
+
+    try:
+        if pod_file is not None and pod_name is not None:
+            raise CheckError("give either --pod or --pod-name, not both")
+        pod = load_pod(pod_file) if pod_file else fetch_pod(kubeconfig, pod_name) if pod_name else None
+        matches = run(target, pod, output, click.echo, os.environ)
+    except CheckError as err:
+        click.echo(f"Error: {err}", err=True)
+        sys.exit(2)
+    sys.exit(0 if matches else 1)
 
 
 @main.command("proxy-status")

@@ -104,6 +104,29 @@ def apply_capture(
     return ApplyOutcome(action, chosen, saved)
 
 
+def expected_portion(backend: Backend, family: str, rules: list[Rule], *, deadline: Deadline) -> Tables:
+    """The Istio portion ``rules`` give once installed, in ``backend``'s iptables-save form."""
+    if not rules:
+        return {}
+    try:
+        canonical = backend.canonical(family, render(rules), deadline=deadline)
+    except CommandError as err:
+        restore = backend.binary(family, "restore")
+        raise ApplyError(
+            f"{restore} refuses the rules (tried in an empty network namespace, nothing was"
+            f" changed): {err.stderr or err.problem}"
+        ) from None
+    return istio_portion(_parse(canonical))
+
+
+def installed_portion(backend: Backend, family: str, *, netns: Path | None, deadline: Deadline) -> Tables:
+    """The Istio portion installed in ``netns`` (iptables-save form); raises ApplyError."""
+    try:
+        return istio_portion(_parse(backend.save(family, netns=netns, deadline=deadline)))
+    except CommandError as err:
+        raise ApplyError(str(err)) from None
+
+
 def istio_portion(tables: Tables) -> Tables:
     """Only Istio's part of a parsed save: its chains whole, its rules in the built-in chains."""
     portion: Tables = {}
@@ -207,18 +230,7 @@ class _Applier:
             return "applied"
         changed = False
         for family in self.available:
-            expected: Tables = {}
-            if planned[family]:
-                text = render(planned[family])
-                try:
-                    canonical = self.backend.canonical(family, text, deadline=self.deadline)
-                except CommandError as err:
-                    restore = self.backend.binary(family, "restore")
-                    raise ApplyError(
-                        f"{restore} refuses the rules (tried in an empty network namespace, nothing was"
-                        f" changed): {err.stderr or err.problem}"
-                    ) from None
-                expected = istio_portion(_parse(canonical))
+            expected = expected_portion(self.backend, family, planned[family], deadline=self.deadline)
             if expected != current[family]:
                 self._write(family, _table_blocks(planned[family]), current[family])
                 changed = True
