@@ -8,9 +8,9 @@ STAMP := $(VENV)/.installed
 
 # Debian tools the tests and benchmarks run against: dnsmasq (upstream resolver and peer), dig, dnsperf for
 # DNS; iptables (legacy and nft), nft, conntrack, ip and the reference CNI plugins (bridge, host-local…
-# in /usr/lib/cni) for the CNI tests in network namespaces.
-DEB_TOOLS := dnsmasq dig dnsperf iptables-legacy iptables-nft nft conntrack ip /usr/lib/cni/bridge
-DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf iptables nftables conntrack iproute2 containernetworking-plugins
+# in /usr/lib/cni) for the CNI tests in network namespaces; curl, the app of the CNI pod end-to-end test.
+DEB_TOOLS := dnsmasq dig dnsperf iptables-legacy iptables-nft nft conntrack ip /usr/lib/cni/bridge curl
+DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf iptables nftables conntrack iproute2 containernetworking-plugins curl
 
 $(STAMP): pyproject.toml
 	@missing=""; for t in $(DEB_TOOLS); do command -v $$t >/dev/null || [ -x /usr/sbin/$$t ] || missing=yes; done; \

@@ -3,23 +3,22 @@
 What runs, as on a Kubernetes node (tests/cni/node.py, tests/e2e/pod.py, tests/e2e/injector.py):
 
 - the node: a network namespace of its own where the runtime runs the CNI chain (Debian's ``bridge``
-  + ``host-local``) and where the local control plane listens on the bridge's gateway address as
-  ``istiod.istio-system.svc``, as a cluster Service outside the pod;
-- ``httpbin``: a pod on that network with the injected ``istio-proxy`` (the real ``pilot-agent proxy``
-  and Envoy) and the echo app on 8080; the mesh service ``httpbin`` has the VIP 10.96.0.10, which
-  nothing in the network routes: only a captured connection reaches it;
-- ``sleep``: a pod on that network whose namespace gets Istio's sidecar rules (outbound to 15001,
-  inbound to 15006, DNS to 15053, the proxy's uid 1337 exempt, port 9090 excluded), the injected
-  ``istio-proxy`` with ``ISTIO_META_DNS_CAPTURE=true``, and an app container (uid 1000) where the test
-  runs Debian's ``curl``.
-
-INTERIM: the rules are the output of ``pilot-agent istio-iptables --dry-run`` (the istio-cni plugin's
-configuration: capture all DNS) fed to ``iptables-restore --noflush`` in the pod's namespace, until the
-istio-cni plugin runs in the chain itself.
+  + ``host-local``, then the real ``istio-cni`` executable) and where the local control plane listens
+  on the bridge's gateway address as ``istiod.istio-system.svc``, as a cluster Service outside the
+  pod. The plugin reads the pods from a FAKE Kubernetes API server (tests/cni/fake_kube.py: no real
+  one runs here) on the node's loopback, through the kubeconfig install-cni would write;
+- ``httpbin``: a pod injected with ``istio-init`` (which istio-cni skips): ``pilot-agent
+  istio-iptables`` with the injector's args programs its rules; the injected ``istio-proxy`` (the real
+  ``pilot-agent proxy`` and Envoy) and the echo app on 8080. The mesh service ``httpbin`` has the VIP
+  10.96.0.10, which nothing in the network routes: only a captured connection reaches it;
+- ``sleep``: a pod injected for CNI, with ``ISTIO_META_DNS_CAPTURE=true`` and port 9090 excluded
+  (``traffic.sidecar.istio.io/excludeOutboundPorts``): istio-cni programs its rules during ADD; the
+  injected ``istio-proxy`` and an app container (uid 1000) where the test runs Debian's ``curl``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import re
@@ -35,8 +34,11 @@ from typing import Any
 
 import pytest
 
+from istio_agent.cni.plugin_config import PluginConfig
 from istio_agent.ctl.local import wait_until
+from tests.cni.fake_kube import FakeKube, sidecar_pod, start_fake_kube
 from tests.cni.libcni import DEBIAN_PLUGINS
+from tests.cni.netns import enter, in_netns
 from tests.cni.node import AttachedPod, Node, running_node
 from tests.e2e.injector import Istiod, istio_proxy, proxy_image
 from tests.e2e.pod import CLUSTER_DOMAIN, Container, Image, Pod, unsupported
@@ -60,6 +62,8 @@ def cannot_run() -> str | None:
         return "needs Debian's containernetworking-plugins and iptables (`make` installs them)"
     if shutil.which("curl") is None:
         return "needs Debian's curl (the app's HTTP client)"
+    if not (Path(sys.executable).parent / "istio-cni").exists():
+        return "needs the istio-cni executable: reinstall the package (pip install -e .)"
     return None
 
 
@@ -103,20 +107,65 @@ def app_container(args: list[str]) -> Container:
     )
 
 
-def apply_sidecar_rules(netns: Path) -> None:
-    """INTERIM until the istio-cni plugin is in the chain: the plugin's rule set, from istio-iptables."""
+def istio_init(netns: Path) -> None:
+    """The ``istio-init`` container of a pod injected without CNI: ``pilot-agent istio-iptables`` with the
+    injector's args, as root with NET_ADMIN in the pod's network namespace."""
     pilot_agent = str(Path(sys.executable).parent / "pilot-agent")
-    flags = ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*"]
-    flags += ["-d", "15090,15021,15020", "-o", str(EXCLUDED_PORT), "--redirect-dns", "--capture-all-dns"]
-    rules = subprocess.run(
-        [pilot_agent, "istio-iptables", *flags, "--dry-run"], capture_output=True, text=True, check=True
-    ).stdout
-    subprocess.run(
-        ["nsenter", f"--net={netns}", "--", "iptables-restore", "--noflush"],
-        input=rules,
-        text=True,
-        check=True,
+    args = ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*"]
+    args += ["-d", "15090,15021,15020", "--log_output_level=default:info"]
+    done = subprocess.run(
+        in_netns(netns, [pilot_agent, "istio-iptables", *args]), capture_output=True, text=True, check=False
     )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+class ApiServerOnNode:
+    """The FAKE Kubernetes API server of the plugin tests (tests/cni/fake_kube.py; no real one runs
+    here), on the node's loopback, where the plugin reaches it from: its loop runs in a thread that
+    entered the node's namespace."""
+
+    def __init__(self, node: Node, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True)
+        self._started = threading.Event()
+        self._failure: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self.kube: FakeKube | None = None
+        self._thread = threading.Thread(target=self._run, args=(node.netns.path, state_dir), daemon=True)
+        self._thread.start()
+        self._started.wait(20)
+        if self._failure is not None or self.kube is None:
+            raise RuntimeError(f"the fake API server did not start: {self._failure!r}")
+
+    def _run(self, netns: Path, state_dir: Path) -> None:
+        try:
+            enter(netns)
+            asyncio.run(self._serve(state_dir))
+        except BaseException as err:  # reported to the test by __init__
+            self._failure = err
+            self._started.set()
+
+    async def _serve(self, state_dir: Path) -> None:
+        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        self.kube, runner = await start_fake_kube(state_dir)
+        self._started.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            await runner.cleanup()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(10)
+
+
+def istio_cni_entry(run_dir: Path) -> dict[str, Any]:
+    """The plugin's entry in the node's conflist, as install-cni chains it."""
+    config = PluginConfig(
+        cni_agent_run_dir=str(run_dir), pod_namespace="istio-system", exclude_namespaces=("istio-system",)
+    )
+    return config.plugin_object(with_version=False)
 
 
 class PlainServer:
@@ -180,34 +229,50 @@ def pod_on(base: Path, network: AttachedPod, hosts: dict[str, str], stats: str) 
 
 
 def _cluster(base: Path) -> Iterator[Cluster]:
-    with running_node(base / "node") as node:
-        server_net, client_net = node.attach("httpbin"), node.attach("sleep")
-        apply_sidecar_rules(client_net.netns.path)
-        hosts = {"istiod.istio-system.svc": node.gateway}
-        server = pod_on(base, server_net, hosts, stats="listener")
-        client = pod_on(base, client_net, hosts, stats="cluster.outbound,cluster.PassthroughCluster,listener")
-        istiod = Istiod(node, mesh(server, client), address=node.gateway)
+    with running_node(base / "node", plugin_paths=[Path(sys.executable).parent]) as node:
+        api = ApiServerOnNode(node, base / "kube")
         try:
-            istiod.start()
-            for pod in (server, client):
-                pod.start()
-            server.start_container(istio_proxy(server, istiod, grace_period=5))
-            server.start_container(
-                app_container(
-                    [sys.executable, "-m", "istio_agent.ctl.echo", "--name", SERVICE, "--port", "8080"]
-                )
-            )
-            client.start_container(
-                istio_proxy(client, istiod, proxy_metadata={"ISTIO_META_DNS_CAPTURE": "true"}, grace_period=5)
-            )
-            client.start_container(app_container(["sleep", "infinity"]))
-            server.wait_ready("istio-proxy")
-            client.wait_ready("istio-proxy")
-            yield Cluster(node, istiod, server, client)
+            yield from _pods(base, node, api)
         finally:
-            client.stop()
-            server.stop()
-            istiod.stop()
+            api.stop()
+
+
+def _pods(base: Path, node: Node, api: ApiServerOnNode) -> Iterator[Cluster]:
+    assert api.kube is not None
+    # sleep: injected for a CNI node (istio-validation, no istio-init): istio-cni programs its rules
+    dns_capture = {"ISTIO_META_DNS_CAPTURE": "true"}
+    excluded = {"traffic.sidecar.istio.io/excludeOutboundPorts": str(EXCLUDED_PORT)}
+    api.kube.add_pod(sidecar_pod("sleep", annotations=excluded, proxy_env=dns_capture))
+    # httpbin: injected with istio-init, which programs its rules; istio-cni leaves it alone
+    api.kube.add_pod(sidecar_pod("httpbin", init_containers=[{"name": "istio-init"}]))
+    run_dir = base / "run"
+    run_dir.mkdir()
+    (run_dir / "istio-cni-kubeconfig").write_text(api.kube.kubeconfig())
+    node.extra_plugins.append(istio_cni_entry(run_dir))
+
+    server_net, client_net = node.attach("httpbin"), node.attach("sleep")
+    assert "ISTIO_OUTPUT" not in server_net.netns.exec("iptables-save")
+    istio_init(server_net.netns.path)
+    hosts = {"istiod.istio-system.svc": node.gateway}
+    server = pod_on(base, server_net, hosts, stats="listener")
+    client = pod_on(base, client_net, hosts, stats="cluster.outbound,cluster.PassthroughCluster,listener")
+    istiod = Istiod(node, mesh(server, client), address=node.gateway)
+    try:
+        istiod.start()
+        for pod in (server, client):
+            pod.start()
+        server.start_container(istio_proxy(server, istiod, grace_period=5))
+        echo = [sys.executable, "-m", "istio_agent.ctl.echo", "--name", SERVICE, "--port", "8080"]
+        server.start_container(app_container(echo))
+        client.start_container(istio_proxy(client, istiod, proxy_metadata=dns_capture, grace_period=5))
+        client.start_container(app_container(["sleep", "infinity"]))
+        server.wait_ready("istio-proxy")
+        client.wait_ready("istio-proxy")
+        yield Cluster(node, istiod, server, client)
+    finally:
+        client.stop()
+        server.stop()
+        istiod.stop()
 
 
 def curl(pod: Pod, container: str, url: str) -> str:
@@ -234,6 +299,21 @@ def agent_metric(pod: Pod, sample: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def inbound_redirects(pod: Pod) -> int:
+    """Packets the pod's ``ISTIO_IN_REDIRECT`` rule sent to 15006 (iptables' own counter, either backend)."""
+    netns = str(pod.netns)
+    saved = "".join(
+        subprocess.run(
+            in_netns(Path(netns), [save, "-c", "-t", "nat"]), capture_output=True, text=True
+        ).stdout
+        for save in ("iptables-nft-save", "iptables-legacy-save")
+    )
+    counts = re.findall(
+        r"^\[(\d+):\d+\] -A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006$", saved, re.M
+    )
+    return sum(map(int, counts))
+
+
 DNS_FROM_TABLE = 'istio_agent_dns_queries_total{qtype="A",rcode="NOERROR",source="table"}'
 PASSTHROUGH = "cluster.PassthroughCluster.upstream_cx_total"
 
@@ -247,7 +327,7 @@ def test_curl_by_service_name_is_captured_resolved_by_the_agent_and_sent_over_mt
     counters = [(client, f"cluster.{CLUSTER}.upstream_rq_200"), (client, handed_off)]
     counters.append((server, f"listener.{server.ip}_15006.ssl.handshake"))
     before = [envoy_stat(pod, name) for pod, name in counters]
-    dns_before = agent_metric(client, DNS_FROM_TABLE)
+    dns_before, inbound_before = agent_metric(client, DNS_FROM_TABLE), inbound_redirects(server)
 
     answer = json.loads(curl(client, "app", f"http://{SERVICE}:{SERVICE_PORT}/hello"))
 
@@ -261,6 +341,8 @@ def test_curl_by_service_name_is_captured_resolved_by_the_agent_and_sent_over_mt
     # one request to the service's outbound cluster, on a connection 15001 handed to the port's
     # listener (bound to no port: nothing else reaches it), and one more mTLS handshake on the server
     assert [envoy_stat(pod, name) for pod, name in counters] == [count + 1 for count in before]
+    # and it reached httpbin's Envoy through httpbin's own capture (istio-init's inbound rule)
+    assert inbound_redirects(server) > inbound_before
 
 
 def test_the_proxy_uid_and_excluded_ports_bypass_capture(cluster: Cluster) -> None:
