@@ -15,9 +15,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -26,7 +26,6 @@ from istio_agent.envoy.binary import EnvoyNotFound, find_envoy
 from tests.e2e.pod import (
     CLUSTER_ADDRESS,
     CLUSTER_DOMAIN,
-    HOST_PATH,
     Container,
     Image,
     Mount,
@@ -35,6 +34,7 @@ from tests.e2e.pod import (
     stop_process,
     tail,
 )
+from tests.netns import HOST_PATH
 
 PROXY_UID = 1337
 ISTIOD_HOSTS = {"istiod.istio-system.svc": CLUSTER_ADDRESS}
@@ -113,12 +113,26 @@ def proxy_image() -> Image:
     )
 
 
-class Istiod:
-    """The local control plane as ``istiod.istio-system.svc`` (15010 plaintext, 15012 TLS), in the pod's network."""
+class ClusterNetwork(Protocol):
+    """Where the test's "cluster" runs: the pod's own namespace (:class:`Pod`) or a CNI node's."""
 
-    def __init__(self, pod: Pod, mesh: Mapping[str, Any]) -> None:
-        self.pod = pod
-        self.base = pod.base / "istiod"
+    base: Path
+
+    def run_in_network(self, args: Sequence[str], log: Path) -> subprocess.Popen[bytes]: ...
+
+    def port_open(self, port: int, host: str = ...) -> bool: ...
+
+
+class Istiod:
+    """The local control plane as ``istiod.istio-system.svc`` (15010 plaintext, 15012 TLS) on ``address``:
+    in the pod's network by default, or in a CNI node's (tests/cni/node.py) on its gateway address."""
+
+    def __init__(
+        self, network: ClusterNetwork, mesh: Mapping[str, Any], address: str = CLUSTER_ADDRESS
+    ) -> None:
+        self.network = network
+        self.address = address
+        self.base = network.base / "istiod"
         self.base.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.base / "state"
         self.mesh_file = self.base / "mesh.yaml"
@@ -146,10 +160,10 @@ class Istiod:
             str(self.mesh_file),
         ]
         command += ["--state-dir", str(self.state_dir)]
-        command += ["--address", f"{CLUSTER_ADDRESS}:15010", "--secure-address", f"{CLUSTER_ADDRESS}:15012"]
-        self.process = self.pod.run_in_network(command, self.log)
+        command += ["--address", f"{self.address}:15010", "--secure-address", f"{self.address}:15012"]
+        self.process = self.network.run_in_network(command, self.log)
         deadline = time.monotonic() + timeout
-        while not (self.root_cert_path.exists() and self.pod.port_open(15012, CLUSTER_ADDRESS)):
+        while not (self.root_cert_path.exists() and self.network.port_open(15012, self.address)):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the control plane did not come up:\n{tail(self.log)}")
             time.sleep(0.05)

@@ -9,7 +9,9 @@ its containers, and how this harness gives it (Istio's side, the injected ``isti
   15020, 15021, 15053, 15090) without meeting any other test. What the test runs "in the cluster" (the
   local control plane as ``istiod.istio-system.svc``) lives in the same namespace on another loopback
   address, which the pod's ``/etc/hosts`` names. The test talks to the pod through sockets made in the
-  namespace (:meth:`Pod.socket`).
+  namespace (:meth:`Pod.socket`). Or, as on a node with a CNI network (``tests/cni/node.py``), the
+  namespace the runtime prepared with the CNI chain, the pod IP from its result; the cluster is then
+  on the node's side of the bridge.
 - **File system**: each container has a private mount namespace whose root is the host's, remounted
   read-only (``readOnlyRootFilesystem: true``): the venv and the Envoy binary stay readable and nothing
   else is writable. The image's files (``/usr/local/bin/pilot-agent``, ``/usr/local/bin/envoy``) are
@@ -34,7 +36,6 @@ Root only (namespaces, mounts, ``setpriv``): :func:`unsupported` says why a pod 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import http.client
 import os
 import re
@@ -43,7 +44,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,15 +53,13 @@ from typing import Any
 import dns.message
 import dns.query
 
-HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-CLONE_NEWNET = 0x40000000
+from tests.netns import HOST_PATH, socket_in
+
 POD_IP = "127.0.0.1"
 CLUSTER_ADDRESS = "127.0.0.2"
 """Where the test's "cluster" services (istiod) listen, inside the pod's network."""
 CLUSTER_DOMAIN = "cluster.local"
 NAMESPACE_TIMEOUT = 20.0
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def unsupported() -> str | None:
@@ -189,13 +187,17 @@ class Pod:
         labels: Mapping[str, str] | None = None,
         annotations: Mapping[str, str] | None = None,
         hosts: Mapping[str, str] | None = None,
+        network: tuple[Path, str] | None = None,
     ) -> None:
+        """``network``: (the sandbox's network namespace, the pod IP) when the CNI chain prepared it (as
+        tests/cni/node.py does); without it the pod gets a namespace of its own with loopback only."""
         self.base = base
         self.name, self.namespace = name, namespace
         self.service_account = service_account or name
         self.labels = dict(labels or {"app": name})
         self.annotations = dict(annotations or {})
-        self.ip = POD_IP
+        self.ip = network[1] if network else POD_IP
+        self._network_namespace = network[0] if network else None
         self.hosts = dict(hosts or {})
         """Extra ``/etc/hosts`` entries: name -> address."""
         self.volumes: dict[str, tuple[Path, bool]] = {}
@@ -214,9 +216,11 @@ class Pod:
     def start(self) -> None:
         """The pause process holding the pod's network namespace (loopback up), and its hosts and resolv.conf."""
         self.base.mkdir(parents=True, exist_ok=True)
-        self._pause = subprocess.Popen(
-            ["unshare", "--net", "--", "sleep", "infinity"], env={"PATH": HOST_PATH}
-        )
+        if self._network_namespace is None:
+            enter = ["unshare", "--net", "--"]
+        else:  # the sandbox the runtime made and attached to the pod network before starting the pod
+            enter = ["nsenter", f"--net={self._network_namespace}", "--"]
+        self._pause = subprocess.Popen([*enter, "sleep", "infinity"], env={"PATH": HOST_PATH})
         deadline = time.monotonic() + NAMESPACE_TIMEOUT
         while not self._own_netns():
             if self._pause.poll() is not None or time.monotonic() > deadline:
@@ -266,25 +270,7 @@ class Pod:
         self, family: socket.AddressFamily = socket.AF_INET, kind: socket.SocketKind = socket.SOCK_STREAM
     ) -> socket.socket:
         """A socket in the pod's network namespace, for the test to reach the pod's ports."""
-        made: list[socket.socket | OSError] = []
-
-        def make() -> None:  # setns() moves only this short-lived thread into the namespace
-            fd = os.open(self.netns, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if _libc.setns(fd, CLONE_NEWNET) != 0:
-                    errno = ctypes.get_errno()
-                    made.append(OSError(errno, f"setns({self.netns}): {os.strerror(errno)}"))
-                    return
-            finally:
-                os.close(fd)
-            made.append(socket.socket(family, kind))
-
-        thread = threading.Thread(target=make)
-        thread.start()
-        thread.join()
-        if isinstance(made[0], OSError):
-            raise made[0]
-        return made[0]
+        return socket_in(self.netns, family, kind)
 
     def port_open(self, port: int, host: str = "127.0.0.1") -> bool:
         with self.socket() as sock:
@@ -587,12 +573,19 @@ def _outermost(directories: Sequence[str]) -> list[str]:
 
 def _writable_system_mounts() -> list[str]:
     """The host's writable mount points a container must see read-only: "/" and every file system under
-    it but the kernel's (/proc, /dev); /sys read-only as the runtime mounts it."""
+    it but the kernel's (/proc, /dev); /sys read-only as the runtime mounts it. Namespace handles
+    (``nsfs``, e.g. ``/run/netns/<name>`` of ``ip netns add``) are no file systems, and may vanish
+    before the container starts."""
     points = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
         point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040 is a space
-        if "ro" not in fields[5].split(",") and not point.startswith(("/proc", "/dev", "/sys")):
+        fstype = fields[fields.index("-") + 1]
+        if (
+            "ro" not in fields[5].split(",")
+            and not point.startswith(("/proc", "/dev", "/sys"))
+            and fstype != "nsfs"
+        ):
             points.append(point)
     return [*dict.fromkeys(points), "/sys"]
 
