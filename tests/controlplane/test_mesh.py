@@ -239,6 +239,14 @@ def pl(**fields: object) -> dict[str, object]:
          'workloads[0] (g-1.default): is proxyless but backs "b.default", whose protocol is http, not grpc'),
         ({"services": GRPC_SERVICES, "workloads": [pl(proxyless="yes")]},
          "workloads[0] (g-1.default).proxyless: expected true or false, got a string"),
+        # captured workloads
+        ({"services": GRPC_SERVICES, "workloads": [pl(capture=True)]},
+         "workloads[0] (g-1.default): captures traffic (capture: true) but is proxyless: there is no Envoy to capture to"),
+        ({"services": SERVICES, "workloads": [wl(capture=True, outbound=[{"service": "c", "port": 15201}])]},
+         "workloads[0] (a.default): captures traffic (capture: true) and has outbound bindings: "
+         "a captured workload reaches services by name or address"),
+        ({"services": SERVICES, "workloads": [wl(capture="yes")]},
+         "workloads[0] (a.default).capture: expected true or false, got a string"),
         # top level and name table
         ({"trustDomian": "x"}, 'unknown key "trustDomian"'),
         ({"domainSuffix": "Not_A.domain"}, "domainSuffix 'Not_A.domain' is not a valid DNS domain"),

@@ -409,19 +409,24 @@ def static_bootstrap(snapshot: Snapshot, sds_socket: Path) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("proxy", [A, B, DB], ids=["a", "b", "db"])
-def test_real_envoy_accepts_the_config(mesh: MeshConfig, proxy: ProxyNode, tmp_path: Path) -> None:
-    snapshot = build_snapshot(mesh, proxy)
-    assert snapshot[LISTENER_TYPE], "the proxy must have listeners for this test to mean anything"
+def envoy_validate(bootstrap: dict[str, Any], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Real Envoy's ``--mode validate`` on a bootstrap."""
     config = tmp_path / "envoy.json"
-    config.write_text(json.dumps(static_bootstrap(snapshot, tmp_path / "sds.sock")))
-    result = subprocess.run(
+    config.write_text(json.dumps(bootstrap))
+    return subprocess.run(
         [str(find_envoy()), "--mode", "validate", "-c", str(config), "--log-level", "warning"],
         capture_output=True,
         text=True,
         timeout=30,
         check=False,
     )
+
+
+@pytest.mark.parametrize("proxy", [A, B, DB], ids=["a", "b", "db"])
+def test_real_envoy_accepts_the_config(mesh: MeshConfig, proxy: ProxyNode, tmp_path: Path) -> None:
+    snapshot = build_snapshot(mesh, proxy)
+    assert snapshot[LISTENER_TYPE], "the proxy must have listeners for this test to mean anything"
+    result = envoy_validate(static_bootstrap(snapshot, tmp_path / "sds.sock"), tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -431,14 +436,87 @@ def test_real_envoy_rejects_a_broken_config(mesh: MeshConfig, tmp_path: Path) ->
     bootstrap["static_resources"]["clusters"] = [
         c for c in bootstrap["static_resources"]["clusters"] if c["name"] != OUT_B
     ]
-    config = tmp_path / "envoy.json"
-    config.write_text(json.dumps(bootstrap))
-    result = subprocess.run(
-        [str(find_envoy()), "--mode", "validate", "-c", str(config), "--log-level", "warning"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    result = envoy_validate(bootstrap, tmp_path)
     assert result.returncode != 0
     assert f"unknown cluster '{OUT_B}'" in result.stdout + result.stderr
+
+
+# -- a workload whose traffic iptables captures -------------------------------------------------------
+
+CAPTURED_MESH = (
+    MESH
+    + """
+  - name: sleep
+    serviceAccount: sleep
+    address: 10.22.0.2
+    capture: true
+"""
+)
+SLEEP = ProxyNode(
+    id="sidecar~10.22.0.2~sleep.default~default.svc.cluster.local", name="sleep", namespace="default"
+)
+
+
+@pytest.fixture(scope="module")
+def captured() -> Snapshot:
+    return build_snapshot(parse_mesh(CAPTURED_MESH, Path("mesh.yaml")), SLEEP)
+
+
+def test_a_captured_workload_gets_the_capture_listeners_and_no_loopback_ones(captured: Snapshot) -> None:
+    # HTTP services by port on 0.0.0.0, the headless TCP service by its workload's address
+    assert list(captured[LISTENER_TYPE]) == [
+        "0.0.0.0_8000",
+        "0.0.0.0_9000",
+        "127.0.0.1_5432",
+        "virtualOutbound",
+    ]
+    assert list(captured[ROUTE_TYPE]) == ["8000", "9000"]
+    passthrough = captured[CLUSTER_TYPE]["PassthroughCluster"]
+    assert isinstance(passthrough, cluster_pb2.Cluster)
+    assert passthrough.type == cluster_pb2.Cluster.ORIGINAL_DST
+    assert passthrough.lb_policy == cluster_pb2.Cluster.CLUSTER_PROVIDED
+
+
+def test_virtual_outbound_hands_connections_to_their_original_destination(captured: Snapshot) -> None:
+    virtual = captured[LISTENER_TYPE]["virtualOutbound"]
+    assert isinstance(virtual, listener_pb2.Listener)
+    assert (virtual.address.socket_address.address, virtual.address.socket_address.port_value) == (
+        "0.0.0.0",
+        15001,
+    )
+    assert virtual.use_original_dst.value is True
+    [chain] = virtual.filter_chains
+    tcp = typed(chain.filters[0].typed_config, tcp_proxy_pb2.TcpProxy())
+    assert tcp.cluster == "PassthroughCluster"
+
+    for name in ("0.0.0.0_9000", "127.0.0.1_5432"):  # reached only through virtualOutbound
+        listener = captured[LISTENER_TYPE][name]
+        assert isinstance(listener, listener_pb2.Listener)
+        assert listener.bind_to_port.value is False
+    db = captured[LISTENER_TYPE]["127.0.0.1_5432"]
+    assert isinstance(db, listener_pb2.Listener)
+    assert typed(db.filter_chains[0].filters[0].typed_config, tcp_proxy_pb2.TcpProxy()).cluster == OUT_DB
+
+
+def test_captured_http_routes_by_the_names_and_addresses_a_caller_uses(captured: Snapshot) -> None:
+    listener = captured[LISTENER_TYPE]["0.0.0.0_9000"]
+    assert isinstance(listener, listener_pb2.Listener)
+    hcm = typed(
+        listener.filter_chains[0].filters[0].typed_config, http_connection_manager_pb2.HttpConnectionManager()
+    )
+    assert (hcm.stat_prefix, hcm.rds.route_config_name) == ("outbound_0.0.0.0_9000", "9000")
+    route = captured[ROUTE_TYPE]["9000"]
+    assert isinstance(route, route_pb2.RouteConfiguration)
+    service, allow_any = route.virtual_hosts
+    assert service.name == "b.default.svc.cluster.local:9000"
+    assert list(service.domains) == [
+        "b.default.svc.cluster.local", "b.default.svc.cluster.local:9000", "b.default.svc", "b.default.svc:9000",
+        "b.default", "b.default:9000", "b", "b:9000", "10.96.0.20", "10.96.0.20:9000",
+    ]  # fmt: skip
+    assert service.routes[0].route.cluster == OUT_B
+    assert (list(allow_any.domains), allow_any.routes[0].route.cluster) == (["*"], "PassthroughCluster")
+
+
+def test_real_envoy_accepts_the_capture_config(captured: Snapshot, tmp_path: Path) -> None:
+    result = envoy_validate(static_bootstrap(captured, tmp_path / "sds.sock"), tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -51,6 +51,7 @@ _WORKLOAD_KEYS = (
     "appPort",
     "outbound",
     "proxyless",
+    "capture",
 )
 _OUTBOUND_KEYS = ("service", "port")
 _NAME_ENTRY_KEYS = ("ips", "registry", "shortname", "namespace", "altHosts")
@@ -117,6 +118,9 @@ class Workload:
     outbound: tuple[OutboundBinding, ...] = ()
     proxyless: bool = False
     """A proxyless gRPC workload: no Envoy; its xDS gRPC server listens on ``appPort`` itself."""
+    capture: bool = False
+    """Its traffic is captured by iptables (istio-iptables or istio-cni in its pod): its Envoy gets
+    istiod's outbound capture listener on 15001 and a listener per service port, not loopback bindings."""
 
     @property
     def endpoint_port(self) -> int | None:
@@ -384,6 +388,14 @@ class _MeshReader:
         if inbound_port is not None and inbound_port == app_port:
             entry.fail(f"inboundPort and appPort are both {inbound_port}")
         outbound = self._outbound(entry, mesh, namespace, inbound_port, app_port)
+        capture = not entry.fields["capture"].is_null and entry.fields["capture"].boolean()
+        if capture and proxyless:
+            entry.fail("captures traffic (capture: true) but is proxyless: there is no Envoy to capture to")
+        if capture and outbound:
+            entry.fail(
+                "captures traffic (capture: true) and has outbound bindings: "
+                "a captured workload reaches services by name or address"
+            )
         return Workload(
             name=name,
             namespace=namespace,
@@ -395,6 +407,7 @@ class _MeshReader:
             app_port=app_port,
             outbound=outbound,
             proxyless=proxyless,
+            capture=capture,
         )
 
     @staticmethod

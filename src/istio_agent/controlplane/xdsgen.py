@@ -3,9 +3,11 @@
 The shapes follow what istiod sends a sidecar, cut down to what a loopback dev mesh needs:
 ``outbound|<port>||<host>`` EDS clusters with Istio mTLS (SDS secrets ``default`` / ``ROOTCA``
 served by the agent), an ``inbound|<appPort>||`` cluster to the local app, and listeners bound to
-127.0.0.1 ports instead of iptables capture. Resources are built as protobuf-JSON dicts (the form
-the bootstrap module already uses for the same TLS contexts) and parsed into messages, so there
-is one definition of each SDS shape.
+127.0.0.1 ports instead of iptables capture; or, for a workload whose traffic iptables captures
+(``capture: true``), istiod's ``virtualOutbound`` listener on 15001 handing each connection to the
+listener of its original destination, with ``PassthroughCluster`` for the rest.
+Resources are built as protobuf-JSON dicts (the form the bootstrap module already uses for the same
+TLS contexts) and parsed into messages, so there is one definition of each SDS shape.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ NAME_TABLE_RESOURCE = ""
 """The name of the one NameTable resource (Istio's NDS is a singleton)."""
 
 LOOPBACK = "127.0.0.1"
+WILDCARD = "0.0.0.0"
+VIRTUAL_OUTBOUND = "virtualOutbound"
+VIRTUAL_OUTBOUND_PORT = 15001
+PASSTHROUGH_CLUSTER = "PassthroughCluster"
 CONNECT_TIMEOUT = "10s"
 KUBERNETES_REGISTRY = "Kubernetes"
 
@@ -121,6 +127,12 @@ def build_snapshot(mesh: MeshConfig, proxy: ProxyNode) -> Snapshot:
             listeners[listener["name"]] = parse_resource(listener, listener_pb2.Listener())
             if service.is_http:
                 route = _outbound_route(service, port)
+                routes[route["name"]] = parse_resource(route, route_pb2.RouteConfiguration())
+        if workload.capture:
+            clusters[PASSTHROUGH_CLUSTER] = parse_resource(_passthrough_cluster(), cluster_pb2.Cluster())
+            for listener in _capture_listeners(mesh):
+                listeners[listener["name"]] = parse_resource(listener, listener_pb2.Listener())
+            for route in _capture_routes(mesh, workload):
                 routes[route["name"]] = parse_resource(route, route_pb2.RouteConfiguration())
     return {
         CLUSTER_TYPE: _sorted(clusters),
@@ -358,6 +370,105 @@ def _outbound_route(service: Service, port: int) -> dict[str, Any]:
             }
         ],
     }
+
+
+# -- capture (a workload whose traffic iptables redirects to 15001) -----------------------------------
+
+
+def _passthrough_cluster() -> dict[str, Any]:
+    """Where a captured connection to no mesh service goes: its original destination (ALLOW_ANY)."""
+    return {
+        "name": PASSTHROUGH_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": CONNECT_TIMEOUT,
+    }
+
+
+def _tcp_proxy(stat_prefix: str, cluster: str) -> dict[str, Any]:
+    return {
+        "name": _TCP_PROXY,
+        "typed_config": {"@type": _TCP_PROXY_TYPE, "stat_prefix": stat_prefix, "cluster": cluster},
+    }
+
+
+def _capture_listeners(mesh: MeshConfig) -> list[dict[str, Any]]:
+    """istiod's ``virtualOutbound`` on 15001 (``use_original_dst``: Envoy hands the connection to the
+    listener of its original destination) and those listeners, not bound to a port: ``0.0.0.0_<port>``
+    for HTTP services (routes by Host, RDS ``<port>``), ``<address>_<port>`` for TCP ones."""
+    listeners: dict[str, dict[str, Any]] = {}
+    for service in mesh.services:
+        if service.is_http:
+            name = f"{WILDCARD}_{service.port}"
+            hcm = {
+                "@type": HCM_TYPE,
+                "stat_prefix": f"outbound_{name}",
+                "rds": {"config_source": ads_source(), "route_config_name": str(service.port)},
+                "http_filters": router_filters(),
+            }
+            filters = [{"name": _HCM, "typed_config": hcm}]
+            listeners[name] = _unbound_listener(name, WILDCARD, service.port, filters)
+        else:
+            cluster = outbound_cluster_name(service)
+            for address in _service_addresses(mesh, service):
+                name = f"{address}_{service.port}"
+                listeners[name] = _unbound_listener(
+                    name, address, service.port, [_tcp_proxy(cluster, cluster)]
+                )
+    virtual = {
+        "name": VIRTUAL_OUTBOUND,
+        "address": socket_address(WILDCARD, VIRTUAL_OUTBOUND_PORT),
+        "use_original_dst": True,
+        "traffic_direction": "OUTBOUND",
+        "filter_chains": [
+            {
+                "name": "virtualOutbound-catchall-tcp",
+                "filters": [_tcp_proxy(PASSTHROUGH_CLUSTER, PASSTHROUGH_CLUSTER)],
+            }
+        ],
+    }
+    return [virtual, *listeners.values()]
+
+
+def _unbound_listener(name: str, address: str, port: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "address": socket_address(address, port),
+        "bind_to_port": False,
+        "traffic_direction": "OUTBOUND",
+        "filter_chains": [{"filters": filters}],
+    }
+
+
+def _capture_routes(mesh: MeshConfig, workload: Workload) -> list[dict[str, Any]]:
+    """One route configuration per HTTP port: a virtual host per service, by every name the caller may
+    use (the short ones in its own namespace) and address, with and without the port; the rest passes
+    through (``allow_any``)."""
+    by_port: dict[int, list[dict[str, Any]]] = {}
+    for service in mesh.services:
+        if not service.is_http:
+            continue
+        names = [service.hostname, f"{service.name}.{service.namespace}.svc", service.ref]
+        if service.namespace == workload.namespace:
+            names.append(service.name)
+        names += _service_addresses(mesh, service)
+        domains = [f"{name}{suffix}" for name in names for suffix in ("", f":{service.port}")]
+        by_port.setdefault(service.port, []).append(
+            {
+                "name": f"{service.hostname}:{service.port}",
+                "domains": domains,
+                "routes": [route_to(outbound_cluster_name(service))],
+            }
+        )
+    allow_any = {"name": "allow_any", "domains": ["*"], "routes": [route_to(PASSTHROUGH_CLUSTER)]}
+    return [
+        {"name": str(port), "virtual_hosts": [*hosts, allow_any]} for port, hosts in sorted(by_port.items())
+    ]
+
+
+def _service_addresses(mesh: MeshConfig, service: Service) -> list[str]:
+    """What callers connect to: the service's VIPs, else (headless) its workloads' addresses."""
+    return list(service.addresses) or _sorted_ips({w.address for w in mesh.backing_workloads(service)})
 
 
 # -- helpers ------------------------------------------------------------------------------------------
