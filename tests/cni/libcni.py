@@ -21,13 +21,14 @@ namespace of its own, so the bridge and its host-side addresses never touch the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.netns import HOST_PATH, in_netns
+from tests.cni.netns import in_netns
 
 DEBIAN_PLUGINS = Path("/usr/lib/cni")
 """containernetworking-plugins' directory on Debian (CNI spec up to 1.0.0)."""
@@ -100,7 +101,8 @@ class Runtime:
         self.paths = tuple(paths)
         self.runtime_netns = runtime_netns
         self.env = dict(env or {})
-        """Extra environment for every plugin (e.g. what a plugin under test reads)."""
+        """Extra environment for every plugin (e.g. what a plugin under test reads); as libcni, a
+        plugin also gets the runtime's own environment."""
 
     def add(self, network: NetworkList, attachment: Attachment) -> dict[str, Any]:
         """ADD: every plugin in order, each given the previous result; the final result."""
@@ -153,7 +155,7 @@ class Runtime:
         if prev_result is not None:
             config["prevResult"] = prev_result
         env = {
-            "PATH": HOST_PATH,
+            **os.environ,
             **self.env,
             "CNI_COMMAND": command,
             "CNI_PATH": ":".join(map(str, self.paths)),

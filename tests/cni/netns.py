@@ -1,16 +1,21 @@
 """Network namespaces for the CNI tests: a "pod" with lo up, optionally wired to a "peer" by a veth.
 
 Names are unique per process and call (``ia-<pid>-<n>-<role>``) and every namespace is deleted on
-exit, even when the test fails. Root only: ``needs_root`` skips with the reason otherwise.
+exit, even when the test fails. Root only: ``needs_root`` skips with the reason otherwise. Sockets
+are made inside any namespace (a named one, or a process's ``/proc/<pid>/ns/net``) by a thread that
+entered it (:func:`socket_in`), so the test process itself never changes namespace.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import shutil
+import socket
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +27,48 @@ needs_root = pytest.mark.skipif(
     reason="needs root and iproute2 to create network namespaces (CI runs as root)",
 )
 POD_IP, PEER_IP = "10.77.0.2", "10.77.0.1"
+CLONE_NEWNET = 0x40000000
 _counter = itertools.count()
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def enter(path: Path) -> None:
+    """Move the calling thread (only it) into the network namespace at ``path``: the sockets it makes
+    from now on are there. For a thread started for that purpose, never the test's own."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns({path}): {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
+def socket_in(
+    path: Path, family: socket.AddressFamily = socket.AF_INET, kind: socket.SocketKind = socket.SOCK_STREAM
+) -> socket.socket:
+    """A socket made in the network namespace at ``path`` (it stays there whatever thread uses it)."""
+    made: list[socket.socket | OSError] = []
+
+    def make() -> None:  # a short-lived thread enters the namespace
+        try:
+            enter(path)
+        except OSError as err:
+            made.append(err)
+            return
+        made.append(socket.socket(family, kind))
+
+    thread = threading.Thread(target=make)
+    thread.start()
+    thread.join()
+    if isinstance(made[0], OSError):
+        raise made[0]
+    return made[0]
+
+
+def in_netns(path: Path, argv: Sequence[str]) -> list[str]:
+    """``argv`` as a command that runs inside the network namespace at ``path``."""
+    return ["nsenter", f"--net={path}", "--", *argv]
 
 
 def sh(*argv: str, input: str | None = None) -> str:
@@ -46,6 +92,11 @@ class Netns:
 
     def ip(self, *args: str) -> str:
         return sh("ip", "-n", self.name, *args)
+
+    def socket(
+        self, family: socket.AddressFamily = socket.AF_INET, kind: socket.SocketKind = socket.SOCK_STREAM
+    ) -> socket.socket:
+        return socket_in(self.path, family, kind)
 
 
 @contextmanager

@@ -3,9 +3,9 @@
 The node's namespace plays the host's: the container runtime runs the CNI plugins there, so Debian's
 ``bridge`` plugin makes its bridge (with the gateway address, the "cluster" side of the pod network)
 inside it, never on the machine. ``host-local`` keeps its IP allocations in the test's directory.
-Each pod gets a named namespace (``ip netns add``, as CRI runtimes pin a sandbox's namespace), then
-the network list's ADD; :meth:`Node.stop` runs DEL for every pod still attached and deletes all the
-namespaces, so a test leaves no interface, address, rule or file behind.
+Each pod gets a named namespace (tests/cni/netns.py; ``ip netns add``, as CRI runtimes pin a
+sandbox's namespace), then the network list's ADD; :meth:`Node.stop` runs DEL for every pod still
+attached and deletes all the namespaces, so a test leaves no interface, address, rule or file behind.
 
 What else "the cluster" runs (the control plane) lives in the node's namespace and listens on the
 gateway address, which pods reach over the bridge, as they reach a Service in a cluster.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import os
 import socket
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.cni.libcni import Attachment, NetworkList, Runtime
-from tests.netns import NetNamespace, in_netns
+from tests.cni.netns import Netns, in_netns, netns
 
 SUBNET = ipaddress.ip_network("10.22.0.0/24")
 GATEWAY = "10.22.0.1"
@@ -54,9 +53,11 @@ def bridge_network(data_dir: Path, extra_plugins: Sequence[Mapping[str, Any]] = 
 class AttachedPod:
     """A pod sandbox's network: its namespace, its attachment and the runtime's cached ADD result."""
 
-    netns: NetNamespace
+    netns: Netns
     attachment: Attachment
     result: dict[str, Any]
+    holder: contextlib.ExitStack
+    """Deletes the namespace."""
 
     @property
     def ip(self) -> str:
@@ -76,15 +77,21 @@ class Node:
         self, base: Path, *, plugin_paths: Sequence[Path] = (), plugin_env: Mapping[str, str] | None = None
     ):
         self.base = base
-        self.prefix = f"e2e{os.getpid()}"
-        self.netns = NetNamespace(f"{self.prefix}-node")
+        self._namespaces = contextlib.ExitStack()
+        self._netns: Netns | None = None
         self.ipam_dir = base / "host-local"
         runtime_paths = (*plugin_paths, Runtime().paths[0])
-        self.runtime = Runtime(runtime_paths, runtime_netns=self.netns.path, env=plugin_env)
+        self.runtime = Runtime(runtime_paths, env=plugin_env)
         self.extra_plugins: list[Mapping[str, Any]] = []
         """Plugins chained after bridge (istio-cni) for the pods attached from now on."""
         self.pods: dict[str, AttachedPod] = {}
         self._processes: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def netns(self) -> Netns:
+        """The node's namespace (the host's, for the runtime and the plugins)."""
+        assert self._netns is not None, "the node is not started"
+        return self._netns
 
     @property
     def gateway(self) -> str:
@@ -92,7 +99,8 @@ class Node:
 
     def start(self) -> Node:
         self.base.mkdir(parents=True, exist_ok=True)
-        self.netns.create()
+        self._netns = self._namespaces.enter_context(netns("node"))
+        self.runtime.runtime_netns = self._netns.path
         return self
 
     def network(self) -> NetworkList:
@@ -100,9 +108,10 @@ class Node:
 
     def attach(self, name: str, namespace: str = "default") -> AttachedPod:
         """Create the pod's sandbox namespace and ADD it to the network, as the runtime does for a new pod."""
-        netns = NetNamespace(f"{self.prefix}-{name}").create()
-        attachment = Attachment.for_pod(f"{self.prefix}-{name}-sandbox", netns.path, namespace, name)
-        pod = AttachedPod(netns, attachment, {})
+        holder = contextlib.ExitStack()
+        sandbox = holder.enter_context(netns(name))
+        attachment = Attachment.for_pod(f"{sandbox.name}-sandbox", sandbox.path, namespace, name)
+        pod = AttachedPod(sandbox, attachment, {}, holder)
         self.pods[name] = pod
         pod.result = self.runtime.add(self.network(), attachment)
         return pod
@@ -114,7 +123,7 @@ class Node:
             if pod.result:
                 self.runtime.delete(self.network(), pod.attachment, pod.result)
         finally:
-            pod.netns.delete()
+            pod.holder.close()
 
     def stop(self) -> None:
         for process in self._processes:
@@ -125,7 +134,7 @@ class Node:
             for name in list(self.pods):
                 self.detach(name)
         finally:
-            self.netns.delete()
+            self._namespaces.close()
 
     # -- what the cluster runs on the node's side of the bridge (Istiod uses these) --------------------
     def run_in_network(self, args: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
@@ -138,7 +147,7 @@ class Node:
         return process
 
     def port_open(self, port: int, host: str = GATEWAY) -> bool:
-        with self.netns.socket() as sock:
+        with self.socket() as sock:
             sock.settimeout(0.5)
             return sock.connect_ex((host, port)) == 0
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from tests.cni.libcni import DEBIAN_PLUGINS, Attachment, CniError, NetworkList
+from tests.cni.netns import netns
 from tests.cni.node import GATEWAY, SUBNET, running_node
-from tests.netns import NetNamespace
 
 CANNOT_RUN = (
     "CNI tests need root (network namespaces); CI runs as root"
@@ -59,7 +59,7 @@ def test_bridge_and_host_local_attach_a_pod_and_del_leaves_nothing(tmp_path: Pat
         pod = node.attach("web", "shop")
         assert pod.result["cniVersion"] == "1.0.0"
         assert pod.ip in [str(ip) for ip in SUBNET.hosts()] and pod.ip != GATEWAY
-        assert "default via 10.22.0.1 dev eth0" in pod.netns.run(["ip", "route"])
+        assert "default via 10.22.0.1 dev eth0" in pod.netns.ip("route")
         with node.socket() as listener, pod.netns.socket() as client:  # pod -> the node's side of the bridge
             listener.bind((GATEWAY, 9000))
             listener.listen()
@@ -74,7 +74,7 @@ def test_bridge_and_host_local_attach_a_pod_and_del_leaves_nothing(tmp_path: Pat
 
         assert not (store / pod.ip).exists()
         assert not pod.netns.path.exists()
-        links = node.netns.run(["ip", "-o", "link"])
+        links = node.netns.ip("-o", "link")
         assert "veth" not in links and "cni0" in links  # the bridge goes with the node's namespace
         node_netns = node.netns.path
     assert not node_netns.exists()
@@ -105,32 +105,28 @@ def test_each_plugin_gets_the_list_and_the_previous_result_and_del_runs_in_rever
 
 
 def test_a_plugin_error_result_is_raised_with_its_code_and_message(tmp_path: Path, recorder: Path) -> None:
-    with running_node(tmp_path / "node", plugin_paths=[recorder]) as node:
-        sandbox = NetNamespace(f"{node.prefix}-web").create()
-        try:
-            attachment = Attachment.for_pod("c1", sandbox.path, "default", "web")
-            fail = {"code": 7, "msg": "no", "details": "why"}
-            failing = {"type": "recorder", "tag": "x", "record": str(tmp_path / "r"), "fail": fail}
-            with pytest.raises(CniError) as caught:
-                node.runtime.add(NetworkList("net", "1.0.0", (failing,)), attachment)
-            error = caught.value
-            assert (error.plugin, error.command, error.code, error.msg, error.details) == (
-                "recorder",
-                "ADD",
-                7,
-                "no",
-                "why",
-            )
-            # Debian's bridge refusing a bad IPAM config: a real plugin's error result
-            bad = {"type": "bridge", "ipam": {"type": "host-local", "ranges": [[{"subnet": "not-a-cidr"}]]}}
-            with pytest.raises(CniError) as real:
-                node.runtime.add(NetworkList("net", "1.0.0", (bad,)), attachment)
-            assert (real.value.plugin, real.value.code, real.value.msg) == (
-                "bridge",
-                999,  # the spec's "generic error", which Go's skel uses for a plain error
-                "invalid CIDR address: not-a-cidr",
-            )
-            with pytest.raises(CniError, match="plugin 'nope' is not in"):
-                node.runtime.add(NetworkList("net", "1.0.0", ({"type": "nope"},)), attachment)
-        finally:
-            sandbox.delete()
+    with running_node(tmp_path / "node", plugin_paths=[recorder]) as node, netns("web") as sandbox:
+        attachment = Attachment.for_pod("c1", sandbox.path, "default", "web")
+        fail = {"code": 7, "msg": "no", "details": "why"}
+        failing = {"type": "recorder", "tag": "x", "record": str(tmp_path / "r"), "fail": fail}
+        with pytest.raises(CniError) as caught:
+            node.runtime.add(NetworkList("net", "1.0.0", (failing,)), attachment)
+        error = caught.value
+        assert (error.plugin, error.command, error.code, error.msg, error.details) == (
+            "recorder",
+            "ADD",
+            7,
+            "no",
+            "why",
+        )
+        # Debian's bridge refusing a bad IPAM config: a real plugin's error result
+        bad = {"type": "bridge", "ipam": {"type": "host-local", "ranges": [[{"subnet": "not-a-cidr"}]]}}
+        with pytest.raises(CniError) as real:
+            node.runtime.add(NetworkList("net", "1.0.0", (bad,)), attachment)
+        assert (real.value.plugin, real.value.code, real.value.msg) == (
+            "bridge",
+            999,  # the spec's "generic error", which Go's skel uses for a plain error
+            "invalid CIDR address: not-a-cidr",
+        )
+        with pytest.raises(CniError, match="plugin 'nope' is not in"):
+            node.runtime.add(NetworkList("net", "1.0.0", ({"type": "nope"},)), attachment)

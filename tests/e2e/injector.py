@@ -26,6 +26,7 @@ from istio_agent.envoy.binary import EnvoyNotFound, find_envoy
 from tests.e2e.pod import (
     CLUSTER_ADDRESS,
     CLUSTER_DOMAIN,
+    HOST_PATH,
     Container,
     Image,
     Mount,
@@ -34,7 +35,6 @@ from tests.e2e.pod import (
     stop_process,
     tail,
 )
-from tests.netns import HOST_PATH
 
 PROXY_UID = 1337
 ISTIOD_HOSTS = {"istiod.istio-system.svc": CLUSTER_ADDRESS}

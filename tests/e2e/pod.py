@@ -53,8 +53,9 @@ from typing import Any
 import dns.message
 import dns.query
 
-from tests.netns import HOST_PATH, socket_in
+from tests.cni.netns import socket_in
 
+HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 POD_IP = "127.0.0.1"
 CLUSTER_ADDRESS = "127.0.0.2"
 """Where the test's "cluster" services (istiod) listen, inside the pod's network."""
