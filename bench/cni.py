@@ -10,9 +10,15 @@ a kubeconfig written as install-cni writes it. For each of ``--pods`` pod sandbo
 named namespace each), as the test runtime (``tests/cni/libcni.py``) runs the network list:
 
 * **(a) bridge**: Debian's ``bridge`` + ``host-local`` ADD, exec to result (veth, address, routes);
-* **(b) istio-cni**: istio-cni's ADD chained after it with (a)'s result as ``prevResult``, exec
-  to result: the pod GET and Istio's sidecar rules really applied in the sandbox (checked after
-  each ADD, outside the timing); then the list's DEL and the namespace deleted.
+* **(b) istio-cni, in process**: istio-cni's ADD chained after it with (a)'s result as
+  ``prevResult``, exec to result: the pod GET and Istio's sidecar rules really applied in the
+  sandbox (checked after each ADD, outside the timing), with no node agent to hand the ADD to;
+* **(c) istio-cni, handed over**: the same for a second sandbox, with a real ``install-cni``
+  process serving ``plugin-add.sock`` in its run dir (``cni/handoff.py``): the plugin sends the
+  invocation and prints install-cni's answer; install-cni's kubeconfig (written from the test's
+  "service account") points at the same fake API server.
+
+Each sandbox then gets the list's DEL and its namespace deleted.
 
 The floor is each plugin's VERSION (exec, interpreter start, nothing else), measured in the same
 run, as is everything else, so the ratios hold on a loaded machine. The plugins get the bench's own
@@ -37,15 +43,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from istio_agent.cni.handoff import SOCKET_NAME
 from istio_agent.cni.kube import KUBECONFIG_NAME
-from tests.cni.fake_kube import FakeKube, sidecar_pod, start_fake_kube
-from tests.cni.libcni import DEBIAN_PLUGINS, Attachment, Runtime
+from tests.cni.fake_kube import TOKEN, FakeKube, sidecar_pod, start_fake_kube
+from tests.cni.install.layout import INSTALL_CNI, start_install_cni
+from tests.cni.install.layout import Node as InstallLayout
+from tests.cni.libcni import DEBIAN_PLUGINS, Attachment, NetworkList, Runtime
 from tests.cni.netns import enter, netns
 from tests.cni.node import bridge_network
 
 PLUGIN_DIR = Path(sys.executable).parent
 """Where the package's ``istio-cni`` executable is (the venv's bin)."""
 GOAL_P50_MS = 150.0
+SERVING_TIMEOUT = 30.0
+HANDED_OVER_LOG = "redirect set up in"
+"""The plugin code's line per pod: in install-cni's log only when it ran the ADD (the bench checks)."""
 ISTIO_CHAIN = "ISTIO_OUTPUT"
 
 
@@ -105,49 +117,81 @@ def rules_applied(pod_netns: str) -> bool:
     return False
 
 
+@contextmanager
+def install_cni(base: Path, kube: FakeKube) -> Iterator[tuple[Path, Path]]:
+    """A real install-cni process (temp directories, its kubeconfig pointing at the fake API server),
+    serving the ADD hand-over; yields its run dir and its log once the socket is there."""
+    base.mkdir()
+    layout = InstallLayout(base)
+    log = base / "install-cni.log"
+    with log.open("wb") as output:
+        process = start_install_cni(layout, kube.port, kube.ca_pem, TOKEN, output)
+    try:
+        deadline = time.monotonic() + SERVING_TIMEOUT
+        while not ((layout.run / SOCKET_NAME).exists() and (layout.run / KUBECONFIG_NAME).exists()):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"install-cni did not start serving the ADD: {log.read_text()}")
+            time.sleep(0.02)
+        yield layout.run, log
+    finally:
+        process.terminate()
+        process.wait()
+
+
 def run(base: Path, pods: int) -> list[Row]:
     """Measure; the caller has moved the process into the node's namespace."""
     (base / "ca").mkdir()
     run_dir = base / "run"
     run_dir.mkdir()
-    bridge, istio, bridge_version, istio_version = (
+    bridge, alone, handed, bridge_version, istio_version = (
         Row("(a) bridge + host-local ADD"),
-        Row("(b) istio-cni ADD (sidecar pod, rules applied)"),
+        Row("(b) istio-cni ADD, in process (sidecar pod, rules applied)"),
+        Row("(c) istio-cni ADD, handed to install-cni (same)"),
         Row("bridge VERSION (floor)"),
         Row("istio-cni VERSION (floor)"),
     )
     runtime = Runtime((PLUGIN_DIR, DEBIAN_PLUGINS))
-    with fake_api(base / "ca") as kube:
+    with fake_api(base / "ca") as kube, install_cni(base / "install-cni", kube) as (agent_run_dir, agent_log):
         (run_dir / KUBECONFIG_NAME).write_text(kube.kubeconfig())
-        istio_entry = {
-            "type": "istio-cni",
-            "cni_agent_run_dir": str(run_dir),
-            "pod_namespace": "istio-system",
-            "exclude_namespaces": ["istio-system"],
+        entry = {"type": "istio-cni", "pod_namespace": "istio-system", "exclude_namespaces": ["istio-system"]}
+        networks = {
+            "a": (alone, bridge_network(base / "host-local", [{**entry, "cni_agent_run_dir": str(run_dir)}])),
+            "h": (
+                handed,
+                bridge_network(base / "host-local", [{**entry, "cni_agent_run_dir": str(agent_run_dir)}]),
+            ),
         }
-        network = bridge_network(base / "host-local", [istio_entry])
-        bridge_entry, istio_entry_full = network.plugins
         for index in range(pods):
-            name = f"bench-{index}"
-            kube.add_pod(sidecar_pod(name, "bench"))
             bridge_version.time(runtime.version, "bridge")
             istio_version.time(runtime.version, "istio-cni")
-            with netns(f"b{index}") as sandbox:
-                attachment = Attachment.for_pod(f"{sandbox.name}-sandbox", sandbox.path, "bench", name)
-                previous = bridge.time(runtime.run_plugin, "ADD", network, bridge_entry, attachment)
-                answer = istio.time(
-                    runtime.run_plugin, "ADD", network, istio_entry_full, attachment, previous
-                )
-                if answer != previous:
-                    raise SystemExit(f"istio-cni changed the chained result: {previous} -> {answer}")
-                if not rules_applied(sandbox.name):
-                    raise SystemExit(f"istio-cni ADD succeeded but {sandbox.name} holds no {ISTIO_CHAIN}")
-                runtime.delete(network, attachment, answer)
-    return [bridge, istio, bridge_version, istio_version]
+            for suffix, (row, network) in networks.items():
+                name = f"bench-{index}-{suffix}"
+                kube.add_pod(sidecar_pod(name, "bench"))
+                attach(runtime, network, name, bridge, row)
+        served = agent_log.read_text().count(HANDED_OVER_LOG)
+        if served != pods:
+            raise SystemExit(
+                f"install-cni ran {served} of the {pods} handed-over ADDs: {agent_log.read_text()}"
+            )
+    return [bridge, alone, handed, bridge_version, istio_version]
+
+
+def attach(runtime: Runtime, network: NetworkList, name: str, bridge: Row, istio: Row) -> None:
+    """One sandbox: bridge's ADD, then istio-cni's, each timed; the rules checked; DEL; namespace gone."""
+    bridge_entry, istio_entry = network.plugins
+    with netns(name.removeprefix("bench-")) as sandbox:
+        attachment = Attachment.for_pod(f"{sandbox.name}-sandbox", sandbox.path, "bench", name)
+        previous = bridge.time(runtime.run_plugin, "ADD", network, bridge_entry, attachment)
+        answer = istio.time(runtime.run_plugin, "ADD", network, istio_entry, attachment, previous)
+        if answer != previous:
+            raise SystemExit(f"istio-cni changed the chained result: {previous} -> {answer}")
+        if not rules_applied(sandbox.name):
+            raise SystemExit(f"istio-cni ADD succeeded but {sandbox.name} holds no {ISTIO_CHAIN}")
+        runtime.delete(network, attachment, answer)
 
 
 def report(rows: list[Row]) -> None:
-    bridge, istio = rows[0], rows[1]
+    bridge, alone, handed = rows[0], rows[1], rows[2]
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     bytecode = os.environ.get("PYTHONDONTWRITEBYTECODE", "")
     print(f"\nCNI plugin ADD latency, exec to result ({when}, load average {os.getloadavg()[0]:.2f},")
@@ -158,11 +202,13 @@ def report(rows: list[Row]) -> None:
     print("|---|---|---|---|---|---|")
     for row in rows:
         print(row.line())
-    ratio = istio.p50_ms() / bridge.p50_ms()
-    verdict = "MET" if istio.p50_ms() <= GOAL_P50_MS else "NOT MET"
-    print(
-        f"\nistio-cni ADD p50 = {ratio:.1f}x bridge's; goal istio-cni p50 <= {GOAL_P50_MS:.0f} ms: {verdict}"
-    )
+    print()
+    for row in (alone, handed):
+        verdict = "MET" if row.p50_ms() <= GOAL_P50_MS else "NOT MET"
+        ratio = row.p50_ms() / bridge.p50_ms()
+        print(
+            f"{row.name}: p50 {row.p50_ms():.0f} ms = {ratio:.1f}x bridge's; goal <= {GOAL_P50_MS:.0f} ms: {verdict}"
+        )
 
 
 def main() -> None:
@@ -179,8 +225,10 @@ def main() -> None:
         sys.exit(
             f"bench.cni needs Debian's containernetworking-plugins in {DEBIAN_PLUGINS} (`make` installs them)"
         )
-    if not (PLUGIN_DIR / "istio-cni").exists():
-        sys.exit(f"no istio-cni executable in {PLUGIN_DIR}: install the package (pip install -e .)")
+    if not (PLUGIN_DIR / "istio-cni").exists() or not INSTALL_CNI.exists():
+        sys.exit(
+            f"no istio-cni or install-cni executable in {PLUGIN_DIR}: install the package (pip install -e .)"
+        )
     with tempfile.TemporaryDirectory(prefix="bench-cni-") as tmp, netns("node") as node:
         enter(node.path)  # the whole process (one thread so far): plugins and the fake API live here
         rows = run(Path(tmp), args.pods)
