@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from istio_agent.cni import handoff
 from istio_agent.cni.handoff import SOCKET_NAME
 from istio_agent.cni.install.add_server import InvocationError, parse_invocation, same_netns
 from tests.cni.fake_kube import TOKEN, FakeKube, sidecar_pod, start_fake_kube
@@ -281,3 +282,20 @@ def test_the_node_agent_declines_a_namespace_it_sees_differently(tmp_path: Path)
 def test_a_bad_hand_over_message_is_refused_with_the_reason(message: bytes, error: str) -> None:
     with pytest.raises(InvocationError, match=error):
         parse_invocation(message)
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        ({"cni_agent_run_dir": "/run/" + "x" * 120}, "too long for a unix socket"),
+        (
+            {"cni_agent_run_dir": "/nonexistent-run-dir"},
+            "no node agent on /nonexistent-run-dir/plugin-add.sock",
+        ),
+        ({"cni_agent_run_dir": "/r", "add_timeout": "1m30s"}, "add_timeout the hand-over does not read"),
+        ({"add_timeout": "30s"}, "no cni_agent_run_dir"),
+    ],
+)
+def test_what_the_plugin_runs_itself(config: dict[str, Any], reason: str) -> None:
+    with pytest.raises(handoff.Fallback, match=reason):
+        handoff.hand_over({"CNI_COMMAND": "ADD"}, json.dumps(config).encode(), time.monotonic())

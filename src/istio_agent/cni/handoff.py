@@ -42,6 +42,8 @@ SOCKET_NAME = "plugin-add.sock"
 DEFAULT_ADD_SECONDS = 30.0
 """The ADD deadline when the config gives none (``plugin.DEFAULT_ADD_TIMEOUT`` is this)."""
 MAX_ANSWER = 4 * 2**20
+MAX_SOCKET_PATH = 108
+"""Linux's ``sun_path`` size, terminating NUL included."""
 
 
 class Fallback(Exception):
@@ -84,6 +86,8 @@ def hand_over(environ: Mapping[str, str], stdin: bytes, started: float) -> tuple
     if not isinstance(run_dir, str) or not run_dir or budget is None:
         raise Fallback("no cni_agent_run_dir, or an add_timeout the hand-over does not read")
     path = os.path.join(run_dir, SOCKET_NAME)
+    if len(os.fsencode(path)) >= MAX_SOCKET_PATH:
+        raise Fallback(f"{path} is too long for a unix socket: no node agent can listen there")
     message = {
         "env": dict(environ),
         "stdin": stdin.decode("utf-8", errors="surrogateescape"),
