@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.metrics
 	$(BIN)/python -m bench.dns
 	$(BIN)/python -m bench.proxyless
+	$(BIN)/python -m bench.cni
 
 # Ten minutes of the demo mesh under faults (control plane kills, a CA outage, 30-s certificates).
 soak: $(STAMP)

@@ -15,6 +15,7 @@ import aiohttp
 from click.testing import CliRunner
 
 from istio_agent.cli.install_cni import _plugin_log_level, main
+from istio_agent.cni.handoff import SOCKET_NAME
 from istio_agent.cni.install import conffiles
 from tests.cni.install.layout import TOKEN, Node
 
@@ -70,6 +71,7 @@ async def test_runs_is_ready_and_cleans_up_on_sigterm(tmp_path: Path) -> None:
         assert ours["type"] == "istio-cni" and ours["plugin_log_level"] == "debug"
         assert ours["exclude_namespaces"] == ["kube-system"]
         assert (node.bin / "istio-cni").exists()
+        assert (node.run / SOCKET_NAME).is_socket()  # the ADD hand-over (tests/cni/test_handoff.py)
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=10)
     finally:
@@ -81,7 +83,8 @@ async def test_runs_is_ready_and_cleans_up_on_sigterm(tmp_path: Path) -> None:
     assert conffiles.parse(calico.read_bytes()) == conffiles.parse(before)
     assert not (node.bin / "istio-cni").exists()
     assert not (node.run / "istio-cni-kubeconfig").exists()
-    assert "\tinfo\tcni-agent\tCopied istio-cni to " in log and "token: <redacted>" in log
+    assert not (node.run / SOCKET_NAME).exists()
+    assert "\tinfo\tcni-agent\tCopied istio-cni to " in log and '"token": "<redacted>"' in log
     assert TOKEN not in log
 
 

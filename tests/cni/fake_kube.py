@@ -38,31 +38,30 @@ class FakeKube:
         self.pods[(meta["namespace"], meta["name"])] = pod
 
     def kubeconfig(self, *, insecure: bool = False, server: str | None = None) -> str:
-        """The kubeconfig as install-cni writes it (YAML), pointing at this fake."""
-        trust = (
-            "    insecure-skip-tls-verify: true\n"
+        """The kubeconfig as install-cni writes it (its own renderer: JSON), pointing at this fake."""
+        from istio_agent.cni.install import kubeconfig
+
+        trust: dict[str, Any] = (
+            {"insecure-skip-tls-verify": True}
             if insecure
-            else f"    certificate-authority-data: {base64.b64encode(self.ca_pem).decode()}\n"
+            else {"certificate-authority-data": base64.b64encode(self.ca_pem).decode()}
         )
-        return (
-            "apiVersion: v1\n"
-            "clusters:\n"
-            "- cluster:\n"
-            f"{trust}"
-            f"    server: {server or f'https://127.0.0.1:{self.port}'}\n"
-            "  name: local\n"
-            "contexts:\n"
-            "- context:\n"
-            "    cluster: local\n"
-            "    user: istio-cni\n"
-            "  name: istio-cni-context\n"
-            "current-context: istio-cni-context\n"
-            "kind: Config\n"
-            "preferences: {}\n"
-            "users:\n"
-            "- name: istio-cni\n"
-            "  user:\n"
-            f"    token: {TOKEN}\n"
+        cluster = {**trust, "server": server or f"https://127.0.0.1:{self.port}"}
+        return kubeconfig.render(
+            {
+                "apiVersion": "v1",
+                "clusters": [{"cluster": cluster, "name": kubeconfig.CLUSTER}],
+                "contexts": [
+                    {
+                        "context": {"cluster": kubeconfig.CLUSTER, "user": kubeconfig.USER},
+                        "name": kubeconfig.CONTEXT,
+                    }
+                ],
+                "current-context": kubeconfig.CONTEXT,
+                "kind": "Config",
+                "preferences": {},
+                "users": [{"name": kubeconfig.USER, "user": {"token": TOKEN}}],
+            }
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:

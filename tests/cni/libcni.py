@@ -133,6 +133,17 @@ class Runtime:
         probe = NetworkList("version", "1.0.0", (plugin,))
         return self._exec("VERSION", probe, plugin, None, None) or {}
 
+    def run_plugin(
+        self,
+        command: str,
+        network: NetworkList,
+        plugin: Mapping[str, Any],
+        attachment: Attachment,
+        prev_result: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any] | None:
+        """One plugin of ``network``, exec'd as ADD/CHECK/DEL exec each (bench/cni.py times them one by one)."""
+        return self._exec(command, network, plugin, attachment, prev_result)
+
     def find(self, plugin_type: str) -> Path:
         for directory in self.paths:
             candidate = directory / plugin_type

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import base64
 import re
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from istio_agent.cni import result
 from istio_agent.cni.args import ArgsError, K8sArgs, is_agent_pod, parse_k8s_args
+from istio_agent.cni.install import kubeconfig
 from istio_agent.cni.kube import read_kubeconfig
 from istio_agent.cni.plugin_config import PluginConfig, parse_network_config
 from istio_agent.config.env import ConfigError
@@ -258,3 +262,18 @@ def test_bad_kubeconfig_names_the_field(tmp_path: Path, text: str, message: str)
     with pytest.raises(ConfigError, match=message) as caught:
         read_kubeconfig(path)
     assert "s3cret" not in str(caught.value)
+
+
+def test_the_kubeconfig_install_cni_writes_is_read_without_a_yaml_parser(tmp_path: Path) -> None:
+    """install-cni writes JSON (valid YAML), so the plugin, exec'd per pod, never imports PyYAML."""
+    path = tmp_path / "kc"
+    document = yaml.safe_load(KUBECONFIG.format(trust="insecure-skip-tls-verify: true"))
+    path.write_text(kubeconfig.render(document))
+    probe = (
+        "import sys; from pathlib import Path; from istio_agent.cni.kube import read_kubeconfig; "
+        f"config = read_kubeconfig(Path({str(path)!r})); "
+        "assert config.insecure and config.token == 's3cret', config; "
+        "assert 'yaml' not in sys.modules, 'the kubeconfig was parsed as YAML'"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr

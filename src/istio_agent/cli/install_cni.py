@@ -78,6 +78,7 @@ def main(log_output_level: str, log_as_json: bool, **flags: str | None) -> None:
 
 async def serve(settings: Any) -> int:
     """Run the servers and the installer until a signal (exit 0, cleaned up) or a failed pass (exit 1)."""
+    from istio_agent.cni.install.add_server import AddServer
     from istio_agent.cni.install.installer import Installer, InstallError
     from istio_agent.cni.install.servers import health_endpoint, metrics_endpoint
     from istio_agent.log import scope
@@ -92,12 +93,14 @@ async def serve(settings: Any) -> int:
     endpoints = [health_endpoint("", settings.health_port, lambda: (installer.ready, installer.reason))]
     if settings.monitoring_port > 0:
         endpoints.append(metrics_endpoint("", settings.monitoring_port, registry))
+    add_server = AddServer(settings.cni_agent_run_dir)
     code = 0
     started = []
     try:
         for endpoint in endpoints:
             await endpoint.start()
             started.append(endpoint)
+        await add_server.start()
         work = asyncio.create_task(installer.run())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -116,6 +119,7 @@ async def serve(settings: Any) -> int:
         log.error("%s", err)
         code = EXIT_ERROR
     finally:
+        await add_server.stop()
         installer.cleanup()
         for endpoint in started:
             await endpoint.stop()

@@ -26,11 +26,12 @@ from typing import Any, Protocol
 from istio_agent.cni import result
 from istio_agent.cni.args import ArgsError, K8sArgs, is_agent_pod, parse_k8s_args
 from istio_agent.cni.capture_config import CaptureConfig
+from istio_agent.cni.handoff import DEFAULT_ADD_SECONDS
 from istio_agent.cni.plugin_config import NetworkConfig, parse_network_config
 from istio_agent.cni.skel import ERR_INTERNAL, CmdArgs, CniError
 from istio_agent.config.env import ConfigError
 
-DEFAULT_ADD_TIMEOUT = timedelta(seconds=30)
+DEFAULT_ADD_TIMEOUT = timedelta(seconds=DEFAULT_ADD_SECONDS)
 """Istio retries the pod GET 30 times a second apart; the same bound here, for everything."""
 RETRY_INTERVAL = 1.0
 ATTEMPT_TIMEOUT = 5.0
@@ -81,8 +82,11 @@ class NetnsApplier:
 
     IPv6 is decided from the pod's own addresses, as Istio's plugin does: the first address that is
     neither loopback nor link-local, or any IPv6 address when the proxy asks for dual stack (the
-    redirect carries ``ISTIO_DUAL_STACK`` in ``enable_ipv6``).
+    redirect carries ``ISTIO_DUAL_STACK`` in ``enable_ipv6``). ``environ`` is the plugin's
+    environment (``FORCE_IPTABLES_BINARY``), also when the node agent runs the ADD.
     """
+
+    environ: Mapping[str, str] | None = None
 
     def __call__(self, config: CaptureConfig, netns: Path, deadline: float) -> None:
         from istio_agent.cni.apply import ApplyError, apply_capture
@@ -91,7 +95,7 @@ class NetnsApplier:
         try:
             pod_addresses = addresses(netns, deadline=Deadline(deadline))
             ipv6 = ipv6_enabled(pod_addresses, dual_stack=config.enable_ipv6)
-            apply_capture(replace(config, enable_ipv6=ipv6), netns=netns, deadline=deadline)
+            apply_capture(replace(config, enable_ipv6=ipv6), netns=netns, deadline=deadline, env=self.environ)
         except (ApplyError, CommandError) as err:
             raise PluginError(f"cannot set up the redirect in {netns}: {err}") from None
 
@@ -99,7 +103,7 @@ class NetnsApplier:
 def select_programmer(environ: Mapping[str, str]) -> Programmer:
     """The dry-run writer when ``DRY_RUN_FILE_PATH`` is set, else the applier."""
     path = environ.get(DRY_RUN_ENV, "")
-    return DryRunWriter(Path(path)) if path else NetnsApplier()
+    return DryRunWriter(Path(path)) if path else NetnsApplier(environ)
 
 
 def _configure_logging(level: str) -> None:
@@ -143,8 +147,11 @@ async def fetch_pod(
         await asyncio.sleep(retry_interval)
 
 
-async def plan(k8s: K8sArgs, config: NetworkConfig, get: PodGetter, deadline: float) -> CaptureConfig | None:
-    """The capture the pod needs, or None when the plugin leaves it alone (logged with the reason)."""
+async def plan(
+    k8s: K8sArgs, config: NetworkConfig, get: PodGetter, deadline: float, environ: Mapping[str, str]
+) -> CaptureConfig | None:
+    """The capture the pod needs, or None when the plugin leaves it alone (logged with the reason).
+    ``environ`` is the plugin's environment (the runtime's, also when the node agent runs the ADD)."""
     from istio_agent.cni.redirect import capture_config, skip_reason
 
     pod_id = f"{k8s.pod_namespace}/{k8s.pod_name}"
@@ -154,7 +161,7 @@ async def plan(k8s: K8sArgs, config: NetworkConfig, get: PodGetter, deadline: fl
         log.info("pod %s: no redirect: %s", pod_id, reason)
         return None
     try:
-        return capture_config(pod, os.environ)
+        return capture_config(pod, environ)
     except ConfigError as err:
         raise PluginError(f"pod {pod_id}: {err}") from None
 
@@ -169,11 +176,13 @@ def add(
     programmer: Programmer,
     get_pod: PodGetter | None = None,
     started: float | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """ADD: the result to print (the previous plugin's, unchanged); raises PluginError or CniError.
 
     ``get_pod`` replaces the API client built from the kubeconfig (tests); ``started`` is when the
-    deadline started counting (default: now).
+    deadline started counting (default: now); ``environ`` is the invocation's environment (default:
+    this process's; the node agent passes the plugin's).
     """
     begin = time.monotonic() if started is None else started
     config = _network_config(args)
@@ -204,7 +213,7 @@ def add(
             "ambient_enabled is set, but this istio-cni implements sidecar capture only; "
             "refusing the pod rather than starting it without the capture it may need"
         )
-    capture = asyncio.run(plan(k8s, config, get_pod, deadline))
+    capture = asyncio.run(plan(k8s, config, get_pod, deadline, os.environ if environ is None else environ))
     if capture is None:
         return answer
     netns = Path(args.netns)
@@ -241,11 +250,23 @@ def _api_getter(config: NetworkConfig) -> PodGetter:
     return get
 
 
-def cmd_add(args: CmdArgs, *, started: float | None = None) -> dict[str, Any]:
-    """The ADD handler the executable runs: PluginError becomes the CNI error result (code 999)."""
+def cmd_add(
+    args: CmdArgs,
+    *,
+    started: float | None = None,
+    environ: Mapping[str, str] | None = None,
+    configure_logging: bool = True,
+) -> dict[str, Any]:
+    """The ADD handler: PluginError becomes the CNI error result (code 999).
+
+    The executable runs it with its own environment and sets up its logging; the node agent
+    (``install/add_server.py``) passes the plugin's environment and keeps its own logging.
+    """
+    env = os.environ if environ is None else environ
     try:
-        _configure_logging(_network_config(args).plugin.plugin_log_level)
-        return add(args, programmer=select_programmer(os.environ), started=started)
+        if configure_logging:
+            _configure_logging(_network_config(args).plugin.plugin_log_level)
+        return add(args, programmer=select_programmer(env), started=started, environ=env)
     except PluginError as err:
         log.error("istio-cni cmdAdd error: %s", err)
         raise CniError(ERR_INTERNAL, str(err)) from None

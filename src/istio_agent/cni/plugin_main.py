@@ -2,11 +2,15 @@
 
 It lives here rather than in ``istio_agent.cli``, whose package start-up prepares a process for
 grpc and loads asyncio: a CNI plugin pays its start-up on every pod sandbox, so only what a command
-needs is imported, when it needs it (VERSION needs nothing beyond ``skel``).
+needs is imported, when it needs it (VERSION needs nothing beyond ``skel``). ADD goes to the node
+agent first (:mod:`istio_agent.cni.handoff`), which has everything imported already; without one
+the ADD runs here.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import sys
 import time
 
@@ -34,7 +38,20 @@ HANDLERS: dict[str, skel.Handler] = {"ADD": _add, "CHECK": _nothing, "DEL": _not
 
 
 def main() -> None:
-    sys.exit(skel.main(HANDLERS, about=f"CNI plugin istio-cni {__version__}"))
+    stdin = None
+    if os.environ.get("CNI_COMMAND") == "ADD":
+        from istio_agent.cni import handoff
+
+        data = sys.stdin.buffer.read()
+        try:
+            status, stdout = handoff.hand_over(os.environ, data, _STARTED)
+        except handoff.Fallback:
+            stdin = io.BytesIO(data)  # the ADD runs here, on the bytes already read
+        else:
+            sys.stdout.write(stdout)
+            sys.stdout.flush()
+            sys.exit(status)
+    sys.exit(skel.main(HANDLERS, about=f"CNI plugin istio-cni {__version__}", stdin=stdin))
 
 
 if __name__ == "__main__":

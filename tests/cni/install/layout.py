@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import IO
 
 from istio_agent.cni.install.settings import InstallSettings
 from istio_agent.cni.plugin_config import PluginConfig
@@ -67,3 +70,28 @@ def golden(name: str, actual: bytes) -> None:
         GOLDEN.mkdir(exist_ok=True)
         path.write_bytes(actual)
     assert actual.decode() == path.read_text(), f"differs from golden {name}"
+
+
+INSTALL_CNI = Path(sys.executable).parent / "install-cni"
+
+
+def start_install_cni(
+    node: Node, api_port: int, ca_pem: bytes, token: str, output: int | IO[bytes]
+) -> subprocess.Popen[bytes]:
+    """The real install-cni process on ``node``'s directories, its kubeconfig pointing at an API
+    server on 127.0.0.1:``api_port`` (a fake one: the service account's CA and token are written
+    here); no health or metrics listener. stdout and stderr go to ``output``."""
+    (node.sa / "ca.crt").write_bytes(ca_pem)
+    (node.sa / "token").write_text(token)
+    env = {**os.environ, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api_port)}
+    args = [
+        str(INSTALL_CNI),
+        f"--cni-agent-run-dir={node.run}",
+        f"--mounted-cni-net-dir={node.conf}",
+        f"--cni-bin-source-dir={node.source}",
+        f"--cni-bin-target-dirs={node.bin}",
+        f"--service-account-dir={node.sa}",
+        "--health-port=0",
+        "--monitoring-port=0",
+    ]
+    return subprocess.Popen(args, env=env, stdout=output, stderr=subprocess.STDOUT)

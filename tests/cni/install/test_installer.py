@@ -317,6 +317,6 @@ async def test_a_rotated_token_rewrites_the_kubeconfig(node: Node, stoppers: lis
     kubeconfig = node.run / "istio-cni-kubeconfig"
     (node.sa / "token").write_text("rotated-token\n")
     await eventually(
-        lambda: "token: rotated-token" in kubeconfig.read_text(), "the new token in the kubeconfig"
+        lambda: '"token": "rotated-token"' in kubeconfig.read_text(), "the new token in the kubeconfig"
     )
     await running.ready()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from istio_agent.cni.install import kubeconfig
 from istio_agent.cni.install.kubeconfig import KubeconfigError
@@ -31,6 +33,7 @@ def test_tls_with_the_service_account_ca(node: Node) -> None:
     document = kubeconfig.write(node.settings())
     text = node.settings().kubeconfig_path.read_bytes()
     golden("kubeconfig-tls", text)
+    assert json.loads(text) == yaml.safe_load(text) == document  # JSON, and so YAML as kubectl reads it
     assert node.settings().kubeconfig_path.stat().st_mode & 0o777 == 0o600
     data = document["clusters"][0]["cluster"]["certificate-authority-data"]
     assert base64.b64decode(data) == (node.sa / "ca.crt").read_bytes()
@@ -59,7 +62,7 @@ def test_the_token_never_reaches_the_redacted_form(node: Node) -> None:
     document = kubeconfig.build(node.settings())
     assert document["users"][0]["user"]["token"] == TOKEN
     shown = kubeconfig.render(kubeconfig.redacted(document))
-    assert TOKEN not in shown and "token: <redacted>" in shown
+    assert TOKEN not in shown and '"token": "<redacted>"' in shown
     assert document["users"][0]["user"]["token"] == TOKEN  # the original is untouched
 
 

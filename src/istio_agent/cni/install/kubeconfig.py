@@ -1,13 +1,15 @@
 """The kubeconfig the istio-cni plugin uses to read pods: written by install-cni from its own service account.
 
-Istio: ``cni/pkg/install/kubeconfig.go``. The token is the service account's, so the file is
-written with ``kubeconfig-mode`` (0600) and logged only with the token redacted.
+Istio: ``cni/pkg/install/kubeconfig.go`` (which writes YAML; this writes JSON, see
+docs/compatibility.md). The token is the service account's, so the file is written with
+``kubeconfig-mode`` (0600) and logged only with the token redacted.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +60,9 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def render(document: dict[str, Any]) -> str:
-    """YAML as Kubernetes' clientcmd writes it: keys sorted, block style, lines never folded."""
-    import yaml
-
-    return str(yaml.safe_dump(document, sort_keys=True, default_flow_style=False, width=2**31 - 1))
+    """JSON, keys sorted: valid YAML, so kubectl and client-go read it as they read Istio's YAML file,
+    while the plugin, exec'd per pod, parses it without importing a YAML parser (docs/performance.md)."""
+    return json.dumps(document, indent=2, sort_keys=True) + "\n"
 
 
 def redacted(document: dict[str, Any]) -> dict[str, Any]:

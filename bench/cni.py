@@ -1,0 +1,239 @@
+"""CNI benchmark: the istio-cni plugin's ADD latency (exec to result), next to the bridge plugin's.
+
+    python -m bench.cni [--pods 50]
+
+Root only (network namespaces). The bench process moves into a "node" namespace it creates, so the
+plugins run there as a container runtime runs them on a host, and the pod network's bridge never
+touches the machine. A FAKE Kubernetes API server (``tests/cni/fake_kube.py``, HTTPS on the node's
+loopback; no real one runs here) serves a sidecar pod per sandbox, and the plugin reads it through
+a kubeconfig written as install-cni writes it. For each of ``--pods`` pod sandboxes (a fresh
+named namespace each), as the test runtime (``tests/cni/libcni.py``) runs the network list:
+
+* **(a) bridge**: Debian's ``bridge`` + ``host-local`` ADD, exec to result (veth, address, routes);
+* **(b) istio-cni, in process**: istio-cni's ADD chained after it with (a)'s result as
+  ``prevResult``, exec to result: the pod GET and Istio's sidecar rules really applied in the
+  sandbox (checked after each ADD, outside the timing), with no node agent to hand the ADD to;
+* **(c) istio-cni, handed over**: the same for a second sandbox, with a real ``install-cni``
+  process serving ``plugin-add.sock`` in its run dir (``cni/handoff.py``): the plugin sends the
+  invocation and prints install-cni's answer; install-cni's kubeconfig (written from the test's
+  "service account") points at the same fake API server.
+
+Each sandbox then gets the list's DEL and its namespace deleted.
+
+The floor is each plugin's VERSION (exec, interpreter start, nothing else), measured in the same
+run, as is everything else, so the ratios hold on a loaded machine. The plugins get the bench's own
+environment (``PYTHONDONTWRITEBYTECODE`` included: it is printed, as it decides whether the
+plugin's modules are compiled on every exec). Goal (the CNI issue): istio-cni ADD p50 <= 150 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from istio_agent.cni.handoff import SOCKET_NAME
+from istio_agent.cni.kube import KUBECONFIG_NAME
+from tests.cni.fake_kube import TOKEN, FakeKube, sidecar_pod, start_fake_kube
+from tests.cni.install.layout import INSTALL_CNI, start_install_cni
+from tests.cni.install.layout import Node as InstallLayout
+from tests.cni.libcni import DEBIAN_PLUGINS, Attachment, NetworkList, Runtime
+from tests.cni.netns import enter, netns
+from tests.cni.node import bridge_network
+
+PLUGIN_DIR = Path(sys.executable).parent
+"""Where the package's ``istio-cni`` executable is (the venv's bin)."""
+GOAL_P50_MS = 150.0
+SERVING_TIMEOUT = 30.0
+HANDED_OVER_LOG = "redirect set up in"
+"""The plugin code's line per pod: in install-cni's log only when it ran the ADD (the bench checks)."""
+ISTIO_CHAIN = "ISTIO_OUTPUT"
+
+
+@dataclass
+class Row:
+    """One measured exec kind: its latencies in seconds."""
+
+    name: str
+    seconds: list[float] = field(default_factory=list)
+
+    def time(self, call: Callable[..., Any], *args: Any) -> Any:
+        start = time.monotonic()
+        answer = call(*args)
+        self.seconds.append(time.monotonic() - start)
+        return answer
+
+    def p50_ms(self) -> float:
+        return statistics.median(self.seconds) * 1000
+
+    def p99_ms(self) -> float:
+        """The 99th percentile (statistics' exclusive method: with 50 samples, about the slowest)."""
+        if len(self.seconds) < 2:
+            return self.seconds[0] * 1000
+        return statistics.quantiles(self.seconds, n=100)[98] * 1000
+
+    def line(self) -> str:
+        return (
+            f"| {self.name} | {len(self.seconds)} | {self.p50_ms():.0f} ms | {self.p99_ms():.0f} ms | "
+            f"{min(self.seconds) * 1000:.0f} ms | {max(self.seconds) * 1000:.0f} ms |"
+        )
+
+
+@contextmanager
+def fake_api(state: Path) -> Iterator[FakeKube]:
+    """The fake API server on an event loop thread of its own (the bench itself runs synchronously)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fake-kube", daemon=True)
+    thread.start()
+    kube, runner = asyncio.run_coroutine_threadsafe(start_fake_kube(state), loop).result()
+    try:
+        yield kube
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def rules_applied(pod_netns: str) -> bool:
+    """Whether the sandbox holds Istio's chains (in either iptables backend: the plugin picks the node's)."""
+    for save in ("iptables-nft-save", "iptables-legacy-save"):
+        done = subprocess.run(
+            ["ip", "netns", "exec", pod_netns, save, "-t", "nat"], capture_output=True, text=True, check=False
+        )
+        if ISTIO_CHAIN in done.stdout:
+            return True
+    return False
+
+
+@contextmanager
+def install_cni(base: Path, kube: FakeKube) -> Iterator[tuple[Path, Path]]:
+    """A real install-cni process (temp directories, its kubeconfig pointing at the fake API server),
+    serving the ADD hand-over; yields its run dir and its log once the socket is there."""
+    base.mkdir()
+    layout = InstallLayout(base)
+    log = base / "install-cni.log"
+    with log.open("wb") as output:
+        process = start_install_cni(layout, kube.port, kube.ca_pem, TOKEN, output)
+    try:
+        deadline = time.monotonic() + SERVING_TIMEOUT
+        while not ((layout.run / SOCKET_NAME).exists() and (layout.run / KUBECONFIG_NAME).exists()):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"install-cni did not start serving the ADD: {log.read_text()}")
+            time.sleep(0.02)
+        yield layout.run, log
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def run(base: Path, pods: int) -> list[Row]:
+    """Measure; the caller has moved the process into the node's namespace."""
+    (base / "ca").mkdir()
+    run_dir = base / "run"
+    run_dir.mkdir()
+    bridge, alone, handed, bridge_version, istio_version = (
+        Row("(a) bridge + host-local ADD"),
+        Row("(b) istio-cni ADD, in process (sidecar pod, rules applied)"),
+        Row("(c) istio-cni ADD, handed to install-cni (same)"),
+        Row("bridge VERSION (floor)"),
+        Row("istio-cni VERSION (floor)"),
+    )
+    runtime = Runtime((PLUGIN_DIR, DEBIAN_PLUGINS))
+    with fake_api(base / "ca") as kube, install_cni(base / "install-cni", kube) as (agent_run_dir, agent_log):
+        (run_dir / KUBECONFIG_NAME).write_text(kube.kubeconfig())
+        entry = {"type": "istio-cni", "pod_namespace": "istio-system", "exclude_namespaces": ["istio-system"]}
+        networks = {
+            "a": (alone, bridge_network(base / "host-local", [{**entry, "cni_agent_run_dir": str(run_dir)}])),
+            "h": (
+                handed,
+                bridge_network(base / "host-local", [{**entry, "cni_agent_run_dir": str(agent_run_dir)}]),
+            ),
+        }
+        for index in range(pods):
+            bridge_version.time(runtime.version, "bridge")
+            istio_version.time(runtime.version, "istio-cni")
+            for suffix, (row, network) in networks.items():
+                name = f"bench-{index}-{suffix}"
+                kube.add_pod(sidecar_pod(name, "bench"))
+                attach(runtime, network, name, bridge, row)
+        served = agent_log.read_text().count(HANDED_OVER_LOG)
+        if served != pods:
+            raise SystemExit(
+                f"install-cni ran {served} of the {pods} handed-over ADDs: {agent_log.read_text()}"
+            )
+    return [bridge, alone, handed, bridge_version, istio_version]
+
+
+def attach(runtime: Runtime, network: NetworkList, name: str, bridge: Row, istio: Row) -> None:
+    """One sandbox: bridge's ADD, then istio-cni's, each timed; the rules checked; DEL; namespace gone."""
+    bridge_entry, istio_entry = network.plugins
+    with netns(name.removeprefix("bench-")) as sandbox:
+        attachment = Attachment.for_pod(f"{sandbox.name}-sandbox", sandbox.path, "bench", name)
+        previous = bridge.time(runtime.run_plugin, "ADD", network, bridge_entry, attachment)
+        answer = istio.time(runtime.run_plugin, "ADD", network, istio_entry, attachment, previous)
+        if answer != previous:
+            raise SystemExit(f"istio-cni changed the chained result: {previous} -> {answer}")
+        if not rules_applied(sandbox.name):
+            raise SystemExit(f"istio-cni ADD succeeded but {sandbox.name} holds no {ISTIO_CHAIN}")
+        runtime.delete(network, attachment, answer)
+
+
+def report(rows: list[Row]) -> None:
+    bridge, alone, handed = rows[0], rows[1], rows[2]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    bytecode = os.environ.get("PYTHONDONTWRITEBYTECODE", "")
+    print(f"\nCNI plugin ADD latency, exec to result ({when}, load average {os.getloadavg()[0]:.2f},")
+    print(
+        f"PYTHONDONTWRITEBYTECODE={bytecode!r}, PYTHONPYCACHEPREFIX={os.environ.get('PYTHONPYCACHEPREFIX', '')!r})\n"
+    )
+    print("| exec | runs | p50 | p99 | min | max |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(row.line())
+    print()
+    for row in (alone, handed):
+        verdict = "MET" if row.p50_ms() <= GOAL_P50_MS else "NOT MET"
+        ratio = row.p50_ms() / bridge.p50_ms()
+        print(
+            f"{row.name}: p50 {row.p50_ms():.0f} ms = {ratio:.1f}x bridge's; goal <= {GOAL_P50_MS:.0f} ms: {verdict}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pods", type=int, default=50, help="pod sandboxes to attach (one ADD each)")
+    args = parser.parse_args()
+    if args.pods < 1:
+        parser.error("--pods must be positive")
+    if os.geteuid() != 0:
+        sys.exit("bench.cni needs root: it creates network namespaces and applies iptables rules in them")
+    if not (DEBIAN_PLUGINS / "bridge").exists():
+        sys.exit(
+            f"bench.cni needs Debian's containernetworking-plugins in {DEBIAN_PLUGINS} (`make` installs them)"
+        )
+    if not (PLUGIN_DIR / "istio-cni").exists() or not INSTALL_CNI.exists():
+        sys.exit(
+            f"no istio-cni or install-cni executable in {PLUGIN_DIR}: install the package (pip install -e .)"
+        )
+    with tempfile.TemporaryDirectory(prefix="bench-cni-") as tmp, netns("node") as node:
+        enter(node.path)  # the whole process (one thread so far): plugins and the fake API live here
+        rows = run(Path(tmp), args.pods)
+    report(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The plugin's side of the ADD hand-over: give the invocation to the warm node agent, print its answer.
+
+A Python plugin exec'd per pod spends most of an ADD importing (asyncio, ssl, the HTTP client, the
+rule builder) before it does any work. install-cni, the node agent that runs all along, listens on
+``<cni_agent_run_dir>/plugin-add.sock`` (:mod:`istio_agent.cni.install.add_server`) and runs the
+same ADD code (``cni/plugin.py``) with everything already imported. Istio's ambient mode has its
+plugin talk to the node agent over a socket in the same directory (``pluginevent.sock``); this
+socket is ours, with its own protocol:
+
+* the plugin connects, sends ONE JSON object and shuts its side down: ``env`` (the environment the
+  runtime gave it), ``stdin`` (the network config, as text), ``elapsed`` (seconds since the plugin
+  started: the ADD deadline counts from there) and ``netns`` (``[st_dev, st_ino]`` of CNI_NETNS as
+  the plugin sees it, or null);
+* the node agent answers ONE JSON object and closes: ``{"exit": <status>, "stdout": <text>}`` (what
+  the plugin prints and exits with: the CNI result or error result), or ``{"fallback": <reason>}``
+  when it cannot run this ADD for the plugin (it does not see the same network namespace): the
+  plugin then runs the ADD itself.
+
+No socket, or nobody listening on it (install-cni stopped): the plugin runs the ADD itself, as
+without a node agent. A node agent that takes the connection but does not answer within the ADD
+deadline, or answers nonsense, is a CNI error: failing closed as the in-process ADD does.
+
+Imports only ``os``, ``json``, ``socket``, ``time`` and ``skel`` (which imports only ``os``): the point
+is to import nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+from istio_agent.cni import skel
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
+
+SOCKET_NAME = "plugin-add.sock"
+DEFAULT_ADD_SECONDS = 30.0
+"""The ADD deadline when the config gives none (``plugin.DEFAULT_ADD_TIMEOUT`` is this)."""
+MAX_ANSWER = 4 * 2**20
+MAX_SOCKET_PATH = 108
+"""Linux's ``sun_path`` size, terminating NUL included."""
+
+
+class Fallback(Exception):
+    """The plugin runs the ADD itself (no node agent, or it declined); the message says why."""
+
+
+def _budget_seconds(add_timeout: object) -> float | None:
+    """The ADD deadline in seconds: the default, or ``add_timeout`` in the form install-cni writes
+    (``<seconds>s``, e.g. ``30s``, ``2.5s``); None for anything else (the in-process ADD reads it)."""
+    if add_timeout is None:
+        return DEFAULT_ADD_SECONDS
+    if not isinstance(add_timeout, str) or not add_timeout.endswith("s"):
+        return None
+    try:
+        seconds = float(add_timeout[:-1])
+    except ValueError:  # 500ms, 1m30s: Go durations the plugin's config reader handles
+        return None
+    return seconds if 0 < seconds < float("inf") else None
+
+
+def _netns_id(path: str) -> list[int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return [info.st_dev, info.st_ino]
+
+
+def hand_over(environ: Mapping[str, str], stdin: bytes, started: float) -> tuple[int, str]:
+    """The node agent's exit status and stdout for this ADD; raises Fallback when the plugin must run
+    it itself. A node agent that fails to answer in time yields a CNI error result (exit 1)."""
+    try:
+        config = json.loads(stdin)
+    except ValueError:
+        raise Fallback("the config is not JSON (the ADD reports it)") from None
+    if not isinstance(config, dict):
+        raise Fallback("the config is not a JSON object (the ADD reports it)")
+    run_dir = config.get("cni_agent_run_dir")
+    budget = _budget_seconds(config.get("add_timeout"))
+    if not isinstance(run_dir, str) or not run_dir or budget is None:
+        raise Fallback("no cni_agent_run_dir, or an add_timeout the hand-over does not read")
+    path = os.path.join(run_dir, SOCKET_NAME)
+    if len(os.fsencode(path)) >= MAX_SOCKET_PATH:
+        raise Fallback(f"{path} is too long for a unix socket: no node agent can listen there")
+    message = {
+        "env": dict(environ),
+        "stdin": stdin.decode("utf-8", errors="surrogateescape"),
+        "elapsed": time.monotonic() - started,
+        "netns": _netns_id(environ.get("CNI_NETNS", "")),
+    }
+    deadline = started + budget
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as err:
+            raise Fallback(f"no node agent on {path}: {err.strerror}") from None
+        except OSError as err:
+            return _error(f"cannot reach the node agent on {path}: {err.strerror or err}")
+        try:
+            sock.sendall(json.dumps(message).encode("utf-8", errors="surrogateescape"))
+            sock.shutdown(socket.SHUT_WR)
+            answer = _read_answer(sock, deadline)
+        except TimeoutError:
+            return _error(f"the node agent on {path} did not answer within the ADD deadline of {budget:g}s")
+        except OSError as err:
+            return _error(f"the node agent on {path} failed: {err.strerror or err}")
+    finally:
+        sock.close()
+    return _parse_answer(answer, path)
+
+
+def _read_answer(sock: socket.socket, deadline: float) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        sock.settimeout(remaining)
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > MAX_ANSWER:
+            raise OSError(f"answer larger than {MAX_ANSWER} bytes")
+        chunks.append(chunk)
+
+
+def _parse_answer(data: bytes, path: str) -> tuple[int, str]:
+    try:
+        answer: Any = json.loads(data)
+    except ValueError:
+        return _error(f"the node agent on {path} closed the connection without an answer")
+    if not isinstance(answer, dict):
+        return _error(f"the node agent on {path} answered something other than a JSON object")
+    if isinstance(answer.get("fallback"), str):
+        raise Fallback(f"the node agent declined: {answer['fallback']}")
+    status, stdout = answer.get("exit"), answer.get("stdout")
+    if not isinstance(status, int) or not isinstance(stdout, str):
+        return _error(f"the node agent on {path} answered without exit and stdout")
+    return status, stdout
+
+
+def _error(msg: str) -> tuple[int, str]:
+    """A CNI error result as ``skel`` prints it (the runtime sees what an in-process failure shows)."""
+    return 1, skel.go_json(skel.CniError(skel.ERR_INTERNAL, msg).result())

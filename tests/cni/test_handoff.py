@@ -1,0 +1,301 @@
+"""The ADD hand-over: the real istio-cni executable gives its ADD to the real install-cni process.
+
+install-cni runs as a process on temp directories; its kubeconfig (written from the "service
+account" the test lays out) points at the FAKE Kubernetes API server (``fake_kube.py``; no real one
+runs here). The pods are network namespaces the test creates, and the rules are really applied.
+Which process ran the ADD shows in the logs: the plugin's log line is in install-cni's output when
+handed over, in the plugin's stderr when it ran the ADD itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from istio_agent.cni import handoff
+from istio_agent.cni.handoff import SOCKET_NAME
+from istio_agent.cni.install.add_server import InvocationError, parse_invocation, same_netns
+from tests.cni.fake_kube import TOKEN, FakeKube, sidecar_pod, start_fake_kube
+from tests.cni.install.layout import Node as InstallNode
+from tests.cni.install.layout import start_install_cni
+from tests.cni.netns import Netns, needs_root, netns
+from tests.cni.test_plugin_exec import PLUGIN, Run
+
+PREV_RESULT = {"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.5/24"}], "dns": {}}
+REDIRECT_LOG = "redirect set up in"
+
+
+def run_plugin(
+    run_dir: Path, pod_netns: Path, name: str = "app-1", namespace: str = "default", **config: Any
+) -> Run:
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "CNI_COMMAND": "ADD",
+        "CNI_CONTAINERID": "sandbox1",
+        "CNI_NETNS": str(pod_netns),
+        "CNI_IFNAME": "eth0",
+        "CNI_PATH": "/opt/cni/bin",
+        "CNI_ARGS": f"K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name}",
+    }
+    stdin = {
+        "cniVersion": "1.0.0",
+        "name": "k8s-pod-network",
+        "type": "istio-cni",
+        "cni_agent_run_dir": str(run_dir),
+        "pod_namespace": "istio-system",
+        "prevResult": PREV_RESULT,
+        **config,
+    }
+    start = time.monotonic()
+    done = subprocess.run(
+        [str(PLUGIN)],
+        input=json.dumps(stdin),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return Run(done.returncode, done.stdout, done.stderr, time.monotonic() - start)
+
+
+def nat_rules(space: Netns) -> str:
+    out = ""
+    for save in ("iptables-nft-save", "iptables-legacy-save"):
+        out += subprocess.run(
+            ["ip", "netns", "exec", space.name, save, "-t", "nat"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+    return out
+
+
+class InstallCni:
+    """The install-cni process; its output is collected by a thread (read it with :meth:`log`)."""
+
+    def __init__(self, node: InstallNode, kube: FakeKube) -> None:
+        self.process = start_install_cni(node, kube.port, kube.ca_pem, TOKEN, subprocess.PIPE)
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.append(line.decode(errors="replace"))
+
+    def log(self) -> str:
+        return "".join(self._lines)
+
+    async def serving(self, socket_path: Path) -> None:
+        deadline = time.monotonic() + 20
+        while "serving the plugin's ADD" not in self.log() or not socket_path.exists():
+            assert self.process.poll() is None, f"install-cni exited: {self.log()}"
+            assert time.monotonic() < deadline, f"install-cni never served the ADD: {self.log()}"
+            await asyncio.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self._reader.join(timeout=5)
+
+
+@pytest.fixture
+async def kube(tmp_path: Path) -> AsyncIterator[FakeKube]:
+    state = tmp_path / "ca"
+    state.mkdir()
+    fake, runner = await start_fake_kube(state)
+    fake.add_pod(sidecar_pod())
+    try:
+        yield fake
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+def pod() -> Iterator[Netns]:
+    with netns("handoff") as space:
+        yield space
+
+
+@needs_root
+@pytest.mark.e2e
+async def test_install_cni_runs_the_add_and_a_killed_one_leaves_it_to_the_plugin(
+    tmp_path: Path, kube: FakeKube, pod: Netns
+) -> None:
+    (tmp_path / "node").mkdir()
+    node = InstallNode(tmp_path / "node")
+    node.put("calico.conflist", "10-calico.conflist")
+    agent = InstallCni(node, kube)
+    try:
+        sock = node.run / SOCKET_NAME
+        await agent.serving(sock)
+        assert sock.stat().st_mode & 0o777 == 0o600
+        handed = await asyncio.to_thread(run_plugin, node.run, pod.path)
+        assert handed.code == 0, (handed.stdout, handed.stderr, agent.log())
+        assert handed.json == PREV_RESULT
+        assert "ISTIO_OUTPUT" in nat_rules(pod)
+        assert REDIRECT_LOG in agent.log() and REDIRECT_LOG not in handed.stderr
+        # SIGKILL: no cleanup, the socket file stays and nobody listens on it.
+        agent.process.send_signal(signal.SIGKILL)
+        agent.stop()
+        assert sock.exists()
+        with netns("handoff2") as second:
+            alone = await asyncio.to_thread(run_plugin, node.run, second.path)
+            assert alone.code == 0, (alone.stdout, alone.stderr)
+            assert REDIRECT_LOG in alone.stderr
+            assert "ISTIO_OUTPUT" in nat_rules(second)
+    finally:
+        agent.stop()
+
+
+@contextmanager
+def hung_agent(run_dir: Path) -> Iterator[Path]:
+    """A FAKE node agent: a socket in ``run_dir`` that takes connections and never answers."""
+    run_dir.mkdir()
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(str(run_dir / SOCKET_NAME))
+    hung.listen(1)
+    with hung:
+        yield run_dir
+
+
+@needs_root
+async def test_a_node_agent_that_never_answers_is_an_error_within_the_deadline(
+    tmp_path: Path, pod: Netns
+) -> None:
+    with hung_agent(tmp_path / "run") as run_dir:
+        result = await asyncio.to_thread(run_plugin, run_dir, pod.path, add_timeout="1s")
+    assert result.code == 1
+    assert result.json["code"] == 999
+    assert "did not answer within the ADD deadline of 1s" in result.json["msg"]
+    assert 1.0 <= result.seconds < 3.0
+    assert "ISTIO_OUTPUT" not in nat_rules(pod)
+
+
+def test_an_add_timeout_the_plugin_cannot_read_quickly_runs_the_add_in_process(
+    tmp_path: Path, pod_file: Path
+) -> None:
+    """``500ms`` is a Go duration the hand-over leaves to the plugin's config reader: no connection."""
+    with hung_agent(tmp_path / "run") as run_dir:
+        result = run_plugin(
+            run_dir, pod_file, name="istio-cni-node-x", namespace="istio-system", add_timeout="500ms"
+        )
+    # The node agent's own pod needs nothing (Istio's first check), so the in-process ADD succeeds.
+    assert result.code == 0, result.stdout
+
+
+@pytest.fixture
+def pod_file(tmp_path: Path) -> Path:
+    path = tmp_path / "netns"
+    path.touch()
+    return path
+
+
+@contextmanager
+def answering_agent(run_dir: Path, answer: bytes) -> Iterator[Path]:
+    """A FAKE node agent: it reads the plugin's whole message, answers ``answer`` and closes."""
+    run_dir.mkdir()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(run_dir / SOCKET_NAME))
+    server.listen(1)
+
+    def serve() -> None:
+        connection, _ = server.accept()
+        with connection:
+            while connection.recv(65536):
+                pass
+            connection.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with server:
+        yield run_dir
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("answer", "code", "stdout"),
+    [
+        (b'{"exit": 1, "stdout": "{\\"code\\": 7}"}', 1, {"code": 7}),  # printed as given
+        (
+            b'{"fallback": "not the same netns"}',
+            0,
+            {"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.5/24"}], "dns": {}},
+        ),
+        (b"garbage", 1, "closed the connection without an answer"),
+        (b'{"exit": "0"}', 1, "answered without exit and stdout"),
+    ],
+)
+def test_the_plugin_prints_the_node_agents_answer_falls_back_or_fails_closed(
+    tmp_path: Path, pod_file: Path, answer: bytes, code: int, stdout: Any
+) -> None:
+    # The node agent's own pod: an in-process ADD (the fallback) succeeds without an API server.
+    with answering_agent(tmp_path / "run", answer) as run_dir:
+        result = run_plugin(run_dir, pod_file, name="istio-cni-node-x", namespace="istio-system")
+    assert result.code == code, result.stdout
+    if isinstance(stdout, str):
+        assert result.json["code"] == 999 and stdout in result.json["msg"]
+    else:
+        assert result.json == stdout
+
+
+# -- the server's checks, without processes ------------------------------------------------------------
+
+
+def test_the_node_agent_declines_a_namespace_it_sees_differently(tmp_path: Path) -> None:
+    here = tmp_path / "ns"
+    here.touch()
+    info = os.stat(here)
+    assert same_netns(str(here), [info.st_dev, info.st_ino])
+    assert not same_netns(str(here), [info.st_dev, info.st_ino + 1])
+    assert not same_netns(str(here), None)  # the plugin did not see it, the node agent does
+    assert not same_netns(str(tmp_path / "gone"), [info.st_dev, info.st_ino])
+    assert same_netns(str(tmp_path / "gone"), None)  # neither sees it: the ADD reports it
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        (b"not json", "not JSON"),
+        (b"[]", "not a JSON object"),
+        (b'{"env": {"A": 1}, "stdin": "", "elapsed": 0}', "env is not an object of strings"),
+        (b'{"env": {}, "stdin": 3, "elapsed": 0}', "stdin is not a string"),
+        (b'{"env": {}, "stdin": "", "elapsed": -1}', "elapsed"),
+        (b'{"env": {}, "stdin": "", "elapsed": 0, "netns": [1]}', "netns"),
+    ],
+)
+def test_a_bad_hand_over_message_is_refused_with_the_reason(message: bytes, error: str) -> None:
+    with pytest.raises(InvocationError, match=error):
+        parse_invocation(message)
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        ({"cni_agent_run_dir": "/run/" + "x" * 120}, "too long for a unix socket"),
+        (
+            {"cni_agent_run_dir": "/nonexistent-run-dir"},
+            "no node agent on /nonexistent-run-dir/plugin-add.sock",
+        ),
+        ({"cni_agent_run_dir": "/r", "add_timeout": "1m30s"}, "add_timeout the hand-over does not read"),
+        ({"add_timeout": "30s"}, "no cni_agent_run_dir"),
+    ],
+)
+def test_what_the_plugin_runs_itself(config: dict[str, Any], reason: str) -> None:
+    with pytest.raises(handoff.Fallback, match=reason):
+        handoff.hand_over({"CNI_COMMAND": "ADD"}, json.dumps(config).encode(), time.monotonic())
