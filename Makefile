@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint protos bench soak demo clean
+.PHONY: test test-fast lint protos bench soak demo clean bytecode
 
 # Debian tools the tests and benchmarks run against: dnsmasq (upstream resolver and peer), dig, dnsperf for
 # DNS; iptables (legacy and nft), nft, conntrack, ip and the reference CNI plugins (bridge, host-local…
@@ -28,10 +28,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# Our modules' bytecode, written once: with PYTHONDONTWRITEBYTECODE set (as on CI machines) every
+# process the tests start (pilot-agent, istio-cni, install-cni...) would compile them again.
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q src bench
+
+test: bytecode
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: bytecode
 	$(BIN)/python -m pytest -q -m 'not e2e'
 
 lint: $(STAMP)
