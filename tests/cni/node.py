@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import socket
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
@@ -84,6 +85,9 @@ class Node:
         self.runtime = Runtime(runtime_paths, env=plugin_env)
         self.extra_plugins: list[Mapping[str, Any]] = []
         """Plugins chained after bridge (istio-cni) for the pods attached from now on."""
+        self.conf_file: Path | None = None
+        """The node's CNI config file, once something (install-cni) manages it: read at every ADD and
+        DEL, as a runtime reads its conf dir, instead of ``bridge`` + ``extra_plugins``."""
         self.pods: dict[str, AttachedPod] = {}
         self._processes: list[subprocess.Popen[bytes]] = []
 
@@ -104,6 +108,8 @@ class Node:
         return self
 
     def network(self) -> NetworkList:
+        if self.conf_file is not None:
+            return NetworkList.from_document(json.loads(self.conf_file.read_text()))
         return bridge_network(self.ipam_dir, self.extra_plugins)
 
     def attach(self, name: str, namespace: str = "default") -> AttachedPod:

@@ -2,11 +2,13 @@
 
 What runs, as on a Kubernetes node (tests/cni/node.py, tests/e2e/pod.py, tests/e2e/injector.py):
 
-- the node: a network namespace of its own where the runtime runs the CNI chain (Debian's ``bridge``
-  + ``host-local``, then the real ``istio-cni`` executable) and where the local control plane listens
-  on the bridge's gateway address as ``istiod.istio-system.svc``, as a cluster Service outside the
-  pod. The plugin reads the pods from a FAKE Kubernetes API server (tests/cni/fake_kube.py: no real
-  one runs here) on the node's loopback, through the kubeconfig install-cni would write;
+- the node: a network namespace of its own where the real ``install-cni`` chains the ``istio-cni``
+  executable into the node's bridge conflist and serves the plugin's ADD, where the runtime runs
+  that conflist (Debian's ``bridge`` + ``host-local``, then ``istio-cni``) and where the local control
+  plane listens on the bridge's gateway address as ``istiod.istio-system.svc``, as a cluster Service
+  outside the pod. The plugin reads the pods from a FAKE Kubernetes API server
+  (tests/cni/fake_kube.py: no real one runs here) on the node's loopback, through the kubeconfig
+  install-cni writes;
 - ``httpbin``: a pod injected with ``istio-init`` (which istio-cni skips): ``pilot-agent
   istio-iptables`` with the injector's args programs its rules; the injected ``istio-proxy`` (the real
   ``pilot-agent proxy`` and Envoy) and the echo app on 8080. The mesh service ``httpbin`` has the VIP
@@ -19,6 +21,7 @@ What runs, as on a Kubernetes node (tests/cni/node.py, tests/e2e/pod.py, tests/e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import re
@@ -34,9 +37,12 @@ from typing import Any
 
 import pytest
 
-from istio_agent.cni.plugin_config import PluginConfig
+from istio_agent.cni.handoff import SOCKET_NAME as HANDOFF_SOCKET
 from istio_agent.ctl.local import wait_until
+from tests.cni.fake_kube import TOKEN as FAKE_TOKEN
 from tests.cni.fake_kube import FakeKube, sidecar_pod, start_fake_kube
+from tests.cni.install.layout import Node as InstallLayout
+from tests.cni.install.layout import start_install_cni
 from tests.cni.libcni import DEBIAN_PLUGINS
 from tests.cni.netns import enter, in_netns
 from tests.cni.node import AttachedPod, Node, running_node
@@ -52,6 +58,13 @@ SERVICE = "httpbin"
 SERVICE_PORT = 8000
 CLUSTER = f"outbound|{SERVICE_PORT}||{SERVICE}.default.svc.{CLUSTER_DOMAIN}"
 APP_UID = 1000
+DNS_CAPTURE = {"ISTIO_META_DNS_CAPTURE": "true"}
+SLEEP_POD = sidecar_pod(
+    "sleep",
+    annotations={"traffic.sidecar.istio.io/excludeOutboundPorts": str(EXCLUDED_PORT)},
+    proxy_env=DNS_CAPTURE,
+)
+"""The sleep pod as the API server has it: injected for a CNI node (istio-validation, no istio-init)."""
 
 
 def cannot_run() -> str | None:
@@ -160,14 +173,6 @@ class ApiServerOnNode:
         self._thread.join(10)
 
 
-def istio_cni_entry(run_dir: Path) -> dict[str, Any]:
-    """The plugin's entry in the node's conflist, as install-cni chains it."""
-    config = PluginConfig(
-        cni_agent_run_dir=str(run_dir), pod_namespace="istio-system", exclude_namespaces=("istio-system",)
-    )
-    return config.plugin_object(with_version=False)
-
-
 class PlainServer:
     """A plain HTTP server on the node's side of the bridge (not in the mesh), counting what it answers."""
 
@@ -229,33 +234,58 @@ def pod_on(base: Path, network: AttachedPod, hosts: dict[str, str], stats: str) 
 
 
 def _cluster(base: Path) -> Iterator[Cluster]:
-    with running_node(base / "node", plugin_paths=[Path(sys.executable).parent]) as node:
+    (base / "install").mkdir()
+    layout = InstallLayout(base / "install")  # the node's /etc/cni/net.d, /opt/cni/bin, ...
+    with running_node(base / "node", plugin_paths=[layout.bin]) as node:
         api = ApiServerOnNode(node, base / "kube")
         try:
-            yield from _pods(base, node, api)
+            assert api.kube is not None
+            with install_cni_on(node, layout, api.kube, base / "install-cni.log"):
+                yield from _pods(base, node, api, layout)
         finally:
             api.stop()
 
 
-def _pods(base: Path, node: Node, api: ApiServerOnNode) -> Iterator[Cluster]:
+@contextlib.contextmanager
+def install_cni_on(node: Node, layout: InstallLayout, kube: FakeKube, log: Path) -> Iterator[None]:
+    """The real install-cni in the node's namespace, as the istio-cni-node DaemonSet runs it: it copies
+    the istio-cni executable into the node's CNI bin dir, writes the plugin's kubeconfig, chains the
+    plugin into the node's bridge conflist and serves the plugin's ADD. The runtime reads that
+    conflist from then on. SIGTERM at the end (it restores the conflist and removes the plugin)."""
+    shutil.copy2(Path(sys.executable).parent / "istio-cni", layout.source / "istio-cni")
+    conflist = layout.conf / "10-k8s-pod-network.conflist"
+    conflist.write_text(json.dumps(node.network().document(), indent=2))
+    with log.open("ab") as output:
+        process = start_install_cni(layout, kube.port, kube.ca_pem, FAKE_TOKEN, output, netns=node.netns.path)
+    try:
+
+        def chained() -> bool:
+            assert process.poll() is None, f"install-cni exited: {log.read_text()}"
+            plugins = json.loads(conflist.read_text())["plugins"]
+            return plugins[-1]["type"] == "istio-cni" and (layout.run / HANDOFF_SOCKET).exists()
+
+        wait_until(chained, 20, "install-cni chaining istio-cni into the node's conflist")
+        node.conf_file = conflist
+        yield
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _pods(base: Path, node: Node, api: ApiServerOnNode, layout: InstallLayout) -> Iterator[Cluster]:
     assert api.kube is not None
     # sleep: injected for a CNI node (istio-validation, no istio-init): istio-cni programs its rules
-    dns_capture = {"ISTIO_META_DNS_CAPTURE": "true"}
-    excluded = {"traffic.sidecar.istio.io/excludeOutboundPorts": str(EXCLUDED_PORT)}
-    api.kube.add_pod(sidecar_pod("sleep", annotations=excluded, proxy_env=dns_capture))
+    api.kube.add_pod(SLEEP_POD)
     # httpbin: injected with istio-init, which programs its rules; istio-cni leaves it alone
     api.kube.add_pod(sidecar_pod("httpbin", init_containers=[{"name": "istio-init"}]))
-    run_dir = base / "run"
-    run_dir.mkdir()
-    (run_dir / "istio-cni-kubeconfig").write_text(api.kube.kubeconfig())
-    node.extra_plugins.append(istio_cni_entry(run_dir))
-
     server_net, client_net = node.attach("httpbin"), node.attach("sleep")
     assert "ISTIO_OUTPUT" not in server_net.netns.exec("iptables-save")
     istio_init(server_net.netns.path)
     hosts = {"istiod.istio-system.svc": node.gateway}
     server = pod_on(base, server_net, hosts, stats="listener")
     client = pod_on(base, client_net, hosts, stats="cluster.outbound,cluster.PassthroughCluster,listener")
+    for pod in (server_net, client_net):  # the ADD was handed to install-cni, which ran the plugin's code
+        assert f"pod default/{pod.attachment.args['K8S_POD_NAME']}" in (base / "install-cni.log").read_text()
     istiod = Istiod(node, mesh(server, client), address=node.gateway)
     try:
         istiod.start()
@@ -264,7 +294,7 @@ def _pods(base: Path, node: Node, api: ApiServerOnNode) -> Iterator[Cluster]:
         server.start_container(istio_proxy(server, istiod, grace_period=5))
         echo = [sys.executable, "-m", "istio_agent.ctl.echo", "--name", SERVICE, "--port", "8080"]
         server.start_container(app_container(echo))
-        client.start_container(istio_proxy(client, istiod, proxy_metadata=dns_capture, grace_period=5))
+        client.start_container(istio_proxy(client, istiod, proxy_metadata=DNS_CAPTURE, grace_period=5))
         client.start_container(app_container(["sleep", "infinity"]))
         server.wait_ready("istio-proxy")
         client.wait_ready("istio-proxy")
@@ -360,3 +390,21 @@ def test_the_proxy_uid_and_excluded_ports_bypass_capture(cluster: Cluster) -> No
     finally:
         plain.stop()
         excluded.stop()
+
+
+def test_agentctl_cni_check_finds_the_sleep_pods_rules_as_expected(cluster: Cluster, tmp_path: Path) -> None:
+    """What an operator runs on the node: the rules istio-cni programmed are exactly those expected."""
+    client = cluster.client
+    pod_file = tmp_path / "sleep.json"
+    pod_file.write_text(json.dumps(SLEEP_POD))
+    agentctl = str(Path(sys.executable).parent / "agentctl")
+    done = subprocess.run(
+        in_netns(
+            cluster.node.netns.path, [agentctl, "cni", "check", str(client.netns), "--pod", str(pod_file)]
+        ),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "OK: the installed rules are exactly the expected ones" in done.stdout

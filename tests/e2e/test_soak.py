@@ -1,8 +1,9 @@
 """End to end: a short soak (``bench/soak.py`` in under a minute) — faults, rotations, steady traffic.
 
-The demo mesh with 20 s certificates (a rotation every 10 s), a request every 50 ms from ``a`` to
-``b``, the control plane SIGKILLed and restarted, and one CA outage of 12 s that starts right
-after both workloads rotated, so both rotations must be retried after it. Nothing may fail, nothing
+The demo mesh with 14 s certificates (a rotation every 7 s), a request every 50 ms from ``a`` to
+``b``, the control plane SIGKILLed and restarted, and one CA outage of 9 s that starts right
+after both workloads rotated, so both next rotations must be retried after it (the certificates
+outlive the outage). Nothing may fail, nothing
 may grow, and the only warnings are those the faults explain.
 """
 
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
 def test_short_soak_loses_no_request_and_keeps_rotating(tmp_path: Path) -> None:
-    plan = Plan(duration=50, secret_ttl=20, request_interval=0.05, kill_every=15, outage=12)
+    plan = Plan(duration=36, secret_ttl=14, request_interval=0.05, kill_every=12, outage=9)
     lines: list[str] = []
     report = run_soak(plan, tmp_path, say=lines.append)
     print_report(plan, report, say=lines.append)
@@ -27,7 +28,7 @@ def test_short_soak_loses_no_request_and_keeps_rotating(tmp_path: Path) -> None:
     assert report.kills >= 1 and report.outages, shown
     assert report.requests > 500, shown
     assert report.failed == [], shown
-    # 50 s of 20 s certificates: at least three rotations each, one of them after the outage.
+    # 36 s of 14 s certificates: at least three rotations each, one of them after the outage.
     assert report.rotations["a"] >= 3 and report.rotations["b"] >= 3, shown
     assert report.unexpected == [], shown
     for name in ("a", "b"):

@@ -76,11 +76,18 @@ INSTALL_CNI = Path(sys.executable).parent / "install-cni"
 
 
 def start_install_cni(
-    node: Node, api_port: int, ca_pem: bytes, token: str, output: int | IO[bytes]
+    node: Node,
+    api_port: int,
+    ca_pem: bytes,
+    token: str,
+    output: int | IO[bytes],
+    *,
+    netns: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """The real install-cni process on ``node``'s directories, its kubeconfig pointing at an API
     server on 127.0.0.1:``api_port`` (a fake one: the service account's CA and token are written
-    here); no health or metrics listener. stdout and stderr go to ``output``."""
+    here); no health or metrics listener. stdout and stderr go to ``output``. ``netns``: run it in
+    that network namespace (a test's node), as the DaemonSet runs it in the host's."""
     (node.sa / "ca.crt").write_bytes(ca_pem)
     (node.sa / "token").write_text(token)
     env = {**os.environ, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api_port)}
@@ -94,4 +101,6 @@ def start_install_cni(
         "--health-port=0",
         "--monitoring-port=0",
     ]
+    if netns is not None:
+        args = ["nsenter", f"--net={netns}", "--", *args]
     return subprocess.Popen(args, env=env, stdout=output, stderr=subprocess.STDOUT)
