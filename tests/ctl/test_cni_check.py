@@ -154,3 +154,24 @@ def test_the_command_is_installed() -> None:
         [str(agentctl), "cni", "check", "--help"], capture_output=True, text=True, check=True
     )
     assert "TARGET" in done.stdout
+
+
+def test_an_istio_init_pod_is_expected_in_the_injectors_port_order() -> None:
+    """istio-init gets ``-d 15090,15021,<excludeInboundPorts>,15020`` and ``-o`` only from the
+    annotation; the plugin's own order and default outbound exclusion do not apply to it."""
+    from istio_agent.ctl.cnicheck import expected_config
+
+    pod = sidecar_pod(
+        init_containers=[{"name": "istio-init"}],
+        annotations={"traffic.sidecar.istio.io/excludeInboundPorts": "3306"},
+    )
+    config, why = expected_config(pod, {})
+    assert config is not None and "istio-init" in why
+    assert config.inbound_ports_exclude == (15090, 15021, 3306, 15020)
+    assert config.outbound_ports_exclude == ()
+    injected, _ = expected_config(
+        sidecar_pod(annotations={"traffic.sidecar.istio.io/excludeInboundPorts": "3306"}), {}
+    )
+    assert injected is not None
+    assert injected.inbound_ports_exclude == (3306, 15020, 15021, 15090)
+    assert injected.outbound_ports_exclude == (15020,)

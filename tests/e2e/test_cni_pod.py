@@ -65,6 +65,8 @@ SLEEP_POD = sidecar_pod(
     proxy_env=DNS_CAPTURE,
 )
 """The sleep pod as the API server has it: injected for a CNI node (istio-validation, no istio-init)."""
+HTTPBIN_POD = sidecar_pod("httpbin", init_containers=[{"name": "istio-init"}])
+"""httpbin: injected with istio-init, which programs its rules; istio-cni leaves it alone."""
 
 
 def cannot_run() -> str | None:
@@ -277,7 +279,7 @@ def _pods(base: Path, node: Node, api: ApiServerOnNode, layout: InstallLayout) -
     # sleep: injected for a CNI node (istio-validation, no istio-init): istio-cni programs its rules
     api.kube.add_pod(SLEEP_POD)
     # httpbin: injected with istio-init, which programs its rules; istio-cni leaves it alone
-    api.kube.add_pod(sidecar_pod("httpbin", init_containers=[{"name": "istio-init"}]))
+    api.kube.add_pod(HTTPBIN_POD)
     server_net, client_net = node.attach("httpbin"), node.attach("sleep")
     assert "ISTIO_OUTPUT" not in server_net.netns.exec("iptables-save")
     istio_init(server_net.netns.path)
@@ -392,19 +394,19 @@ def test_the_proxy_uid_and_excluded_ports_bypass_capture(cluster: Cluster) -> No
         excluded.stop()
 
 
-def test_agentctl_cni_check_finds_the_sleep_pods_rules_as_expected(cluster: Cluster, tmp_path: Path) -> None:
-    """What an operator runs on the node: the rules istio-cni programmed are exactly those expected."""
-    client = cluster.client
-    pod_file = tmp_path / "sleep.json"
-    pod_file.write_text(json.dumps(SLEEP_POD))
+@pytest.mark.parametrize("name", ["sleep", "httpbin"])
+def test_agentctl_cni_check_finds_each_pods_rules_as_expected(
+    cluster: Cluster, tmp_path: Path, name: str
+) -> None:
+    """What an operator runs on the node: the rules istio-cni (sleep) and istio-init with the
+    injector's args (httpbin) programmed are exactly those expected from each pod object."""
+    pod, spec = (cluster.client, SLEEP_POD) if name == "sleep" else (cluster.server, HTTPBIN_POD)
+    pod_file = tmp_path / f"{name}.json"
+    pod_file.write_text(json.dumps(spec))
     agentctl = str(Path(sys.executable).parent / "agentctl")
+    check = [agentctl, "cni", "check", str(pod.netns), "--pod", str(pod_file)]
     done = subprocess.run(
-        in_netns(
-            cluster.node.netns.path, [agentctl, "cni", "check", str(client.netns), "--pod", str(pod_file)]
-        ),
-        capture_output=True,
-        text=True,
-        check=False,
+        in_netns(cluster.node.netns.path, check), capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "OK: the installed rules are exactly the expected ones" in done.stdout

@@ -8,6 +8,7 @@ fetched with a kubeconfig), decided exactly as the istio-cni plugin decides them
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ DEFAULT_POD: dict[str, Any] = {
 }
 """An injected pod with no annotations of its own: the rules every default sidecar gets."""
 TIMEOUT = 10.0
+STATUS_PORT_ANNOTATION = "status.sidecar.istio.io/port"
 KINDS = {
     "missing": "MISSING",
     "unexpected": "LEFTOVER",
@@ -69,10 +71,45 @@ def expected_config(pod: Mapping[str, Any], env: Mapping[str, str]) -> tuple[Cap
         if reason is None:
             return redirect.capture_config(pod, env), "the pod is injected: the plugin sets up its capture"
         if redirect.INIT_CONTAINER in reason:  # istio-init writes the same rules from the same annotations
-            return redirect.capture_config(pod, env), "the pod's istio-init container sets up its capture"
+            config = redirect.capture_config(pod, env)
+            config = dataclasses.replace(
+                config,
+                inbound_ports_exclude=istio_init_exclusions(pod),
+                outbound_ports_exclude=istio_init_outbound_exclusions(pod),
+            )
+            return config, "the pod's istio-init container sets up its capture"
     except ConfigError as err:
         raise CheckError(str(err)) from None
     return None, f"no capture expected: {reason}"
+
+
+def istio_init_exclusions(pod: Mapping[str, Any]) -> tuple[int, ...]:
+    """The inbound ports istio-init excludes, in its order (Istio's injection template renders ``-d`` as
+    ``15090,15021,`` then the pod's ``excludeInboundPorts`` with the status port appended when it is
+    not listed: ``excludeInboundPort``). The plugin orders the same ports its own way (annotation
+    first, then 15020,15021,15090), so only the order differs."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    status_port = str(annotations.get(STATUS_PORT_ANNOTATION, "15020")).strip()
+    listed = [port.strip() for port in str(annotations.get(redirect.EXCLUDE_INBOUND, "")).split(",")]
+    listed = [port for port in listed if port]
+    if status_port not in listed:
+        listed.append(status_port)
+    try:
+        ports = [int(port) for port in ("15090", "15021", *listed)]
+    except ValueError as err:
+        raise CheckError(f"annotation {redirect.EXCLUDE_INBOUND}: {err}") from None
+    return tuple(dict.fromkeys(ports))
+
+
+def istio_init_outbound_exclusions(pod: Mapping[str, Any]) -> tuple[int, ...]:
+    """The outbound ports istio-init excludes: the injector passes ``-o`` only when the pod has the
+    ``excludeOutboundPorts`` annotation (the plugin's default of 15020 is its own)."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    listed = [port.strip() for port in str(annotations.get(redirect.EXCLUDE_OUTBOUND, "")).split(",")]
+    try:
+        return tuple(int(port) for port in listed if port)
+    except ValueError as err:
+        raise CheckError(f"annotation {redirect.EXCLUDE_OUTBOUND}: {err}") from None
 
 
 def run(
