@@ -63,6 +63,7 @@ def test_skip_rule_apply_does_nothing() -> None:
         (["-i", "10.0.0.0"], {}, "'10.0.0.0' is not a CIDR"),
         (["-x", "10.0.0.300/8"], {}, "for --istio-service-exclude-cidr"),
         (["-x", "*"], {}, "OUTBOUND_IP_RANGES_EXCLUDE"),
+        (["-x", "fe80::1%lo/64"], {}, "a zone cannot be part of a CIDR"),
         (["-u", "envoy"], {}, "'envoy' is not a numeric id"),
         (["--bogus"], {}, "No such option '--bogus'"),
         (["--probe-timeout", "5"], {}, "invalid value '5' for --probe-timeout"),

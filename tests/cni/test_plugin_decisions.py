@@ -8,6 +8,7 @@ stay fast; the executable with an HTTPS fake is ``test_plugin_exec.py``.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -321,3 +322,23 @@ def test_owner_groups_and_loopback_come_from_the_plugins_env() -> None:
 def test_bad_annotation_names_itself(annotation: str, value: str) -> None:
     with pytest.raises(ConfigError, match=annotation):
         redirect(annotations={annotation: value})
+
+
+@pytest.mark.parametrize(
+    "annotation, value",
+    [
+        # an IPv6 zone may hold any text: it must never reach the iptables-restore input
+        (
+            "traffic.sidecar.istio.io/excludeOutboundIPRanges",
+            "fe80::1%lo\nCOMMIT\n*filter\n-I OUTPUT 1 -j ACCEPT/128",
+        ),
+        ("traffic.sidecar.istio.io/includeOutboundIPRanges", "fe80::1%eth0/64"),
+        ("traffic.sidecar.istio.io/excludeOutboundPorts", "\u00b2"),  # a digit to str.isdigit, not a port
+        ("traffic.sidecar.istio.io/includeInboundPorts", "\u0663\u0663"),
+    ],
+)
+def test_annotations_that_could_smuggle_text_into_rules_are_refused(
+    tmp_path: Path, annotation: str, value: str
+) -> None:
+    with pytest.raises(PluginError, match=re.escape(annotation)):
+        programmed(tmp_path, sidecar_pod(annotations={annotation: value}))

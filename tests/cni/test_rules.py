@@ -229,3 +229,12 @@ def test_v6_gets_the_dns_jump_only_with_v6_servers() -> None:
     assert ("raw", "-A OUTPUT -j ISTIO_OUTPUT_DNS") in v6
     assert ("nat", "-A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS") not in v6
     assert ("raw", "-A PREROUTING -j ISTIO_INBOUND") not in v6
+
+
+def test_a_rule_parameter_with_blanks_or_control_characters_is_refused() -> None:
+    """The last guard for the restore input: one rule per line, split on blanks."""
+    from istio_agent.cni.rules import Rule
+
+    for bad in ("1.2.3.4/32\nCOMMIT", "a b", "", "x\x00"):
+        with pytest.raises(ConfigError, match="refusing rule parameter"):
+            Rule("nat", "ISTIO_OUTPUT", ("-d", bad, "-j", "RETURN"))

@@ -158,17 +158,29 @@ def _ids(name: str, raw: str) -> tuple[str, ...]:
     return values
 
 
+def parse_cidr(item: str) -> str:
+    """One CIDR as written (host bits kept, as Go's ``netip.ParsePrefix`` keeps them); ValueError.
+
+    The one check for every CIDR that reaches a rule (flags, env, pod annotations). Like Go's
+    parser it refuses an IPv6 zone (``fe80::1%eth0/64``): Python's would keep the zone, text and all,
+    and that text would land in the iptables-restore input.
+    """
+    if "/" not in item:
+        raise ValueError(f"{item!r} is not a CIDR (address/bits)")
+    if "%" in item:
+        raise ValueError(f"{item!r}: a zone cannot be part of a CIDR")
+    return str(ipaddress.ip_interface(item))
+
+
 def _cidrs(name: str, raw: str) -> tuple[str, ...]:
-    """CIDRs as written (host bits kept, as Go's netip.ParsePrefix keeps them), or ``*``."""
+    """CIDRs as written, or ``*``."""
     out = []
     for item in split(raw):
         if item == WILDCARD:
             out.append(item)
             continue
-        if "/" not in item:
-            raise ConfigError(f"invalid value {raw!r} for {name}: {item!r} is not a CIDR (address/bits)")
         try:
-            out.append(str(ipaddress.ip_interface(item)))
+            out.append(parse_cidr(item))
         except ValueError as err:
             raise ConfigError(f"invalid value {raw!r} for {name}: {err}") from None
     return tuple(out)

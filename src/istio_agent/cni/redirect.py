@@ -9,13 +9,12 @@ pod's sandbox fails), where Istio also fails but some values pass unchecked into
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from istio_agent.cni.capture_config import WILDCARD, CaptureConfig, read_capture_config, split
+from istio_agent.cni.capture_config import WILDCARD, CaptureConfig, parse_cidr, read_capture_config, split
 from istio_agent.config.env import ConfigError, Env, parse_go_bool
 
 PROXY_CONTAINER = "istio-proxy"
@@ -117,7 +116,7 @@ def skip_reason(pod: Mapping[str, Any]) -> str | None:
 def _ports(name: str, value: str, *, minimum: int = 0) -> tuple[int, ...]:
     ports = []
     for item in split(value):
-        if not item.isdigit() or not minimum <= int(item) <= 65535:
+        if not (item.isascii() and item.isdigit()) or not minimum <= int(item) <= 65535:
             raise ConfigError(f"annotation {name}={value!r}: {item!r} is not a port (0-65535)")
         ports.append(int(item))
     return tuple(ports)
@@ -132,9 +131,7 @@ def _cidrs(name: str, value: str) -> tuple[str, ...]:
     out = []
     for item in value.split(","):
         try:
-            if "/" not in item:
-                raise ValueError("not address/bits")
-            out.append(str(ipaddress.ip_interface(item)))
+            out.append(parse_cidr(item))
         except ValueError:
             raise ConfigError(f"annotation {name}={value!r}: {item!r} is not a CIDR") from None
     return tuple(out)

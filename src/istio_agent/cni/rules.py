@@ -35,6 +35,15 @@ class Rule:
     params: tuple[str, ...]
     position: int | None = None
 
+    def __post_init__(self) -> None:
+        # iptables-restore input is one rule per line, split on blanks: a parameter with a blank or
+        # a control character (a newline: "COMMIT\n*filter\n...") would write rules nobody asked for.
+        for param in (self.table, self.chain, *self.params):
+            if not param or any(ch.isspace() or not ch.isprintable() for ch in param):
+                raise ConfigError(
+                    f"refusing rule parameter {param!r}: empty, or blanks or control characters"
+                )
+
     def render(self) -> str:
         if self.position is None:
             return " ".join(("-A", self.chain, *self.params))
