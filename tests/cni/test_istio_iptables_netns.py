@@ -88,6 +88,10 @@ def test_ipv6_rules_follow_the_pods_addresses_with_dual_stack() -> None:
         assert applied.returncode == 0, applied.stderr
         assert "IPv6 on" in applied.stdout
         assert "-A ISTIO_OUTPUT -s ::6/128 -o lo -j RETURN" in applied.stdout
+        # istio-validation of an IPv6 pod: dials [::6]:15002, REDIRECT lands it on [::1]:15006
+        validated = istio_iptables(pod, "--run-validation", "--skip-rule-apply", "--dual-stack", uid=1337)
+        assert validated.returncode == 0, validated.stdout + validated.stderr
+        assert "validation passed" in validated.stdout
 
 
 def test_a_failed_apply_is_exit_255_with_the_command_named(pod: Netns) -> None:

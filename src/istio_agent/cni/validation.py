@@ -1,8 +1,8 @@
 """istio-validation: prove that the pod's traffic is captured before the app starts.
 
 As ``tools/istio-iptables/pkg/validation/validator.go``: listen where the proxy would
-(127.0.0.1 on the outbound and inbound capture ports), connect to 127.0.0.6:<probe port> (``::6``
-for an IPv6 pod) and pass once a listener accepts a connection whose original destination port is
+(127.0.0.1, ``::1`` for an IPv6 pod, on the outbound and inbound capture ports), connect to
+127.0.0.6:<probe port> (``::6`` for an IPv6 pod) and pass once a listener accepts a connection whose original destination port is
 the probe port. The container runs as the proxy's uid, whose loopback traffic the rules send to
 the inbound capture port; without rules the connection is simply refused, and after the timeout
 the container exits 126, the code the repair controller looks for.
@@ -37,7 +37,8 @@ class Probe:
 
     @property
     def listen_ip(self) -> str:
-        return "::6" if self.ipv6 else "127.0.0.1"
+        # REDIRECT sends a locally made connection to the loopback's primary address: ::1, not ::6
+        return "::1" if self.ipv6 else "127.0.0.1"
 
     @property
     def dial_ip(self) -> str:
@@ -85,6 +86,10 @@ def _dial_until_seen(probe: Probe, family: int, selector: selectors.BaseSelector
     end = time.monotonic() + probe.timeout
     while (left := end - time.monotonic()) > 0:
         with socket.socket(family, socket.SOCK_STREAM) as client:
+            if probe.ipv6:
+                # as an app's connection: from ::1. Left to the kernel, a dial to ::6 (an address on
+                # lo) leaves from ::6, which the rules return uncaptured (Envoy's own source address)
+                client.bind(("::1", 0))
             client.setblocking(False)
             client.connect_ex((probe.dial_ip, probe.probe_port))
             # a refused dial shows as no listener ready: the select is also the pause between tries
