@@ -253,7 +253,7 @@ def test_kubeconfig_skip_tls_verify(tmp_path: Path) -> None:
             ),
             "no entry named 'other'",
         ),
-        ("clusters: [", "not YAML"),
+        ("clusters: [", "neither JSON nor YAML"),
     ],
 )
 def test_bad_kubeconfig_names_the_field(tmp_path: Path, text: str, message: str) -> None:
@@ -277,3 +277,17 @@ def test_the_kubeconfig_install_cni_writes_is_read_without_a_yaml_parser(tmp_pat
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_broken_kubeconfig_is_reported_without_its_token(tmp_path: Path) -> None:
+    """The YAML parser quotes the offending line; that line may hold the token, and the error
+    becomes the CNI error (pod events) and a log line."""
+    from istio_agent.cni.kube import read_kubeconfig
+
+    path = tmp_path / "istio-cni-kubeconfig"
+    path.write_text('{"users": [{"name": "istio-cni", "user": {"token": "SECRET-TOKEN-abcdef" x')
+    with pytest.raises(ConfigError) as caught:
+        read_kubeconfig(path)
+    message = str(caught.value)
+    assert "SECRET-TOKEN" not in message
+    assert "neither JSON nor YAML: line 1, column" in message

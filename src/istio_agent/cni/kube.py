@@ -81,7 +81,8 @@ def read_kubeconfig(path: Path) -> Kubeconfig:
     try:
         document = load_document(text)
     except DocumentSyntaxError as err:
-        raise ConfigError(f"kubeconfig {path} is not YAML: {err}") from None
+        # err.brief: the YAML parser's message quotes the bad line, which may be the token's
+        raise ConfigError(f"kubeconfig {path} is neither JSON nor YAML: {err.brief}") from None
     root = Node(document, "", config_errors(f"kubeconfig {path}: "))
     fields = root.fields(("current-context", "contexts", "clusters", "users"), Keys.GO_JSON)
     current = fields["current-context"].string()

@@ -53,7 +53,15 @@ class Keys(enum.Enum):
 
 
 class DocumentSyntaxError(ValueError):
-    """The text is neither JSON nor YAML; the message is the YAML parser's, with line and column."""
+    """The text is neither JSON nor YAML; the message is the YAML parser's, with line and column.
+
+    The message quotes the offending line of the text. For a document holding secrets (a
+    kubeconfig's token) use :attr:`brief`: the problem and its position, no text of the document.
+    """
+
+    def __init__(self, message: str, brief: str) -> None:
+        super().__init__(message)
+        self.brief = brief
 
 
 def load_document(text: str) -> Any:
@@ -68,7 +76,10 @@ def load_document(text: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise DocumentSyntaxError(str(err)) from None
+        problem = getattr(err, "problem", None) or "not valid YAML"
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise DocumentSyntaxError(str(err), f"{where}{problem}") from None
 
 
 def config_errors(prefix: str = "") -> ErrorFactory:
