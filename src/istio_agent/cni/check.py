@@ -10,8 +10,10 @@ namespace (as ``cni/apply.py`` does for its state check) and compared, chain by 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from difflib import SequenceMatcher
 from pathlib import Path
 
 from istio_agent.cni.apply import ApplyError, expected_portion, installed_portion
@@ -104,7 +106,12 @@ def check_capture(
 
 
 def compare(family: str, expected: Tables, installed: Tables) -> list[Difference]:
-    """Chain by chain: missing and unexpected rules, and rules present in both but out of order."""
+    """Chain by chain: missing and unexpected rules, and rules present in both but out of order.
+
+    The two rule lists are aligned on their longest common subsequence (``difflib``): a rule left
+    over on both sides is misplaced, on one side only missing or unexpected. Duplicates count: a
+    rule installed twice where it is expected once is one unexpected copy (istio#49067's leftovers).
+    """
     found: list[Difference] = []
     for table in sorted(set(expected) | set(installed)):
         want, have = expected.get(table, {}), installed.get(table, {})
@@ -114,17 +121,31 @@ def compare(family: str, expected: Tables, installed: Tables) -> list[Difference
                 found.append(Difference("missing-chain", family, table, chain, ""))
             elif wanted is None:
                 found.append(Difference("unexpected-chain", family, table, chain, ""))
-            wanted, present = wanted or [], present or []
-            found += [Difference("missing", family, table, chain, r) for r in wanted if r not in present]
-            found += [Difference("unexpected", family, table, chain, r) for r in present if r not in wanted]
-            common_wanted = [r for r in wanted if r in present]
-            common_present = [r for r in present if r in wanted]
-            if common_wanted != common_present:
-                found += [
-                    Difference("misplaced", family, table, chain, r)
-                    for r, s in zip(common_wanted, common_present, strict=True)
-                    if r != s
-                ]
+            found += _chain_differences(family, table, chain, wanted or [], present or [])
+    return found
+
+
+def _chain_differences(
+    family: str, table: str, chain: str, wanted: list[str], present: list[str]
+) -> list[Difference]:
+    matcher = SequenceMatcher(None, wanted, present, autojunk=False)
+    aligned_wanted: set[int] = set()
+    aligned_present: set[int] = set()
+    for start_wanted, start_present, size in matcher.get_matching_blocks():
+        aligned_wanted.update(range(start_wanted, start_wanted + size))
+        aligned_present.update(range(start_present, start_present + size))
+    left_present = Counter(rule for at, rule in enumerate(present) if at not in aligned_present)
+    found = []
+    for at, rule in enumerate(wanted):
+        if at in aligned_wanted:
+            continue
+        kind = "misplaced" if left_present[rule] > 0 else "missing"
+        left_present[rule] -= 1
+        found.append(Difference(kind, family, table, chain, rule))
+    for at, rule in enumerate(present):
+        if at not in aligned_present and left_present[rule] > 0:
+            left_present[rule] -= 1
+            found.append(Difference("unexpected", family, table, chain, rule))
     return found
 
 
