@@ -3,9 +3,10 @@
 As ``tools/istio-iptables/pkg/validation/validator.go``: listen where the proxy would
 (127.0.0.1, ``::1`` for an IPv6 pod, on the outbound and inbound capture ports), connect to
 127.0.0.6:<probe port> (``::6`` for an IPv6 pod) and pass once a listener accepts a connection
-whose original destination port is the probe port. The container runs as the proxy's uid, whose loopback traffic the rules send to
-the inbound capture port; without rules the connection is simply refused, and after the timeout
-the container exits 126, the code the repair controller looks for.
+whose original destination port is the probe port. The container runs as the proxy's uid, whose
+loopback traffic the rules send to the inbound capture port; without rules the connection is
+simply refused, and after the timeout the container exits 126, the code the repair controller
+looks for.
 """
 
 from __future__ import annotations
