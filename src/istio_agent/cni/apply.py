@@ -87,14 +87,24 @@ def apply_capture(
     families = ("v4", "v6") if config.enable_ipv6 else ("v4",)
     mark, table = config.tproxy_mark, config.tproxy_route_table
     try:
-        if cleanup_only or (action == "replaced" and not config.tproxy):
+        if cleanup_only:
             tproxy_routes.remove(FAMILIES, mark, table, netns=netns, deadline=budget)
-        if not cleanup_only:
+        else:
             tproxy_routes.ensure(families, mark, table, tproxy=config.tproxy, netns=netns, deadline=budget)
     except CommandError as err:
         if action == "unchanged":
             raise ApplyError(str(err)) from None
         raise ApplyError(applier.roll_back(err)) from None
+    if action == "replaced" and not config.tproxy and not cleanup_only:
+        # Last, once the new rules are complete: a failure here leaves routing that nothing marks
+        # packets for any more, which is harmless, where removing it first and then failing would
+        # leave the restored TPROXY rules without their routes.
+        try:
+            tproxy_routes.remove(FAMILIES, mark, table, netns=netns, deadline=budget)
+        except CommandError as err:
+            log.warning(
+                "the old TPROXY routing (fwmark %s, table %s) could not be removed: %s", mark, table, err
+            )
     saved = {}
     for family in (f for f in families if f in applier.available):
         try:
