@@ -528,10 +528,11 @@ def istio_iptables(log_output_level: str | None, log_as_json: bool | None, **opt
             bool(log_as_json) or ctx.obj["log_as_json"],
         )
         configure(levels, as_json, stream=sys.stdout)
-        status = command.run(config, mode, os.environ)
     except ValueError as err:  # ConfigError, or a bad --log_output_level
         _fail(str(err))
-    except ApplyError as err:
+    try:
+        status = command.run(config, mode, os.environ)
+    except (ConfigError, ApplyError) as err:
         _fail(str(err))
     sys.exit(status)
 
