@@ -94,11 +94,14 @@ def istio_init_exclusions(pod: Mapping[str, Any]) -> tuple[int, ...]:
     listed = [port for port in listed if port]
     if status_port not in listed:
         listed.append(status_port)
-    try:
-        ports = [int(port) for port in ("15090", "15021", *listed)]
-    except ValueError as err:
-        raise CheckError(f"annotation {redirect.EXCLUDE_INBOUND}: {err}") from None
-    return tuple(dict.fromkeys(ports))
+    return tuple(dict.fromkeys(_ports(redirect.EXCLUDE_INBOUND, ["15090", "15021", *listed])))
+
+
+def _ports(annotation: str, items: list[str]) -> list[int]:
+    for item in items:
+        if not (item.isascii() and item.isdigit() and int(item) <= 65535):
+            raise CheckError(f"annotation {annotation}: {item!r} is not a port (0-65535)")
+    return [int(item) for item in items]
 
 
 def istio_init_outbound_exclusions(pod: Mapping[str, Any]) -> tuple[int, ...]:
@@ -106,10 +109,7 @@ def istio_init_outbound_exclusions(pod: Mapping[str, Any]) -> tuple[int, ...]:
     ``excludeOutboundPorts`` annotation (the plugin's default of 15020 is its own)."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     listed = [port.strip() for port in str(annotations.get(redirect.EXCLUDE_OUTBOUND, "")).split(",")]
-    try:
-        return tuple(int(port) for port in listed if port)
-    except ValueError as err:
-        raise CheckError(f"annotation {redirect.EXCLUDE_OUTBOUND}: {err}") from None
+    return tuple(_ports(redirect.EXCLUDE_OUTBOUND, [port for port in listed if port]))
 
 
 def run(
