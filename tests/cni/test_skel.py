@@ -165,3 +165,58 @@ def test_the_plugins_own_netns_is_code_8(command: str) -> None:
     env = {**BASE_ENV, "CNI_COMMAND": command, "CNI_NETNS": "/proc/self/ns/net"}
     assert error(env)["code"] == 8
     assert call({**env, "CNI_NETNS_OVERRIDE": "1"}, CONFIG)[0] == 0
+
+
+def test_go_json_escapes_line_and_paragraph_separators_as_go_does() -> None:
+    # Go's encoding/json escapes U+2028 and U+2029 even where it writes other non-ASCII raw.
+    text = skel.go_json({"msg": "a\u2028b\u2029c é <&>"})
+    assert text == '{\n    "msg": "a\\u2028b\\u2029c é \\u003c\\u0026\\u003e"\n}'
+    assert json.loads(text) == {"msg": "a\u2028b\u2029c é <&>"}
+
+
+def test_an_unexpected_exception_is_an_error_result_with_one_traceback_on_stderr() -> None:
+    def buggy(args: skel.CmdArgs) -> None:
+        raise ValueError("bad <value>")
+
+    out, err = io.StringIO(), io.StringIO()
+    code = skel.main(
+        {"ADD": buggy},
+        about="x",
+        environ=BASE_ENV,
+        stdin=io.BytesIO(json.dumps(CONFIG).encode()),
+        stdout=out,
+        stderr=err,
+    )
+    assert code == 1
+    assert json.loads(out.getvalue()) == {"code": 999, "msg": "bad <value>"}
+    assert err.getvalue().count("Traceback (most recent call last)") == 1
+    assert "ValueError: bad <value>" in err.getvalue()
+
+
+def test_an_unexpected_exception_without_a_message_is_named_by_its_type() -> None:
+    def buggy(args: skel.CmdArgs) -> None:
+        raise KeyError
+
+    out = io.StringIO()
+    code = skel.main(
+        {"ADD": buggy},
+        about="x",
+        environ=BASE_ENV,
+        stdin=io.BytesIO(json.dumps(CONFIG).encode()),
+        stdout=out,
+        stderr=io.StringIO(),
+    )
+    assert (code, json.loads(out.getvalue())) == (1, {"code": 999, "msg": "KeyError"})
+
+
+def test_a_result_that_cannot_be_written_is_an_error_result_not_half_a_document() -> None:
+    out = io.StringIO()
+    code = skel.main(
+        {"ADD": lambda args: {"cniVersion": "1.0.0", "bad": object()}},
+        about="x",
+        environ=BASE_ENV,
+        stdin=io.BytesIO(json.dumps(CONFIG).encode()),
+        stdout=out,
+        stderr=io.StringIO(),
+    )
+    assert code == 1 and json.loads(out.getvalue())["code"] == 999
