@@ -472,3 +472,18 @@ async def test_stop_leaves_a_socket_that_replaced_ours(tmp_path: Path) -> None:
         successor.bind(str(server.path))  # another install-cni's
         await server.stop()
         assert server.path.exists()
+
+
+def test_a_socket_the_plugin_cannot_open_is_an_error_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_descriptors(*args: Any) -> socket.socket:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(handoff.socket, "socket", no_descriptors)
+    code, stdout = hand_over_add(tmp_path)
+    assert code == 1
+    assert json.loads(stdout) == {
+        "code": 999,
+        "msg": "cannot open a socket to the node agent: Too many open files",
+    }
