@@ -26,12 +26,16 @@ import pytest
 
 from istio_agent.cni import handoff
 from istio_agent.cni.handoff import SOCKET_NAME
-from istio_agent.cni.install.add_server import InvocationError, parse_invocation, same_netns
+from istio_agent.cni.install import add_server
+from istio_agent.cni.install.add_server import AddServer, InvocationError, parse_invocation, same_netns
 from tests.cni.fake_kube import TOKEN, FakeKube, sidecar_pod, start_fake_kube
 from tests.cni.install.layout import Node as InstallNode
 from tests.cni.install.layout import start_install_cni
 from tests.cni.netns import Netns, needs_root, netns
 from tests.cni.test_plugin_exec import PLUGIN, Run
+from tests.cni.test_plugin_exec import Node as PluginNode
+from tests.cni.test_plugin_exec import node as plugin_node  # noqa: F401  (a fixture: the plugin's view of a node)
+from tests.cni.test_plugin_exec import run_plugin as exec_plugin
 
 PREV_RESULT = {"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.5/24"}], "dns": {}}
 REDIRECT_LOG = "redirect set up in"
@@ -299,3 +303,187 @@ def test_a_bad_hand_over_message_is_refused_with_the_reason(message: bytes, erro
 def test_what_the_plugin_runs_itself(config: dict[str, Any], reason: str) -> None:
     with pytest.raises(handoff.Fallback, match=reason):
         handoff.hand_over({"CNI_COMMAND": "ADD"}, json.dumps(config).encode(), time.monotonic())
+
+
+# -- the server in this process: its bound, its answers, its socket ------------------------------------
+
+
+async def until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.e2e
+async def test_when_every_add_worker_is_stuck_the_next_add_runs_in_the_plugin_at_once(
+    plugin_node: PluginNode,  # noqa: F811  (the fixture imported above)
+    tmp_path: Path,
+) -> None:
+    node, kube = plugin_node, plugin_node.kube
+    kube.add_pod(sidecar_pod())
+    kube.failures.extend(["hang", "hang"])  # the FAKE API server hangs for the first two pods
+    server = AddServer(node.run_dir, max_adds=2)
+    await server.start()
+    try:
+        stuck = [
+            asyncio.create_task(
+                exec_plugin(
+                    node.env(DRY_RUN_FILE_PATH=str(tmp_path / f"stuck{i}.txt")), node.config(add_timeout="3s")
+                )
+            )
+            for i in range(2)
+        ]
+        await until(lambda: len(kube.requests) == 2, "both ADDs asked the API server")
+        third = await exec_plugin(node.env(), node.config(add_timeout="3s"))
+        assert not any(task.done() for task in stuck), "the third ADD waited for the stuck ones"
+        assert third.code == 0, third.stdout + third.stderr
+        assert REDIRECT_LOG in third.stderr  # the plugin ran it in its own process
+        assert node.dry_run.exists()
+        for run in await asyncio.gather(*stuck):
+            # The server's "no answer from the API server" and the plugin's "the node agent did not
+            # answer" race at the same deadline; either way it is an error result.
+            assert run.code == 1 and run.json["code"] == 999, run.stdout
+            assert REDIRECT_LOG not in run.stderr  # these were handed over
+    finally:
+        await server.stop()
+    assert not server.path.exists()
+
+
+def hand_over_add(run_dir: Path) -> tuple[int, str]:
+    config = {"cniVersion": "1.0.0", "name": "net", "type": "istio-cni", "cni_agent_run_dir": str(run_dir)}
+    env = {"CNI_COMMAND": "ADD", "CNI_NETNS": "/nonexistent-netns"}
+    return handoff.hand_over(env, json.dumps(config).encode(), time.monotonic())
+
+
+async def test_an_add_that_raises_is_answered_with_the_error_not_a_closed_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any) -> tuple[int, str]:
+        raise ValueError("a bug in the ADD")
+
+    monkeypatch.setattr(add_server, "run_add", broken)
+    server = AddServer(tmp_path / "run")
+    await server.start()
+    try:
+        code, stdout = await asyncio.to_thread(hand_over_add, tmp_path / "run")
+    finally:
+        await server.stop()
+    assert code == 1
+    assert json.loads(stdout) == {"code": 999, "msg": "the node agent's ADD failed: a bug in the ADD"}
+
+
+async def test_the_socket_is_owner_only_from_the_moment_it_is_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    modes: list[int] = []
+    real_start = asyncio.start_unix_server
+
+    async def start_and_look(*args: Any, **kwargs: Any) -> asyncio.AbstractServer:
+        server = await real_start(*args, **kwargs)
+        modes.append(os.stat(kwargs["path"]).st_mode & 0o777)  # before start() gets to chmod
+        return server
+
+    monkeypatch.setattr(add_server.asyncio, "start_unix_server", start_and_look)
+    umask = os.umask(0o022)
+    try:
+        server = AddServer(tmp_path / "run")
+        await server.start()
+        assert os.umask(0o022) == 0o022  # the process's umask is back
+    finally:
+        os.umask(umask)
+    try:
+        assert modes and modes[0] & 0o077 == 0, oct(modes[0])
+        assert server.path.stat().st_mode & 0o777 == 0o600
+    finally:
+        await server.stop()
+
+
+@needs_root
+async def test_a_peer_that_is_not_root_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+    import tempfile
+
+    # A directory "nobody" can reach, and the socket opened up, as if its mode had been weakened:
+    # the peer check is what still stands between another user and the ADD's environment.
+    top = Path(tempfile.mkdtemp(prefix="handoff-peer-"))
+    try:
+        top.chmod(0o755)
+        server = AddServer(top / "run")
+        await server.start()
+        (top / "run").chmod(0o755)
+        server.path.chmod(0o666)
+        client = (
+            "import socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            "s.connect(sys.argv[1])\n"
+            "s.sendall(b'{}')\n"
+            "s.shutdown(socket.SHUT_WR)\n"
+            "try:\n"
+            "    sys.stdout.write(repr(s.recv(65536)))\n"
+            "except ConnectionResetError:\n"
+            "    sys.stdout.write('reset')\n"
+        )
+        try:
+            done = await asyncio.to_thread(
+                subprocess.run,
+                ["/usr/bin/python3", "-c", client, str(server.path)],
+                user=65534,
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=False,
+            )
+        finally:
+            await server.stop()
+    finally:
+        shutil.rmtree(top)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout in ("b''", "reset")  # no answer at all: not even an error about the message
+    assert "refused a connection from uid 65534" in caplog.text
+
+
+async def test_start_replaces_only_a_stale_socket(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = run_dir / SOCKET_NAME
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+        stale.bind(str(path))  # bound, nobody listening: what a killed install-cni leaves
+    server = AddServer(run_dir)
+    await server.start()
+    try:
+        assert await asyncio.to_thread(hand_over_add, run_dir) != ()  # ours now: it answers
+        with pytest.raises(OSError, match="another process serves the ADD hand-over on"):
+            await AddServer(run_dir).start()
+        assert path.exists()
+    finally:
+        await server.stop()
+    path.write_text("not a socket")
+    with pytest.raises(OSError, match="exists and is not a socket"):
+        await AddServer(run_dir).start()
+    assert path.read_text() == "not a socket"
+
+
+async def test_stop_leaves_a_socket_that_replaced_ours(tmp_path: Path) -> None:
+    server = AddServer(tmp_path / "run")
+    await server.start()
+    server.path.unlink()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as successor:
+        successor.bind(str(server.path))  # another install-cni's
+        await server.stop()
+        assert server.path.exists()
+
+
+def test_a_socket_the_plugin_cannot_open_is_an_error_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_descriptors(*args: Any) -> socket.socket:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(handoff.socket, "socket", no_descriptors)
+    code, stdout = hand_over_add(tmp_path)
+    assert code == 1
+    assert json.loads(stdout) == {
+        "code": 999,
+        "msg": "cannot open a socket to the node agent: Too many open files",
+    }

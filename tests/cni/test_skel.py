@@ -49,6 +49,20 @@ def error(env: dict[str, str], stdin: bytes | dict[str, Any] = CONFIG) -> dict[s
     return result
 
 
+def run_add_with(handler: skel.Handler) -> tuple[int, str, str]:
+    """An ADD of CONFIG through ``handler``: exit status, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    code = skel.main(
+        {"ADD": handler},
+        about="x",
+        environ=BASE_ENV,
+        stdin=io.BytesIO(json.dumps(CONFIG).encode()),
+        stdout=out,
+        stderr=err,
+    )
+    return code, out.getvalue(), err.getvalue()
+
+
 def test_add_prints_the_handlers_result_indented() -> None:
     code, out = call(BASE_ENV, CONFIG)
     assert code == 0
@@ -148,16 +162,9 @@ def test_handler_error_is_printed_as_given() -> None:
     def failing(args: skel.CmdArgs) -> None:
         raise skel.CniError(skel.ERR_INTERNAL, "pod <x> & co")
 
-    out = io.StringIO()
-    code = skel.main(
-        {"ADD": failing},
-        about="x",
-        environ=BASE_ENV,
-        stdin=io.BytesIO(json.dumps(CONFIG).encode()),
-        stdout=out,
-    )
+    code, out, _ = run_add_with(failing)
     assert code == 1
-    assert out.getvalue() == '{\n    "code": 999,\n    "msg": "pod \\u003cx\\u003e \\u0026 co"\n}'
+    assert out == '{\n    "code": 999,\n    "msg": "pod \\u003cx\\u003e \\u0026 co"\n}'
 
 
 @pytest.mark.parametrize("command", ["ADD", "CHECK", "DEL"])
@@ -165,3 +172,34 @@ def test_the_plugins_own_netns_is_code_8(command: str) -> None:
     env = {**BASE_ENV, "CNI_COMMAND": command, "CNI_NETNS": "/proc/self/ns/net"}
     assert error(env)["code"] == 8
     assert call({**env, "CNI_NETNS_OVERRIDE": "1"}, CONFIG)[0] == 0
+
+
+def test_go_json_escapes_line_and_paragraph_separators_as_go_does() -> None:
+    # Go's encoding/json escapes U+2028 and U+2029 even where it writes other non-ASCII raw.
+    text = skel.go_json({"msg": "a\u2028b\u2029c é <&>"})
+    assert text == '{\n    "msg": "a\\u2028b\\u2029c é \\u003c\\u0026\\u003e"\n}'
+    assert json.loads(text) == {"msg": "a\u2028b\u2029c é <&>"}
+
+
+def test_an_unexpected_exception_is_an_error_result_with_one_traceback_on_stderr() -> None:
+    def buggy(args: skel.CmdArgs) -> None:
+        raise ValueError("bad <value>")
+
+    code, out, err = run_add_with(buggy)
+    assert code == 1
+    assert json.loads(out) == {"code": 999, "msg": "bad <value>"}
+    assert err.count("Traceback (most recent call last)") == 1
+    assert "ValueError: bad <value>" in err
+
+
+def test_an_unexpected_exception_without_a_message_is_named_by_its_type() -> None:
+    def buggy(args: skel.CmdArgs) -> None:
+        raise KeyError
+
+    code, out, _ = run_add_with(buggy)
+    assert (code, json.loads(out)) == (1, {"code": 999, "msg": "KeyError"})
+
+
+def test_a_result_that_cannot_be_written_is_an_error_result_not_half_a_document() -> None:
+    code, out, _ = run_add_with(lambda args: {"cniVersion": "1.0.0", "bad": object()})
+    assert code == 1 and json.loads(out)["code"] == 999

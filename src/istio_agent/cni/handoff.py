@@ -95,7 +95,10 @@ def hand_over(environ: Mapping[str, str], stdin: bytes, started: float) -> tuple
         "netns": _netns_id(environ.get("CNI_NETNS", "")),
     }
     deadline = started + budget
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError as err:  # out of descriptors or memory: an error result, not a traceback
+        return _error(f"cannot open a socket to the node agent: {err.strerror or err}")
     try:
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))

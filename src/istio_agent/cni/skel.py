@@ -101,12 +101,23 @@ def _valid_name(name: str) -> bool:
     return name != "" and name[0] in _ALNUM and all(ch in _NAME_CHARS for ch in name)
 
 
+_GO_ESCAPES = str.maketrans(
+    {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+)
+
+
 def go_json(value: object) -> str:
-    """JSON as Go's ``json.MarshalIndent(v, "", "    ")`` writes it (``<``, ``>``, ``&`` escaped)."""
+    """JSON as Go's ``json.MarshalIndent(v, "", "    ")`` writes it: ``<``, ``>``, ``&`` and the line and
+    paragraph separators U+2028/U+2029 escaped (raw, they end a line in JavaScript), the rest as is.
+
+    A second Go-style writer beside ``goformat.json_marshal``, on purpose: this module is what the
+    exec'd plugin loads for every pod, and ``goformat`` imports ``enum``, ``signal``, ``datetime`` and
+    ``decimal`` for its other jobs, which would add to that start-up; this one needs only ``json``
+    (only CNI results and error results, JSON read by ``json`` and strings, go through it).
+    """
     import json
 
-    text = json.dumps(value, indent=4, ensure_ascii=False)
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return json.dumps(value, indent=4, ensure_ascii=False).translate(_GO_ESCAPES)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -237,7 +248,8 @@ def main(
 ) -> int:
     """Run one CNI command; returns the exit status (0, or 1 with an error result on stdout).
 
-    ``handlers`` maps ADD/CHECK/DEL to their handler (GC and STATUS succeed without one, as in Istio).
+    An unexpected exception (a bug) is an error result too, code 999 with its message; its traceback
+    goes to ``stderr``. ``handlers`` maps ADD/CHECK/DEL to their handler (GC and STATUS succeed without one, as in Istio).
     Without CNI_COMMAND the plugin says what it is on stderr and exits 0, as the library does.
     """
     import sys
@@ -259,11 +271,21 @@ def main(
         _check_command_version(args)
         handler = handlers.get(args.command)
         result = handler(args) if handler is not None else None
+        text = go_json(result) if result is not None else ""
     except CniError as err:
-        out.write(go_json(err.result()))
-        out.flush()
-        return 1
-    if result is not None:
-        out.write(go_json(result))
+        text = go_json(err.result())
+        status = 1
+    # The plugin's outermost boundary, hence the one broad except: the runtime reads errors as an
+    # error result on stdout, so a bug (any exception a handler did not mean) must become one too,
+    # rather than a traceback and an empty stdout the runtime cannot tell from a crash.
+    except Exception as err:
+        import traceback
+
+        traceback.print_exception(err, file=stderr or sys.stderr)
+        text = go_json(CniError(ERR_INTERNAL, str(err) or type(err).__name__).result())
+        status = 1
+    else:
+        status = 0
+    out.write(text)
     out.flush()
-    return 0
+    return status

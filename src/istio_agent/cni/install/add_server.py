@@ -4,8 +4,16 @@ The plugin exec'd by the runtime sends its invocation (environment, stdin config
 ``<cni_agent_run_dir>/plugin-add.sock``; this server runs it through the very code the executable
 runs (``skel.main`` with the same contract checks, then ``plugin.cmd_add``), with the invocation's
 environment and the deadline counted from the plugin's start, and answers the exit status and
-stdout. Each ADD runs in a worker thread (the ADD code is synchronous around its own event loop),
-so a slow ADD never holds up another, nor install-cni's own loop.
+stdout. Each ADD runs in a worker thread of its own bounded pool (the ADD code is synchronous around
+its own event loop), so a slow ADD never holds up another, nor install-cni's own loop. A slow API
+server holds each of its ADDs up to the whole ADD deadline: when every worker is busy, the server
+answers ``fallback`` at once and the plugin runs the ADD itself, in its own process, rather than
+queueing it behind stuck ones.
+
+Whoever connects chooses the ADD's environment (``DRY_RUN_FILE_PATH`` has install-cni write a file
+as root), so the socket is created owner-only (bound under umask 077: never connectable by others,
+not even before a chmod) and each peer must be root (``SO_PEERCRED``), as the runtime that execs the
+plugin is.
 
 The pod's network namespace is the path the runtime gave (a host path: ``/var/run/netns/...`` or
 ``/proc/<pid>/ns/net``), so this process must see the host's: install-cni runs with the host's pid
@@ -20,8 +28,14 @@ import asyncio
 import io
 import json
 import os
+import socket
+import stat
+import struct
+import threading
 import time
+import traceback
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +49,13 @@ MAX_MESSAGE = 1 * 2**20
 """An invocation is an environment and a network config: far below this."""
 READ_TIMEOUT = 5.0
 """The plugin sends its message at once; a connection that does not is dropped after this."""
+MAX_CONCURRENT_ADDS = 8
+"""ADDs run at once; more wait for none of them (the plugin runs those itself). A node starts a few
+pods at a time; eight stuck behind a slow API server must not hold up the ninth."""
+PEER_UID = 0
+"""The runtime execs the plugin as root; nobody else may choose an ADD's environment."""
+_PEERCRED = struct.Struct("3i")
+"""``struct ucred``: pid, uid, gid."""
 
 
 class InvocationError(Exception):
@@ -93,42 +114,131 @@ def run_add(env: Mapping[str, str], stdin: bytes, started: float) -> tuple[int, 
     return status, out.getvalue()
 
 
-class AddServer:
-    """The unix socket server; :meth:`start` binds (replacing a stale socket), :meth:`stop` removes it."""
+def run_add_answer(env: Mapping[str, str], stdin: bytes, started: float) -> dict[str, Any]:
+    """:func:`run_add` as the answer to send; what ``skel.main`` did not turn into a result (a failing
+    import, a bug around it) becomes a 999 error result naming it, logged with its traceback."""
+    try:
+        status, stdout = run_add(env, stdin, started)
+    # The server's boundary for one ADD, hence the broad except: without an answer the plugin only
+    # sees a closed connection, and the runtime never learns the real cause.
+    except Exception as err:
+        log.error("ADD hand-over: the ADD failed unexpectedly: %s\n%s", err, traceback.format_exc())
+        return {
+            "exit": 1,
+            "stdout": _error_result(f"the node agent's ADD failed: {str(err) or type(err).__name__}"),
+        }
+    return {"exit": status, "stdout": stdout}
 
-    def __init__(self, run_dir: Path) -> None:
+
+def _error_result(msg: str) -> str:
+    return skel.go_json(skel.CniError(skel.ERR_INTERNAL, msg).result())
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected unix socket (as it was at connect)."""
+    _pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return int(uid)
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Remove ``path`` if it is a socket nobody listens on (left by a killed install-cni); raises
+    OSError naming it when it is anything else (another file, or a socket that is served)."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise OSError(f"{path} exists and is not a socket: not replacing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        path.unlink(missing_ok=True)
+        return
+    except OSError as err:
+        raise OSError(f"cannot tell whether {path} is served: {err.strerror or err}") from None
+    finally:
+        probe.close()
+    raise OSError(f"another process serves the ADD hand-over on {path}")
+
+
+class AddServer:
+    """The unix socket server; :meth:`start` binds (replacing a stale socket), :meth:`stop` removes it.
+
+    ``max_adds`` bounds the ADDs run at once (the worker threads).
+    """
+
+    def __init__(self, run_dir: Path, *, max_adds: int = MAX_CONCURRENT_ADDS) -> None:
+        if max_adds < 1:
+            raise ValueError(f"max_adds must be at least 1, got {max_adds}")
         self.path = socket_path(run_dir)
+        self.max_adds = max_adds
         self._server: asyncio.AbstractServer | None = None
+        self._bound: tuple[int, int] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._free_workers = threading.BoundedSemaphore(max_adds)
 
     async def start(self) -> None:
         """Listen (owner only: the plugin runs as root); raises OSError naming the socket."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.unlink(missing_ok=True)
+        try:
+            remove_stale_socket(self.path)
+        except OSError as err:
+            raise OSError(f"the ADD hand-over cannot listen: {err}") from None
+        previous = os.umask(0o077)  # the socket is born owner-only: no window before the chmod
         try:
             self._server = await asyncio.start_unix_server(self._accept, path=str(self.path))
             os.chmod(self.path, 0o600)
+            info = self.path.lstat()
         except OSError as err:
             raise OSError(
                 err.errno, f"the ADD hand-over cannot listen on {self.path}: {err.strerror}"
             ) from None
-        log.info("serving the plugin's ADD on %s", self.path)
+        finally:
+            os.umask(previous)
+        self._bound = (info.st_dev, info.st_ino)
+        self._executor = ThreadPoolExecutor(self.max_adds, thread_name_prefix="cni-add")
+        log.info("serving the plugin's ADD on %s (%d at once)", self.path, self.max_adds)
 
     async def stop(self) -> None:
-        """Stop accepting and remove the socket (plugins run the ADD themselves from now on)."""
+        """Stop accepting and remove the socket if it is still ours (plugins run the ADD themselves
+        from now on); ADDs already running finish in their threads."""
         server, self._server = self._server, None
         if server is None:
             return
         server.close()
-        self.path.unlink(missing_ok=True)
+        self._unlink_if_ours()
         await server.wait_closed()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    def _unlink_if_ours(self) -> None:
+        """Another install-cni may have replaced the path since: its socket is not ours to remove."""
+        try:
+            info = self.path.lstat()
+        except FileNotFoundError:
+            return
+        if (info.st_dev, info.st_ino) == self._bound:
+            self.path.unlink(missing_ok=True)
+        else:
+            log.info("not removing %s: it is no longer the socket this process bound", self.path)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            uid = peer_uid(writer.get_extra_info("socket"))
+            if uid != PEER_UID:
+                log.warning(
+                    "ADD hand-over: refused a connection from uid %d: only root may hand an ADD over", uid
+                )
+                return
             answer = await self._answer(reader)
             writer.write(json.dumps(answer).encode())
             await writer.drain()
         except (ConnectionError, TimeoutError) as err:
             log.warning("ADD hand-over: the plugin went away: %s", err)
+        except OSError as err:  # SO_PEERCRED on a socket that is gone already
+            log.warning("ADD hand-over: cannot serve the connection: %s", err)
         finally:
             writer.close()
 
@@ -140,14 +250,33 @@ class AddServer:
             env, stdin, elapsed, netns = parse_invocation(data)
         except InvocationError as err:
             log.error("ADD hand-over: %s", err)
-            return {"exit": 1, "stdout": skel.go_json(skel.CniError(skel.ERR_INTERNAL, str(err)).result())}
+            return {"exit": 1, "stdout": _error_result(str(err))}
         if env.get("CNI_COMMAND") != "ADD":
             return {"fallback": "only ADD is handed over"}
         if not same_netns(env.get("CNI_NETNS", ""), netns):
             log.warning("ADD hand-over declined: %s is not the same namespace here", env.get("CNI_NETNS"))
             return {"fallback": f"the node agent does not see {env.get('CNI_NETNS')} as the plugin does"}
-        status, stdout = await asyncio.to_thread(run_add, env, stdin, received - elapsed)
-        return {"exit": status, "stdout": stdout}
+        return await self._run(env, stdin, received - elapsed)
+
+    async def _run(self, env: Mapping[str, str], stdin: bytes, started: float) -> dict[str, Any]:
+        """The ADD on a free worker, or ``fallback`` at once when there is none (the worker is freed
+        when the ADD's thread ends, not when the connection does)."""
+        if self._executor is None or not self._free_workers.acquire(blocking=False):
+            log.warning("ADD hand-over declined: all %d ADD workers are busy", self.max_adds)
+            return {"fallback": f"all {self.max_adds} of the node agent's ADD workers are busy"}
+
+        def work() -> dict[str, Any]:
+            try:
+                return run_add_answer(env, stdin, started)
+            finally:
+                self._free_workers.release()
+
+        try:
+            future = self._executor.submit(work)
+        except RuntimeError:  # shut down meanwhile
+            self._free_workers.release()
+            return {"fallback": "the node agent is stopping"}
+        return await asyncio.wrap_future(future)
 
 
 async def _read_to_eof(reader: asyncio.StreamReader) -> bytes:
