@@ -133,6 +133,8 @@ class DnsResolver:
         self._replies: dict[tuple[int, bytes], tuple[bytes, StatsKey]] = {}
         """The same for other size limits (TCP)."""
         self._failures = 0
+        self._stats_keys: dict[StatsKey, StatsKey] = {}
+        """One tuple per key: counting a hit then compares by identity, not by value."""
         self.stats = stats or DnsStats()
         self.stats.table_size = lambda: len(self._table) if self._table is not None else 0
 
@@ -197,7 +199,8 @@ class DnsResolver:
         if len(reply) > size_limit:
             reply = truncate(reply, size_limit)
         if not shuffled:  # the same bytes for the same question until the table changes
-            self._remember(data[2:], limit, (reply[2:], (query.qtype, 0, "table")))
+            key = (query.qtype, 0, "table")
+            self._remember(data[2:], limit, (reply[2:], self._stats_keys.setdefault(key, key)))
         return reply
 
     def _remember(self, question: bytes, limit: int | None, entry: tuple[bytes, StatsKey]) -> None:

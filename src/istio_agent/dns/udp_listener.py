@@ -95,19 +95,22 @@ class UdpListener:
         receive, send = self.sock.recvfrom_into, self.sock.sendto
         replies, counts = self._replies, self.counts
         hand_over, on_miss = self._loop.call_soon_threadsafe, self._on_miss
-        while not self._stopping:
+        while True:
             try:
-                size, addr = receive(buffer)
-                known = replies.get(view[2:size].tobytes())
-                if known is None:
-                    if not self._stopping:
+                while True:  # the per-packet path: no attribute lookups, no flag checks
+                    size, addr = receive(buffer)
+                    known = replies.get(view[2:size].tobytes())
+                    if known is not None:
+                        counts[known[1]] += 1  # before sending: a reply a client saw is counted
+                        send(buffer[:2] + known[0], addr)
+                    elif addr is None and self._stopping:
+                        return  # stop() shut the socket down: the receive returned nothing
+                    else:
                         hand_over(on_miss, self, view[:size].tobytes(), addr)
-                    continue
-                send(buffer[:2] + known[0], addr)
-                counts[known[1]] += 1
             except OSError as err:  # e.g. ICMP port unreachable from a client that went away
-                if not self._stopping:
-                    log.debug("DNS UDP socket error: %s", err)
+                if self._stopping:
+                    return
+                log.debug("DNS UDP socket error: %s", err)
             except RuntimeError:  # the event loop is closed: nothing can answer a miss any more
                 return
 
