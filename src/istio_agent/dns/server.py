@@ -1,10 +1,8 @@
 """The DNS proxy's listeners: one UDP and one TCP server per listen address.
 
 A query is answered from the name table when the table knows the name, and forwarded upstream
-otherwise. A UDP question answered before from the table is answered again on the listener's own
-thread from the prebuilt reply (``udp_listener``), off the event loop; everything else is handed to
-the loop, where table hits are answered synchronously (no task, no await) and only forwarded
-queries become tasks.
+otherwise. Table hits are answered synchronously inside the datagram callback (no task, no await),
+which is what keeps the proxy in dnsmasq's league; only forwarded queries become tasks.
 
 Beyond Istio's agent: replies honour the client's size limit with TC (never SERVFAIL for size),
 local replies carry OPT when the query did, the number of forwarded queries in flight and of TCP
@@ -18,10 +16,10 @@ import socket
 import struct
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 from istio_agent.dns.records import TYPE_A, TYPE_AAAA, TYPE_MX, Record
 from istio_agent.dns.table import LookupTable, random_id, round_robin
-from istio_agent.dns.udp_listener import Address, Replies, StatsKey, UdpListener
 from istio_agent.dns.upstream import Forwarder, UpstreamError
 from istio_agent.dns.wire import (
     RCODE_SERVFAIL,
@@ -68,37 +66,23 @@ class DnsStats:
 
     def __init__(self) -> None:
         self.requests = 0
-        self.queries: Counter[StatsKey] = Counter()
+        self.queries: Counter[tuple[int, int, str]] = Counter()
         self.table_size: Callable[[], int] = lambda: 0
-        self.listener_counts: list[Counter[StatsKey]] = []
-        """Hits counted by UDP listener threads (each a request too); added up on scrape."""
 
     def answered(self, qtype: int, rcode: int, source: str) -> None:
         self.queries[(qtype, rcode, source)] += 1
 
-    def fold(self, counts: Counter[StatsKey]) -> None:
-        """Move a stopped listener's counts into ours (the totals never go back)."""
-        self.listener_counts.remove(counts)
-        self.requests += counts.total()
-        self.queries.update(counts)
-
     def collect(self) -> Iterator[Family]:
-        queries = self.queries.copy()
-        requests_seen = self.requests
-        for counts in self.listener_counts:
-            snapshot = dict(counts)  # one C-level copy: consistent while the thread keeps counting
-            queries.update(snapshot)
-            requests_seen += sum(snapshot.values())
         # Istio's agent counters have no _total added (see istio_agent.metrics): a gauge with the exact name.
         requests = Family(PREFIX + "dns_requests_total", "Total number of DNS requests.", "gauge")
-        requests.add(requests_seen)
+        requests.add(self.requests)
         yield requests
         by_kind = Family(
             PREFIX + "dns_queries",
             "DNS replies by query type, response code and source (table, upstream, cache, local).",
             "counter",
         )
-        for (qtype, rcode, source), count in sorted(queries.items()):
+        for (qtype, rcode, source), count in sorted(self.queries.items()):
             qname, rname = _TYPE_NAMES.get(qtype, f"TYPE{qtype}"), _RCODE_NAMES.get(rcode, str(rcode))
             by_kind.add(count, (("qtype", qname), ("rcode", rname), ("source", source)), "_total")
         yield by_kind
@@ -128,13 +112,8 @@ class DnsResolver:
         self._respond_before_sync = respond_before_sync
         self._next_id = next_id
         self._table: LookupTable | None = None
-        self.udp_replies: Replies = {}
-        """UDP table answers by question; listener threads read it, so it is only ever cleared in place."""
-        self._replies: dict[tuple[int, bytes], tuple[bytes, StatsKey]] = {}
-        """The same for other size limits (TCP)."""
+        self._replies: dict[tuple[int | None, bytes], tuple[bytes, tuple[int, int, str]]] = {}
         self._failures = 0
-        self._stats_keys: dict[StatsKey, StatsKey] = {}
-        """One tuple per key: counting a hit then compares by identity, not by value."""
         self.stats = stats or DnsStats()
         self.stats.table_size = lambda: len(self._table) if self._table is not None else 0
 
@@ -145,8 +124,7 @@ class DnsResolver:
     @table.setter
     def table(self, table: LookupTable | None) -> None:
         self._table = table
-        self.udp_replies.clear()  # replies were built from the old table
-        self._replies.clear()
+        self._replies = {}  # replies were built from the old table
 
     def answer_now(self, data: bytes, limit: int | None) -> bytes | Query | None:
         """A reply that needs no I/O, or the parsed query when it must go upstream, or None to drop.
@@ -164,7 +142,7 @@ class DnsResolver:
 
     def _answer(self, data: bytes, limit: int | None) -> bytes | Query | None:
         stats = self.stats
-        known = self.udp_replies.get(data[2:]) if limit is None else self._replies.get((limit, data[2:]))
+        known = self._replies.get((limit, data[2:]))
         if known is not None:  # the same question as before: only the ID differs
             stats.requests += 1
             stats.queries[known[1]] += 1
@@ -199,19 +177,10 @@ class DnsResolver:
         if len(reply) > size_limit:
             reply = truncate(reply, size_limit)
         if not shuffled:  # the same bytes for the same question until the table changes
-            key = (query.qtype, 0, "table")
-            self._remember(data[2:], limit, (reply[2:], self._stats_keys.setdefault(key, key)))
+            if len(self._replies) >= MAX_REMEMBERED_REPLIES:
+                self._replies = {}
+            self._replies[(limit, data[2:])] = (reply[2:], (query.qtype, 0, "table"))
         return reply
-
-    def _remember(self, question: bytes, limit: int | None, entry: tuple[bytes, StatsKey]) -> None:
-        if limit is None:
-            if len(self.udp_replies) >= MAX_REMEMBERED_REPLIES:
-                self.udp_replies.clear()
-            self.udp_replies[question] = entry
-            return
-        if len(self._replies) >= MAX_REMEMBERED_REPLIES:
-            self._replies.clear()
-        self._replies[(limit, question)] = entry
 
     def _cached(self, query: Query, limit: int | None) -> bytes | Query:
         """A DNS_CACHE hit answered at once, or the query back for forwarding."""
@@ -241,6 +210,43 @@ class DnsResolver:
             return servfail(query)
 
 
+class _UdpProtocol(asyncio.DatagramProtocol):
+    def __init__(self, resolver: DnsResolver, pending: set[asyncio.Task[None]]) -> None:
+        self._resolver = resolver
+        self._pending = pending
+        self._transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # asyncio's own datagram transport does not subclass DatagramTransport: no isinstance check
+        self._transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+        result = self._resolver.answer_now(data, None)
+        if result is None:
+            return
+        if isinstance(result, bytes):
+            assert self._transport is not None
+            self._transport.sendto(result, addr)
+            return
+        if len(self._pending) >= MAX_PENDING_FORWARDS:
+            return  # overloaded: dropping lets the client retry; queueing would only add latency
+        task = asyncio.get_running_loop().create_task(self._forward(data, result, addr))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _forward(self, data: bytes, query: Query, addr: tuple[str | int, ...]) -> None:
+        try:
+            reply = await self._resolver.forward(data, query, tcp=False)
+        except Exception:
+            log.exception("DNS forwarding failed")
+            reply = servfail(query)
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.sendto(reply, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("DNS UDP socket error: %s", exc)  # e.g. ICMP port unreachable from a gone client
+
+
 class DnsServer:
     """UDP and TCP listeners for every listen address, all answering through one resolver."""
 
@@ -250,7 +256,7 @@ class DnsServer:
         self.resolver = resolver
         self._registry = registry
         self._addresses = list(addresses)
-        self._udp: list[UdpListener] = []
+        self._udp: list[asyncio.DatagramTransport] = []
         self._tcp: list[asyncio.Server] = []
         self._pending: set[asyncio.Task[None]] = set()
         self._connections: set[asyncio.Task[None]] = set()
@@ -263,11 +269,11 @@ class DnsServer:
         try:
             for host, port in self._addresses:
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
-                listener = UdpListener.bind(host, port, self.resolver.udp_replies, self._udp_miss, loop)
-                self._udp.append(listener)
-                self.resolver.stats.listener_counts.append(listener.counts)
-                listener.start()
-                self.bound.append(("udp", host, listener.port))
+                transport, _ = await loop.create_datagram_endpoint(
+                    lambda: _UdpProtocol(self.resolver, self._pending), local_addr=(host, port), family=family
+                )
+                self._udp.append(transport)
+                self.bound.append(("udp", host, transport.get_extra_info("sockname")[1]))
                 server = await asyncio.start_server(
                     self._serve_tcp, host, port, family=family, reuse_address=True, limit=TCP_LIMIT + 2
                 )
@@ -278,28 +284,6 @@ class DnsServer:
             raise OSError(err.errno, f"cannot listen on {host}:{port}: {err.strerror or err}") from None
         self._registry.register(self.resolver.stats)
         log.info("DNS proxy listening on %s", ", ".join(f"{p} {h}:{n}" for p, h, n in self.bound))
-
-    def _udp_miss(self, listener: UdpListener, data: bytes, addr: Address) -> None:
-        """On the loop: a UDP query the listener thread had no prebuilt reply for."""
-        result = self.resolver.answer_now(data, None)
-        if result is None:
-            return
-        if isinstance(result, bytes):
-            listener.send(result, addr)
-            return
-        if len(self._pending) >= MAX_PENDING_FORWARDS:
-            return  # overloaded: dropping lets the client retry; queueing would only add latency
-        task = asyncio.get_running_loop().create_task(self._forward_udp(listener, data, result, addr))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-    async def _forward_udp(self, listener: UdpListener, data: bytes, query: Query, addr: Address) -> None:
-        try:
-            reply = await self.resolver.forward(data, query, tcp=False)
-        except Exception:
-            log.exception("DNS forwarding failed")
-            reply = servfail(query)
-        listener.send(reply, addr)
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -342,9 +326,8 @@ class DnsServer:
             await asyncio.wait_for(writer.drain(), TCP_READ_TIMEOUT)
 
     async def stop(self) -> None:
-        for listener in self._udp:
-            listener.stop()
-            self.resolver.stats.fold(listener.counts)
+        for transport in self._udp:
+            transport.close()
         for server in self._tcp:
             server.close()
         tasks = [*self._pending, *self._connections]
