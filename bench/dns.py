@@ -1,6 +1,6 @@
 """DNS benchmark: the agent's DNS proxy against dnsmasq, with dnsperf.
 
-    python -m bench.dns [--seconds 10] [--names 1000] [--rate 1000]
+    python -m bench.dns [--seconds 10] [--names 1000] [--rate 1000] [--table-only]
 
 Needs root (the upstream listens on port 53 of a spare 127.0.0.N, because resolv.conf carries no
 port), dnsmasq and dnsperf (Debian packages; ``make`` installs them). One dnsmasq is the upstream
@@ -10,14 +10,18 @@ name table (mesh file ``nameTable``); ``pilot-agent proxy sidecar`` runs with DN
 resolv.conf naming the upstream. Rows:
 
 * **(a) table hits**: A queries for the mesh names, answered by the agent from its table vs by
-  dnsmasq from its hosts file;
+  dnsmasq from its hosts file; **(a4)** the same at unlimited rate with four dnsperf clients
+  (``-c 4``: four sockets, as several processes of a pod would query). Both are measured while the
+  agent runs with its Envoy and the control plane beside it (the sidecar's real situation), dnsmasq
+  and the agent interleaved row by row, so both see the same machine;
 * **(b) forwarded**: A queries for the upstream-only names, through the agent vs straight to the
   upstream; **(b')** the same through an agent with ``DNS_CACHE=true`` (after the warm-up pass the
   cache holds every name, so this row measures cache hits).
 
-Every row is dnsperf with the same flags (``-c 1 -T 1 -q 100 -t 1``) for ``--seconds``, run
-twice: at **unlimited** rate (throughput: dnsperf keeps up to 100 queries in flight, so latency
-there includes queueing) and at a **fixed** ``--rate`` queries/s (latency without queueing).
+Every row is dnsperf with the same flags (``-c 1 -T 1 -q 100 -t 1``; ``-c 4`` on (a4)) for
+``--seconds``, run twice (once for (a4)): at **unlimited** rate (throughput: dnsperf keeps up to
+100 queries in flight, so latency there includes queueing) and at a **fixed** ``--rate`` queries/s
+(latency without queueing).
 dnsperf 2.10 prints only the mean latency; on the fixed-rate rows ``-v`` adds one line per query
 (``> NOERROR name A 0.000123``, ``> T name A`` for a timeout), from which p50/p99 are computed (not
 on the unlimited rows: printing 100,000 lines a second would make dnsperf the bottleneck). The
@@ -25,9 +29,10 @@ server CPU column is the CPU time of the answering process (dnsmasq, or pilot-ag
 during the row, per answered query.
 Each target gets one unmeasured pass over its names first (warm-up).
 
-Goals (issue 5): (a) agent >= 1.0x dnsmasq's queries/s (unlimited rows) with p99 <= 2 ms (fixed
-rate); (b) agent latency <= 1.3x direct (fixed rate, p50; p99 ratio shown too). The agent's RSS
-(pilot-agent only, Envoy excluded) is printed for each agent.
+Goals: (a) and (a4) agent >= 1.1x dnsmasq's queries/s (unlimited rows) with CPU per answered query
+<= dnsmasq's, p99 <= 2 ms (fixed rate); (b) agent latency <= 1.3x direct (fixed rate, p50; p99 ratio
+shown too). The agent's RSS (pilot-agent only, Envoy excluded) is printed for each agent.
+``--table-only`` measures only (a) and (a4) (no forwarding, no DNS_CACHE agent).
 """
 
 from __future__ import annotations
@@ -63,11 +68,13 @@ from tests.fixtures.dnsmasq import (
 NAMESPACE = "bench"
 UPSTREAM_DOMAIN = "upstream.test"
 DNSPERF_FLAGS = ("-c", "1", "-T", "1", "-q", "100", "-t", "1")
+MANY_CLIENTS = 4
+"""dnsperf clients (sockets) on the (a4) row."""
 VERBOSE = "-v"
 """Only on fixed-rate rows: printing a line per query would make dnsperf itself the bottleneck."""
 READY_TIMEOUT = 60.0
 ANSWER_TIMEOUT = 10.0
-GOAL_QPS_RATIO = 1.0
+GOAL_QPS_RATIO = 1.1
 GOAL_P99_MS = 2.0
 GOAL_FORWARD_RATIO = 1.3
 
@@ -152,9 +159,13 @@ def _dnsperf(server: DnsAddress, datafile: Path) -> list[str]:
     return ["dnsperf", "-s", server.host, "-p", str(server.port), "-d", str(datafile)]
 
 
-def dnsperf_command(server: DnsAddress, datafile: Path, seconds: float, rate: int | None) -> list[str]:
+def dnsperf_command(
+    server: DnsAddress, datafile: Path, seconds: float, rate: int | None, clients: int = 1
+) -> list[str]:
     """The same flags for every row; ``rate`` None means unlimited (up to 100 in flight)."""
-    command = [*_dnsperf(server, datafile), "-l", f"{seconds:g}", *DNSPERF_FLAGS]
+    flags = list(DNSPERF_FLAGS)
+    flags[flags.index("-c") + 1] = str(clients)
+    command = [*_dnsperf(server, datafile), "-l", f"{seconds:g}", *flags]
     if rate is not None:
         command += [VERBOSE, "-Q", str(rate)]
     return command
@@ -167,10 +178,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run_dnsperf(
-    server: DnsAddress, datafile: Path, seconds: float, rate: int | None, server_pid: int | None = None
+    server: DnsAddress,
+    datafile: Path,
+    seconds: float,
+    rate: int | None,
+    server_pid: int | None = None,
+    clients: int = 1,
 ) -> DnsperfResult:
     """Run dnsperf, parsing its per-query lines as they stream; ``server_pid``: whose CPU to count."""
-    command = dnsperf_command(server, datafile, seconds, rate)
+    command = dnsperf_command(server, datafile, seconds, rate, clients)
     cpu_before = cpu_seconds(server_pid) if server_pid is not None else 0.0
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
         assert process.stdout is not None and process.stderr is not None
@@ -348,16 +364,26 @@ class Bench:
     memory: list[tuple[str, float, float]] = field(default_factory=list)
     unavailable: list[str] = field(default_factory=list)
 
-    def measure(self, scenario: str, target: str, server: DnsAddress, datafile: Path, pid: int) -> None:
+    def measure(
+        self,
+        scenario: str,
+        target: str,
+        server: DnsAddress,
+        datafile: Path,
+        pid: int,
+        *,
+        clients: int = 1,
+        fixed_rate: bool = True,
+    ) -> None:
         warm_up(server, datafile)
-        for rate in (None, self.rate):
+        for rate in (None, self.rate) if fixed_rate else (None,):
             load = "unlimited" if rate is None else f"{rate:,} q/s"
-            result = run_dnsperf(server, datafile, self.seconds, rate, pid)
+            result = run_dnsperf(server, datafile, self.seconds, rate, pid, clients)
             self.rows.append(Row(scenario, target, load, result))
             print(f"  {scenario} / {target} / {load}: {result.qps:,.0f} q/s", file=sys.stderr, flush=True)
 
     def skip(self, scenario: str, target: str, reason: str) -> None:
-        for load in ("unlimited", f"{self.rate:,} q/s"):
+        for load in ("unlimited", f"{self.rate:,} q/s") if scenario != TABLE_MANY else ("unlimited",):
             self.rows.append(Row(scenario, target, load, None, reason))
 
     def find(self, scenario: str, target: str, load: str) -> DnsperfResult | None:
@@ -367,11 +393,24 @@ class Bench:
 
 
 TABLE = "(a) table hits"
+TABLE_MANY = f"(a4) table hits, -c {MANY_CLIENTS}"
+DNSMASQ = "dnsmasq, hosts file"
 FORWARD = "(b) forwarded"
 FORWARD_CACHE = "(b') forwarded, DNS_CACHE=true"
 
 
-def run(bench: Bench, base: Path, names: int) -> None:
+def measure_table(bench: Bench, dnsmasq: Dnsmasq, agent: Agent, datafile: Path) -> None:
+    """(a) and (a4), dnsmasq and the agent interleaved row by row while the agent and its Envoy run."""
+    assert dnsmasq.process is not None
+    for clients, scenario in ((1, TABLE), (MANY_CLIENTS, TABLE_MANY)):
+        for target, address_, pid in (
+            (DNSMASQ, dnsmasq.address, dnsmasq.process.pid),
+            ("agent", agent.dns, agent.pid),
+        ):
+            bench.measure(scenario, target, address_, datafile, pid, clients=clients, fixed_rate=clients == 1)
+
+
+def run(bench: Bench, base: Path, names: int, *, table_only: bool = False) -> None:
     mesh_names = [mesh_name(i) for i in range(names)]
     upstream_names = [upstream_name(i) for i in range(names)]
     hosts = [(name, address(64, i)) for i, name in enumerate(mesh_names)]
@@ -387,8 +426,8 @@ def run(bench: Bench, base: Path, names: int) -> None:
         resolv_conf.write_text(f"nameserver {upstream.address.host}\n")
         assert upstream.process is not None
         upstream_pid = upstream.process.pid
-        bench.measure(TABLE, "dnsmasq, hosts file", upstream.address, mesh_queries, upstream_pid)
-        bench.measure(FORWARD, "direct to the upstream", upstream.address, upstream_queries, upstream_pid)
+        if not table_only:
+            bench.measure(FORWARD, "direct to the upstream", upstream.address, upstream_queries, upstream_pid)
 
         workloads = {
             cache: Workload(f"dnsbench-{label}", base / f"agent-{label}", namespace=NAMESPACE)
@@ -399,22 +438,23 @@ def run(bench: Bench, base: Path, names: int) -> None:
         mesh.update_mesh(nameTable=name_table(names))
         try:
             mesh.start_controlplane()
-            for cache in (False, True):
+            for cache in (False,) if table_only else (False, True):
                 scenarios = (
                     [(FORWARD_CACHE, upstream_queries)]
                     if cache
-                    else [
-                        (TABLE, mesh_queries),
-                        (FORWARD, upstream_queries),
-                    ]
+                    else [(TABLE, mesh_queries), (TABLE_MANY, mesh_queries)]
+                    + ([] if table_only else [(FORWARD, upstream_queries)])
                 )
                 target = "agent (DNS_CACHE=true)" if cache else "agent"
                 try:
                     with running_agent(
                         mesh, workloads[cache], resolv_conf, mesh_names[0], cache=cache
                     ) as agent:
+                        if not cache:
+                            measure_table(bench, upstream, agent, mesh_queries)
                         for scenario, datafile in scenarios:
-                            bench.measure(scenario, "agent", agent.dns, datafile, agent.pid)
+                            if scenario not in (TABLE, TABLE_MANY):
+                                bench.measure(scenario, "agent", agent.dns, datafile, agent.pid)
                         memory = agent.memory_mb()
                         if memory is None:
                             bench.unavailable.append(f"{target}: exited during the run (log: {agent.log})")
@@ -423,7 +463,8 @@ def run(bench: Bench, base: Path, names: int) -> None:
                 except AgentUnavailable as err:
                     bench.unavailable.append(f"{target}: {err}")
                     for scenario, _ in scenarios:
-                        bench.skip(scenario, "agent", "agent DNS proxy not answering")
+                        for target in ("agent", DNSMASQ) if scenario in (TABLE, TABLE_MANY) else ("agent",):
+                            bench.skip(scenario, target, "agent DNS proxy not answering")
         finally:
             mesh.stop()
     finally:
@@ -442,13 +483,14 @@ def report(bench: Bench, names: int) -> None:
         f"DNS benchmark: dnsperf {bench.seconds:g} s per row, {names:,} names, "
         f"flags `{' '.join(DNSPERF_FLAGS)}` (+ `{VERBOSE} -Q {bench.rate}` on fixed-rate rows, for "
         f"per-query latencies); {os.cpu_count()} CPUs. Server CPU: the answering process only "
-        "(dnsmasq, or pilot-agent without Envoy).\n"
+        "(dnsmasq, or pilot-agent without Envoy); (a) and (a4) are measured with the agent, its "
+        "Envoy and the control plane running.\n"
     )
     print(
         "| scenario | target | load | queries/s | mean | p50 | p99 | server CPU / query | lost | not NOERROR |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    order = [TABLE, FORWARD, FORWARD_CACHE]
+    order = [TABLE, TABLE_MANY, FORWARD, FORWARD_CACHE]
     for row in sorted(
         bench.rows, key=lambda row: order.index(row.scenario)
     ):  # stable: targets keep run order
@@ -462,16 +504,23 @@ def report(bench: Bench, names: int) -> None:
         )
     print()
     fixed = f"{bench.rate:,} q/s"
-    print("Goals (issue 5):\n")
-    agent_max = bench.find(TABLE, "agent", "unlimited")
-    dnsmasq_max = bench.find(TABLE, "dnsmasq, hosts file", "unlimited")
+    print("Goals:\n")
+    for scenario in (TABLE, TABLE_MANY):
+        agent_max = bench.find(scenario, "agent", "unlimited")
+        dnsmasq_max = bench.find(scenario, DNSMASQ, "unlimited")
+        label = scenario.split(" ", 1)[0]
+        if agent_max and dnsmasq_max and dnsmasq_max.qps > 0:
+            ratio = agent_max.qps / dnsmasq_max.qps
+            cpu = f"{agent_max.cpu_us_per_query:.1f} vs {dnsmasq_max.cpu_us_per_query:.1f} µs"
+            verdict = "met" if ratio >= GOAL_QPS_RATIO else "NOT met"
+            cpu_verdict = "met" if agent_max.cpu_us_per_query <= dnsmasq_max.cpu_us_per_query else "NOT met"
+            print(
+                f"- {label} agent / dnsmasq queries/s = {ratio:.2f}x (goal >= {GOAL_QPS_RATIO:.1f}x): {verdict}; "
+                f"CPU per answered query {cpu} (goal <= dnsmasq's): {cpu_verdict}"
+            )
+        else:
+            print(f"- {label} agent / dnsmasq queries/s: not measured")
     agent_fixed = bench.find(TABLE, "agent", fixed)
-    if agent_max and dnsmasq_max and dnsmasq_max.qps > 0:
-        ratio = agent_max.qps / dnsmasq_max.qps
-        verdict = "met" if ratio >= GOAL_QPS_RATIO else "NOT met"
-        print(f"- (a) agent / dnsmasq queries/s = {ratio:.2f}x (goal >= {GOAL_QPS_RATIO:.1f}x): {verdict}")
-    else:
-        print("- (a) agent / dnsmasq queries/s: not measured")
     if agent_fixed and agent_fixed.latencies:
         verdict = "met" if agent_fixed.p99_ms <= GOAL_P99_MS else "NOT met"
         print(
@@ -507,6 +556,9 @@ def main() -> None:
         "--names", type=int, default=1000, help="mesh names (and as many upstream-only names)"
     )
     parser.add_argument("--rate", type=int, default=1000, help="queries/s of the fixed-rate (latency) rows")
+    parser.add_argument(
+        "--table-only", action="store_true", help="only the table-hit rows (a) and (a4): no forwarding"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) for inspection")
     args = parser.parse_args()
     if args.names < 1 or args.seconds <= 0 or args.rate < 1:
@@ -523,7 +575,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench-dns-", dir="/tmp"))
     bench = Bench(args.seconds, args.rate)
     try:
-        run(bench, base, args.names)
+        run(bench, base, args.names, table_only=args.table_only)
     except DnsmasqError as err:
         sys.exit(f"bench.dns: {err}")
     finally:
