@@ -106,7 +106,8 @@ async def test_a_flood_of_forwarded_queries_does_not_starve_table_answers(
     silent_upstream: tuple[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(dns_server, "MAX_PENDING_FORWARDS", 50)
-    resolver = DnsResolver(Forwarder([silent_upstream], timeout=5))
+    forwarder = Forwarder([silent_upstream], timeout=5)
+    resolver = DnsResolver(forwarder)
     resolver.table = table()
     server = DnsServer(resolver, [("127.0.0.1", 0)])
     await server.start()
@@ -124,6 +125,7 @@ async def test_a_flood_of_forwarded_queries_does_not_starve_table_answers(
         assert reply.rcode() == dns.rcode.NOERROR and reply.answer
     finally:
         await server.stop()
+        forwarder.close()
 
 
 async def test_tcp_garbage_and_stalls_cost_only_their_own_connection() -> None:

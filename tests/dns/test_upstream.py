@@ -8,7 +8,7 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import dns.message
@@ -18,6 +18,7 @@ import pytest
 
 from istio_agent.ctl.local import free_port
 from istio_agent.dns.cache import AnswerCache
+from istio_agent.dns.udp_pool import PoolLimits
 from istio_agent.dns.upstream import Forwarder, UpstreamError, shuffled
 from istio_agent.dns.wire import parse_query
 from tests.dns import sample
@@ -69,6 +70,8 @@ class FakeUpstream:
         self.delay = delay
         self.spoof = spoof
         self.queries: list[tuple[str, bytes]] = []
+        self.sources: list[tuple[str | int, ...]] = []
+        """The address each UDP query came from (the forwarder's socket)."""
         self.tcp_abandoned = asyncio.Event()
         """Set when a TCP client hung up before it got its answer (it was cancelled)."""
         self.port = 0
@@ -87,6 +90,7 @@ class FakeUpstream:
         class Protocol(asyncio.DatagramProtocol):
             def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
                 fake.queries.append(("udp", data))
+                fake.sources.append(addr)
                 fake._spawn(fake._udp_reply(data, addr))
 
         for _ in range(20):
@@ -148,6 +152,22 @@ class FakeUpstream:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+@pytest.fixture(autouse=True)
+def close_forwarders(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every forwarder a test makes closes its pooled sockets at the end, as DnsProxy.stop does."""
+    made: list[Forwarder] = []
+    original = Forwarder.__init__
+
+    def init(self: Forwarder, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Forwarder, "__init__", init)
+    yield
+    for forwarder in made:
+        forwarder.close()
+
+
 @pytest.fixture
 async def fakes() -> AsyncIterator[Callable[..., Any]]:
     started: list[FakeUpstream] = []
@@ -182,7 +202,7 @@ async def forward(forwarder: Forwarder, query: bytes, *, tcp: bool = False) -> b
 # --- the happy path and metrics --------------------------------------------------------------------
 
 
-async def test_udp_query_is_forwarded_unchanged_and_the_reply_relayed(fakes: Any) -> None:
+async def test_udp_query_is_forwarded_with_its_own_id_and_the_reply_relayed(fakes: Any) -> None:
     fake = await fakes(answer("10.1.2.3"))
     forwarder = Forwarder([fake.address], timeout=2)
     query = make_query("WwW.Example.COM.", qid=0xBEEF, use_edns=0, want_dnssec=True)
@@ -190,7 +210,9 @@ async def test_udp_query_is_forwarded_unchanged_and_the_reply_relayed(fakes: Any
 
     reply = await forward(forwarder, query)
 
-    assert fake.queries == [("udp", query)]  # same ID, case, flags and OPT
+    [(transport, sent)] = fake.queries
+    assert (transport, sent[2:]) == ("udp", query[2:])  # same case, flags and OPT; a random ID of its own
+    assert reply[:2] == query[:2]
     assert answer_ips(reply) == ["10.1.2.3"]
     assert reply[:2] == b"\xbe\xef"
     assert sample("dns_upstream_requests_total") == before[0] + 1
@@ -261,8 +283,8 @@ async def test_garbage_fails_the_attempt_without_waiting_for_the_timeout(
 
 async def test_reply_to_another_question_is_rejected(fakes: Any) -> None:
     fake = await fakes(lambda q: [make_reply(make_query("evil.example.", qid=0x1234))])
-    with pytest.raises(UpstreamError):
-        await forward(Forwarder([fake.address], timeout=2), make_query("www.example.com.", qid=0x1234))
+    with pytest.raises(UpstreamError):  # ignored as a spoof, so the attempt times out
+        await forward(Forwarder([fake.address], timeout=0.3), make_query("www.example.com.", qid=0x1234))
 
 
 async def test_tcp_reply_with_wrong_id_is_an_error(fakes: Any) -> None:
@@ -499,3 +521,135 @@ async def test_servfail_is_not_cached(fakes: Any) -> None:
     for qid in (1, 2):
         await forward(forwarder, make_query(qid=qid))
     assert len(fake.queries) == 2
+
+
+# --- the UDP socket pool -------------------------------------------------------------------------
+
+
+def ports(fake: FakeUpstream) -> list[int]:
+    return [int(addr[1]) for addr in fake.sources]
+
+
+def open_sockets(forwarder: Forwarder) -> int:
+    return sum(pool.open_sockets for pool in forwarder._pools.values())
+
+
+async def test_reply_to_another_question_is_ignored_and_the_right_one_taken(fakes: Any) -> None:
+    def other_question_first(query: bytes) -> list[bytes]:
+        spoof = make_reply(query[:2] + make_query("evil.example.")[2:], ips=("6.6.6.6",))
+        return [spoof, make_reply(query, ips=("10.0.0.9",))]
+
+    fake = await fakes(other_question_first)
+    forwarder = Forwarder([fake.address], timeout=2)
+    before = sample("dns_upstream_unmatched_replies_total")
+    reply = await forward(forwarder, make_query())
+    assert answer_ips(reply) == ["10.0.0.9"]
+    assert sample("dns_upstream_unmatched_replies_total") == before + 1
+    forwarder.close()
+
+
+@pytest.mark.both_loops
+async def test_many_concurrent_queries_share_few_sockets(fakes: Any) -> None:
+    def by_name(query: bytes) -> list[bytes]:
+        index = int(str(dns.message.from_wire(query).question[0].name).split(".")[0][1:])
+        return [make_reply(query, ips=(f"10.1.{index // 250}.{index % 250}",))]
+
+    fake = await fakes(by_name, delay=0.02)  # replies come back out of order, all in flight at once
+    forwarder = Forwarder([fake.address], timeout=5, pool_limits=PoolLimits(sockets=2, queries=1000))
+    queries = [make_query(f"q{i}.example.", qid=i) for i in range(120)]  # within the fake's receive buffer
+    replies = await asyncio.gather(*(forward(forwarder, query) for query in queries))
+    for i, reply in enumerate(replies):
+        assert reply[:2] == i.to_bytes(2, "big")  # the client's ID again
+        assert answer_ips(reply) == [f"10.1.{i // 250}.{i % 250}"]
+    assert len(set(ports(fake))) <= 2
+    assert open_sockets(forwarder) <= 2
+    forwarder.close()
+    assert open_sockets(forwarder) == 0
+
+
+async def test_an_id_in_flight_on_the_socket_is_not_reused(fakes: Any) -> None:
+    fake = await fakes(answer("10.0.0.4"), delay=0.1)
+    forwarder = Forwarder(
+        [fake.address], timeout=2, pool_limits=PoolLimits(sockets=1), query_ids=fixed_ids(7, 7, 7, 9)
+    )
+    first, second = await asyncio.gather(
+        forward(forwarder, make_query(qid=1)), forward(forwarder, make_query(qid=2))
+    )
+    assert [query[:2] for _, query in fake.queries] == [b"\x00\x07", b"\x00\x09"]
+    assert (first[:2], second[:2]) == (b"\x00\x01", b"\x00\x02")
+    forwarder.close()
+
+
+async def test_a_socket_is_replaced_after_its_queries(fakes: Any) -> None:
+    fake = await fakes(answer("10.0.0.6"))
+    forwarder = Forwarder([fake.address], timeout=2, pool_limits=PoolLimits(sockets=1, queries=3))
+    for qid in range(7):
+        await forward(forwarder, make_query(qid=qid))
+    used = ports(fake)
+    assert used[0] == used[1] == used[2] != used[3]
+    assert used[3] == used[4] == used[5] != used[6]
+    assert open_sockets(forwarder) == 1  # each replaced socket was closed
+    forwarder.close()
+
+
+async def test_a_socket_is_replaced_after_its_lifetime(fakes: Any) -> None:
+    fake = await fakes(answer("10.0.0.6"))
+    forwarder = Forwarder([fake.address], timeout=2, pool_limits=PoolLimits(sockets=1, lifetime=0.05))
+    await forward(forwarder, make_query(qid=1))
+    await forward(forwarder, make_query(qid=2))
+    await asyncio.sleep(0.06)
+    await forward(forwarder, make_query(qid=3))
+    used = ports(fake)
+    assert used[0] == used[1] != used[2]
+    forwarder.close()
+
+
+@pytest.mark.both_loops
+async def test_a_replaced_socket_stays_open_for_its_queries_in_flight(fakes: Any) -> None:
+    fake = await fakes(answer("10.0.0.7"), delay=0.2)
+    forwarder = Forwarder([fake.address], timeout=2, pool_limits=PoolLimits(sockets=1, queries=1))
+    first = asyncio.ensure_future(forward(forwarder, make_query(qid=1)))
+    await asyncio.sleep(0.05)
+    second = asyncio.ensure_future(forward(forwarder, make_query(qid=2)))  # replaces the first one's socket
+    await asyncio.sleep(0.05)
+    assert open_sockets(forwarder) == 2
+    assert answer_ips(await first) == ["10.0.0.7"] and answer_ips(await second) == ["10.0.0.7"]
+    assert len(set(ports(fake))) == 2
+    assert open_sockets(forwarder) == 1  # the retired one closed once its query ended
+    forwarder.close()
+
+
+async def test_a_late_reply_is_dropped_and_counted(fakes: Any) -> None:
+    fake = await fakes(answer("10.0.0.8"), delay=0.3)
+    forwarder = Forwarder([fake.address], timeout=0.1, pool_limits=PoolLimits(sockets=1))
+    before = sample("dns_upstream_unmatched_replies_total")
+    with pytest.raises(UpstreamError, match="timeout"):
+        await forward(forwarder, make_query(qid=1))
+    for _ in range(50):
+        if sample("dns_upstream_unmatched_replies_total") > before:
+            break
+        await asyncio.sleep(0.02)
+    assert sample("dns_upstream_unmatched_replies_total") == before + 1
+    fake.delay = 0
+    reply = await forward(forwarder, make_query("other.example.", qid=2))  # the same socket answers on
+    assert reply[:2] == b"\x00\x02" and answer_ips(reply) == ["10.0.0.8"]
+    assert len(set(ports(fake))) == 1
+    forwarder.close()
+
+
+async def test_closing_fails_the_queries_in_flight(fakes: Any) -> None:
+    fake = await fakes(silent)
+    forwarder = Forwarder([fake.address], timeout=5)
+    query = asyncio.ensure_future(forward(forwarder, make_query()))
+    await asyncio.sleep(0.05)
+    forwarder.close()
+    with pytest.raises(UpstreamError, match="closed"):
+        await query
+    assert open_sockets(forwarder) == 0
+
+
+def test_bad_pool_limits_are_rejected() -> None:
+    with pytest.raises(ValueError, match="pool limits"):
+        PoolLimits(sockets=0)
+    with pytest.raises(ValueError, match="pool limits"):
+        PoolLimits(lifetime=0)

@@ -175,6 +175,7 @@ class DnsProxy:
         await asyncio.gather(*self._building, return_exceptions=True)
         if self.server is not None:
             await self.server.stop()
+        self._forwarder.close()
         await asyncio.gather(*self._saving)  # the last table reaches the disk before the agent exits
 
     def _build(self, name_table: nds_pb2.NameTable) -> LookupTable:

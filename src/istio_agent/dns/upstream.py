@@ -1,13 +1,14 @@
 """Forwarding of queries the name table cannot answer to the resolv.conf nameservers (Istio: pkg/dns/client/proxy.go).
 
-The query goes out unchanged over the transport the client used (UDP in, UDP out; TCP in, TCP out),
-on a fresh socket per attempt, as Istio's agent does. Beyond Istio: parallel mode with no servers
-fails at once instead of hanging, optional extra rounds with a short backoff, a 64 KiB UDP receive
-buffer (a big reply is relayed and truncated for the client by the server, not turned into
-SERVFAIL), and an optional answer cache.
+The query goes out over the transport the client used (UDP in, UDP out; TCP in, TCP out), as
+Istio's agent does. Beyond Istio: UDP queries share a small pool of long-lived sockets per upstream
+and go out with a random ID of their own (``udp_pool``; Istio opens a socket per query and keeps the
+client's ID), parallel mode with no servers fails at once instead of hanging, optional extra rounds
+with a short backoff, a 64 KiB UDP receive buffer (a big reply is relayed and truncated for the
+client by the server, not turned into SERVFAIL), and an optional answer cache.
 
-This is on the latency path of every forwarded query, so an attempt is a bare non-blocking socket
-driven by ``loop.sock_*``: no transport, no protocol object, no extra task in sequential mode.
+This is on the latency path of every forwarded query: no transport, no protocol object, no extra
+task in sequential mode; TCP attempts are a bare non-blocking socket driven by ``loop.sock_*``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.table import shuffle_by_ids
+from istio_agent.dns.udp_pool import PoolLimits, RandomIds, UdpPool
 from istio_agent.dns.wire import Query, check_reply
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
@@ -33,7 +35,6 @@ log = scope("dns")
 
 _T = TypeVar("_T")
 
-UDP_RECEIVE_BUFFER = 65535
 RETRY_BACKOFF_INITIAL = 0.05
 """Pause before the first extra round (DNS_FORWARD_RETRIES); doubled each round up to the cap."""
 RETRY_BACKOFF_MAX = 0.8
@@ -106,6 +107,10 @@ class _ForwarderMetrics:
             "Time spent forwarding a DNS request upstream, over all attempts.",
             buckets=(0.001, 0.005, 0.01, 0.1, 1, 5),
         )
+        self.unmatched = registry.counter(
+            "dns_upstream_unmatched_replies_total",
+            "UDP datagrams from an upstream that answer no query in flight (late, stray or spoofed), dropped.",
+        )
 
 
 class Forwarder:
@@ -120,6 +125,8 @@ class Forwarder:
         retries: int = 0,
         cache: AnswerCache | None = None,
         next_id: Callable[[], int] | None = None,
+        pool_limits: PoolLimits | None = None,
+        query_ids: Callable[[], int] | None = None,
         registry: Registry = REGISTRY,
     ) -> None:
         self._metrics = _ForwarderMetrics(registry)
@@ -133,6 +140,17 @@ class Forwarder:
         self._retries = retries
         self._cache = cache
         self._next_id = next_id or functools.partial(random.getrandbits, 16)
+        """Orders the servers as Istio's per-query shuffle does (query IDs come from the OS instead)."""
+        self._pool_limits = pool_limits or PoolLimits()
+        self._query_ids = query_ids or RandomIds()
+        """The IDs UDP queries go out with (injected by tests to force a collision)."""
+        self._pools: dict[_Upstream, UdpPool] = {}
+
+    def close(self) -> None:
+        """Close the pooled UDP sockets; a later query opens new ones."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
     @property
     def servers(self) -> list[str]:
@@ -234,25 +252,20 @@ class Forwarder:
         return family, address
 
     async def _exchange_udp(self, server: _Upstream, query: bytes) -> bytes:
-        loop = asyncio.get_running_loop()
-        family, address = await self._address(server, socket.SOCK_DGRAM)
-        qid = query[:2]
-        sock = socket.socket(family, socket.SOCK_DGRAM)
-        try:
-            sock.setblocking(False)
-            sock.connect(address)  # the kernel now drops datagrams from any other address
-            try:
-                sock.send(query)
-            except BlockingIOError:
-                await loop.sock_sendall(sock, query)
-            while True:
-                reply = await loop.sock_recv(sock, UDP_RECEIVE_BUFFER)
-                if reply[:2] != qid:
-                    continue  # a stray or spoofed reply: keep waiting until the deadline
-                check_reply(query, reply)  # from the server's address with its ID: a broken reply fails fast
-                return reply
-        finally:
-            sock.close()
+        pool = self._pools.get(server)
+        if pool is None or server.family is None:
+            family, address = await self._address(server, socket.SOCK_DGRAM)
+            if pool is None or (pool.family, pool.address) != (family, address):
+                if pool is not None:
+                    pool.close()  # the host name now resolves elsewhere
+                pool = self._pools[server] = UdpPool(
+                    family,
+                    address,
+                    limits=self._pool_limits,
+                    ids=self._query_ids,
+                    unmatched=self._metrics.unmatched.inc,
+                )
+        return await pool.exchange(query)
 
     async def _exchange_tcp(self, server: _Upstream, query: bytes) -> bytes:
         loop = asyncio.get_running_loop()

@@ -85,6 +85,10 @@ class DnsFormatError(ValueError):
     """A malformed DNS message; the message says what is wrong (never echoes payload bytes)."""
 
 
+class QuestionMismatch(DnsFormatError):
+    """A well-formed reply to another question: on a shared socket, a spoof to ignore, not a failure."""
+
+
 class Rejected(Exception):
     """``parse_query`` refused the message: answer with ``rcode`` (FORMERR/NOTIMP), or drop it when None."""
 
@@ -605,7 +609,7 @@ def check_reply(query: bytes, reply: bytes) -> None:
                 or len(got_labels) != len(labels)
                 or any(got.lower() != want.lower() for got, want in zip(got_labels, labels, strict=True))
             ):
-                raise DnsFormatError("reply question does not match the query")
+                raise QuestionMismatch("reply question does not match the query")
 
 
 def ttl_offsets(reply: bytes) -> list[int]:
