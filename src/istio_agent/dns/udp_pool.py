@@ -202,9 +202,10 @@ class UdpPool:
 
     def close(self) -> None:
         """Close every socket at once; queries still in flight fail with an OSError."""
+        loop_alive = self._loop is not None and not self._loop.is_closed()
         for channel in list(self._open):
             for future, _ in channel.pending.values():
-                if not future.done():
+                if loop_alive and not future.done():  # a closed loop cannot run their callbacks
                     future.set_exception(OSError("the DNS forwarder was closed"))
             self._close(channel)
         self._slots = [None] * len(self._slots)
