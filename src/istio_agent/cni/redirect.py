@@ -51,7 +51,8 @@ def _containers(pod: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
     return [c for c in spec.get(key) or () if isinstance(c, dict)]
 
 
-def _metadata(pod: Mapping[str, Any], key: str) -> Mapping[str, str]:
+def metadata(pod: Mapping[str, Any], key: str) -> Mapping[str, str]:
+    """The pod's ``labels`` or ``annotations`` ({} when absent or not a map)."""
     values = (pod.get("metadata") or {}).get(key) or {}
     return values if isinstance(values, dict) else {}
 
@@ -99,21 +100,22 @@ def skip_reason(pod: Mapping[str, Any]) -> str | None:
     args = proxy.get("args") or []
     if len(args) >= 2 and args[0] == "proxy" and args[1] != "sidecar":
         return f"{PROXY_CONTAINER} runs as {args[1]!r}, not as a sidecar"
-    inject = _metadata(pod, "labels").get(INJECT)
+    inject = metadata(pod, "labels").get(INJECT)
     if inject is None:
-        inject = _metadata(pod, "annotations").get(INJECT)
+        inject = metadata(pod, "annotations").get(INJECT)
     if isinstance(inject, str):
         try:
             if not parse_go_bool(inject):
                 return f"{INJECT} is {inject!r}"
         except ValueError:
             pass  # an unparseable value is ignored, as in Istio
-    if STATUS_ANNOTATION not in _metadata(pod, "annotations"):
+    if STATUS_ANNOTATION not in metadata(pod, "annotations"):
         return f"the pod has no {STATUS_ANNOTATION} annotation (not injected)"
     return None
 
 
-def _ports(name: str, value: str, *, minimum: int = 0) -> tuple[int, ...]:
+def annotation_ports(name: str, value: str, *, minimum: int = 0) -> tuple[int, ...]:
+    """A comma list of ports from annotation ``name``; ConfigError naming it for anything else."""
     ports = []
     for item in split(value):
         if not (item.isascii() and item.isdigit()) or not minimum <= int(item) <= 65535:
@@ -166,7 +168,7 @@ def capture_config(pod: Mapping[str, Any], env: Mapping[str, str]) -> CaptureCon
     ``env`` is the plugin's own environment: only the owner-group and loopback variables are taken
     from it (read and checked as istio-iptables reads them).
     """
-    annotations = _metadata(pod, "annotations")
+    annotations = metadata(pod, "annotations")
     proxy = proxy_container(pod) or {}
 
     def annotation(name: str, default: str) -> str:
@@ -180,11 +182,12 @@ def capture_config(pod: Mapping[str, Any], env: Mapping[str, str]) -> CaptureCon
     inbound = (
         (WILDCARD,)
         if inbound_raw.strip() == WILDCARD
-        else tuple(str(port) for port in _ports(INCLUDE_INBOUND, inbound_raw))
+        else tuple(str(port) for port in annotation_ports(INCLUDE_INBOUND, inbound_raw))
     )
     exclude_inbound_raw = annotation(EXCLUDE_INBOUND, "15020")
     exclude_inbound = _dedup(
-        _ports(EXCLUDE_INBOUND, exclude_inbound_raw) + _ports(EXCLUDE_INBOUND, AGENT_INBOUND_PORTS)
+        annotation_ports(EXCLUDE_INBOUND, exclude_inbound_raw)
+        + annotation_ports(EXCLUDE_INBOUND, AGENT_INBOUND_PORTS)
     )
     reroute_name = REROUTE_INTERFACES if REROUTE_INTERFACES in annotations else KUBEVIRT_INTERFACES
     uid, gid = _proxy_id(proxy, "runAsUser"), _proxy_id(proxy, "runAsGroup")
@@ -199,8 +202,8 @@ def capture_config(pod: Mapping[str, Any], env: Mapping[str, str]) -> CaptureCon
         inbound_ports_exclude=exclude_inbound,
         ip_ranges_include=_cidrs(INCLUDE_CIDRS, annotation(INCLUDE_CIDRS, WILDCARD)),
         ip_ranges_exclude=_cidrs(EXCLUDE_CIDRS, annotation(EXCLUDE_CIDRS, "")),
-        outbound_ports=_ports(INCLUDE_OUTBOUND, annotation(INCLUDE_OUTBOUND, "")),
-        outbound_ports_exclude=_ports(EXCLUDE_OUTBOUND, annotation(EXCLUDE_OUTBOUND, "15020")),
+        outbound_ports=annotation_ports(INCLUDE_OUTBOUND, annotation(INCLUDE_OUTBOUND, "")),
+        outbound_ports_exclude=annotation_ports(EXCLUDE_OUTBOUND, annotation(EXCLUDE_OUTBOUND, "15020")),
         exclude_interfaces=_interfaces(EXCLUDE_INTERFACES, annotation(EXCLUDE_INTERFACES, "")),
         reroute_interfaces=_interfaces(reroute_name, annotation(reroute_name, "")),
         redirect_dns=dns,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from istio_agent.cni import redirect
-from istio_agent.cni.capture_config import CaptureConfig
+from istio_agent.cni.capture_config import CaptureConfig, split
 from istio_agent.cni.check import CheckError, CheckReport, check_capture, pod_netns
 from istio_agent.config.document import DocumentSyntaxError, load_document
 from istio_agent.config.env import ConfigError
@@ -88,28 +88,23 @@ def istio_init_exclusions(pod: Mapping[str, Any]) -> tuple[int, ...]:
     ``15090,15021,`` then the pod's ``excludeInboundPorts`` with the status port appended when it is
     not listed: ``excludeInboundPort``). The plugin orders the same ports its own way (annotation
     first, then 15020,15021,15090), so only the order differs."""
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    annotations = redirect.metadata(pod, "annotations")
     status_port = str(annotations.get(STATUS_PORT_ANNOTATION, "15020")).strip()
-    listed = [port.strip() for port in str(annotations.get(redirect.EXCLUDE_INBOUND, "")).split(",")]
-    listed = [port for port in listed if port]
+    listed = list(split(str(annotations.get(redirect.EXCLUDE_INBOUND, ""))))
     if status_port not in listed:
         listed.append(status_port)
-    return tuple(dict.fromkeys(_ports(redirect.EXCLUDE_INBOUND, ["15090", "15021", *listed])))
-
-
-def _ports(annotation: str, items: list[str]) -> list[int]:
-    for item in items:
-        if not (item.isascii() and item.isdigit() and int(item) <= 65535):
-            raise CheckError(f"annotation {annotation}: {item!r} is not a port (0-65535)")
-    return [int(item) for item in items]
+    return tuple(
+        dict.fromkeys(
+            redirect.annotation_ports(redirect.EXCLUDE_INBOUND, ",".join(["15090", "15021", *listed]))
+        )
+    )
 
 
 def istio_init_outbound_exclusions(pod: Mapping[str, Any]) -> tuple[int, ...]:
     """The outbound ports istio-init excludes: the injector passes ``-o`` only when the pod has the
     ``excludeOutboundPorts`` annotation (the plugin's default of 15020 is its own)."""
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    listed = [port.strip() for port in str(annotations.get(redirect.EXCLUDE_OUTBOUND, "")).split(",")]
-    return tuple(_ports(redirect.EXCLUDE_OUTBOUND, [port for port in listed if port]))
+    listed = str(redirect.metadata(pod, "annotations").get(redirect.EXCLUDE_OUTBOUND, ""))
+    return redirect.annotation_ports(redirect.EXCLUDE_OUTBOUND, listed)
 
 
 def run(
