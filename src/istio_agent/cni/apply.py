@@ -66,12 +66,15 @@ def apply_capture(
     deadline: float | None = None,
     backend: Backend | None = None,
     env: Mapping[str, str] | None = None,
+    read_back: bool = True,
 ) -> ApplyOutcome:
     """Make ``netns`` (default: the current namespace) hold exactly the config's Istio rules.
 
     ``deadline`` is a ``time.monotonic()`` instant (the plugin's ADD deadline): every command gets
     only what is left of it. ``backend`` defaults to the one detected in the *current* namespace
     (the node's, for the plugin). IPv6 rules are written only when ``config.enable_ipv6``.
+    ``read_back``: save the rules afterwards for the caller's log (``ApplyOutcome.saved``); the
+    plugin, which logs none, spares its ADD those commands.
     """
     budget = Deadline(deadline)
     try:
@@ -106,7 +109,7 @@ def apply_capture(
                 "the old TPROXY routing (fwmark %s, table %s) could not be removed: %s", mark, table, err
             )
     saved = {}
-    for family in (f for f in families if f in applier.available):
+    for family in (f for f in families if read_back and f in applier.before):
         try:
             saved[family] = chosen.save(family, netns=netns, deadline=budget)
         except CommandError as err:
@@ -216,7 +219,6 @@ class _Applier:
         self.netns = netns
         self.deadline = deadline
         self.before: dict[str, str] = {}
-        self.available: list[str] = []
         self.touched: dict[str, set[str]] = {}
 
     def rules(self, planned: dict[str, list[Rule]], *, cleanup_only: bool) -> str:
@@ -228,18 +230,16 @@ class _Applier:
                 if family == "v4" or planned[family]:  # v6 may be missing on an IPv4-only node
                     raise ApplyError(str(err)) from None
                 log.info("skipping %s: %s", family, err)
-                continue
-            self.available.append(family)
-        current = {family: istio_portion(_parse(self.before[family])) for family in self.available}
+        current = {family: istio_portion(_parse(self.before[family])) for family in self.before}
         if not any(current.values()):
             if cleanup_only:
                 return "clean"
-            for family in self.available:
+            for family in self.before:
                 if planned[family]:
                     self._write(family, _table_blocks(planned[family]), {})
             return "applied"
         changed = False
-        for family in self.available:
+        for family in self.before:
             expected = expected_portion(self.backend, family, planned[family], deadline=self.deadline)
             if expected != current[family]:
                 self._write(family, _table_blocks(planned[family]), current[family])

@@ -19,7 +19,7 @@ from pathlib import Path
 from istio_agent.cni.apply import ApplyError, expected_portion, installed_portion
 from istio_agent.cni.capture_config import CaptureConfig
 from istio_agent.cni.iptables import Backend, Tables, detect
-from istio_agent.cni.netns import CommandError, Deadline, addresses, ipv6_enabled
+from istio_agent.cni.netns import CommandError, Deadline, pod_ipv6
 from istio_agent.cni.rules import build
 from istio_agent.config.env import ConfigError
 
@@ -81,7 +81,7 @@ def check_capture(
     try:
         chosen = backend or detect(os.environ if env is None else env, deadline=budget)
         dual_stack = config is not None and config.enable_ipv6
-        ipv6 = ipv6_enabled(addresses(netns, deadline=budget), dual_stack=dual_stack)
+        ipv6 = pod_ipv6(netns, dual_stack=dual_stack, deadline=budget)
         rules = build(replace(config, enable_ipv6=ipv6)) if config is not None else None
         families = ("v4", "v6") if ipv6 else ("v4",)
         differences: list[Difference] = []

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from istio_agent.cni.apply import ApplyError, apply_capture
 from istio_agent.cni.capture_config import CaptureConfig, RunMode
-from istio_agent.cni.netns import CommandError, addresses, ipv6_enabled
+from istio_agent.cni.netns import CommandError, pod_ipv6
 from istio_agent.cni.validation import EXIT_FAILED, Probe, validate
 from istio_agent.log import scope
 
@@ -24,7 +24,7 @@ log = scope("default")
 def run(config: CaptureConfig, mode: RunMode, env: Mapping[str, str]) -> int:
     """The exit status: 0, or 126 when validation fails; an ApplyError when applying does."""
     try:
-        ipv6 = ipv6_enabled(addresses(), dual_stack=config.enable_ipv6)
+        ipv6 = pod_ipv6(None, dual_stack=config.enable_ipv6)
     except CommandError as err:
         raise ApplyError(f"cannot read this network namespace's addresses: {err}") from None
     config = dataclasses.replace(config, enable_ipv6=ipv6)

@@ -64,7 +64,8 @@ def _budget_seconds(add_timeout: object) -> float | None:
     return seconds if 0 < seconds < float("inf") else None
 
 
-def _netns_id(path: str) -> list[int] | None:
+def netns_id(path: str) -> list[int] | None:
+    """``[st_dev, st_ino]`` of a namespace path as this process sees it, None when it sees nothing."""
     try:
         info = os.stat(path)
     except OSError:
@@ -92,7 +93,7 @@ def hand_over(environ: Mapping[str, str], stdin: bytes, started: float) -> tuple
         "env": dict(environ),
         "stdin": stdin.decode("utf-8", errors="surrogateescape"),
         "elapsed": time.monotonic() - started,
-        "netns": _netns_id(environ.get("CNI_NETNS", "")),
+        "netns": netns_id(environ.get("CNI_NETNS", "")),
     }
     deadline = started + budget
     try:
@@ -154,4 +155,4 @@ def _parse_answer(data: bytes, path: str) -> tuple[int, str]:
 
 def _error(msg: str) -> tuple[int, str]:
     """A CNI error result as ``skel`` prints it (the runtime sees what an in-process failure shows)."""
-    return 1, skel.go_json(skel.CniError(skel.ERR_INTERNAL, msg).result())
+    return 1, skel.internal_error_text(msg)

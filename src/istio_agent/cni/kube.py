@@ -47,14 +47,15 @@ class Kubeconfig:
     insecure: bool
     token: str = field(repr=False)
 
-    def tls(self) -> ssl.SSLContext:
+    def tls(self) -> ssl.SSLContext | None:
+        """The TLS context for the server; None: the system's roots (the HTTP client's cached context)."""
         if self.insecure:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
             return context
         if self.ca_pem is None:
-            return ssl.create_default_context()
+            return None
         try:
             return ssl.create_default_context(cadata=self.ca_pem)
         except ssl.SSLError as err:

@@ -92,6 +92,12 @@ def addresses(netns: Path | None = None, *, deadline: Deadline = NO_DEADLINE) ->
     return [info["local"] for link in links for info in link.get("addr_info", ()) if "local" in info]
 
 
+def pod_ipv6(netns: Path | None, *, dual_stack: bool, deadline: Deadline = NO_DEADLINE) -> bool:
+    """Whether the namespace's (default: the current one's) rules include IPv6: :func:`ipv6_enabled`
+    on its addresses. Raises CommandError."""
+    return ipv6_enabled(addresses(netns, deadline=deadline), dual_stack=dual_stack)
+
+
 def ipv6_enabled(addrs: Iterable[str], *, dual_stack: bool) -> bool:
     """Whether the pod is IPv6, as istio-iptables decides it (``getLocalIP``).
 

@@ -90,12 +90,12 @@ class NetnsApplier:
 
     def __call__(self, config: CaptureConfig, netns: Path, deadline: float) -> None:
         from istio_agent.cni.apply import ApplyError, apply_capture
-        from istio_agent.cni.netns import CommandError, Deadline, addresses, ipv6_enabled
+        from istio_agent.cni.netns import CommandError, Deadline, pod_ipv6
 
         try:
-            pod_addresses = addresses(netns, deadline=Deadline(deadline))
-            ipv6 = ipv6_enabled(pod_addresses, dual_stack=config.enable_ipv6)
-            apply_capture(replace(config, enable_ipv6=ipv6), netns=netns, deadline=deadline, env=self.environ)
+            ipv6 = pod_ipv6(netns, dual_stack=config.enable_ipv6, deadline=Deadline(deadline))
+            config = replace(config, enable_ipv6=ipv6)
+            apply_capture(config, netns=netns, deadline=deadline, env=self.environ, read_back=False)
         except (ApplyError, CommandError) as err:
             raise PluginError(f"cannot set up the redirect in {netns}: {err}") from None
 

@@ -87,10 +87,16 @@ def _env_flag(container: Mapping[str, Any], name: str) -> bool:
         return False
 
 
+def has_init_container(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod has an istio-init container (init or regular, as Istio looks), which writes
+    the pod's rules itself."""
+    containers = (*_containers(pod, "initContainers"), *_containers(pod, "containers"))
+    return any(c.get("name") == INIT_CONTAINER for c in containers)
+
+
 def skip_reason(pod: Mapping[str, Any]) -> str | None:
     """Why the pod gets no rules from the plugin (Istio's order), or None when it needs them."""
-    containers = (*_containers(pod, "initContainers"), *_containers(pod, "containers"))
-    if any(c.get("name") == INIT_CONTAINER for c in containers):
+    if has_init_container(pod):
         return f"the pod has an {INIT_CONTAINER} container, which sets up its rules itself"
     proxy = proxy_container(pod)
     if proxy is not None and _env_flag(proxy, "DISABLE_ENVOY"):
@@ -114,11 +120,11 @@ def skip_reason(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def annotation_ports(name: str, value: str, *, minimum: int = 0) -> tuple[int, ...]:
+def annotation_ports(name: str, value: str) -> tuple[int, ...]:
     """A comma list of ports from annotation ``name``; ConfigError naming it for anything else."""
     ports = []
     for item in split(value):
-        if not (item.isascii() and item.isdigit()) or not minimum <= int(item) <= 65535:
+        if not (item.isascii() and item.isdigit()) or not int(item) <= 65535:
             raise ConfigError(f"annotation {name}={value!r}: {item!r} is not a port (0-65535)")
         ports.append(int(item))
     return tuple(ports)

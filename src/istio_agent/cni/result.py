@@ -86,10 +86,10 @@ def _dns(raw: object) -> dict[str, Any]:
     return dns
 
 
-def _ip_config(where: str, raw: object, *, with_interface: bool) -> dict[str, Any]:
+def _ip_config(where: str, raw: object) -> dict[str, Any]:
     given = _object(where, raw)
     config: dict[str, Any] = {}
-    if with_interface and given.get("interface") is not None:
+    if given.get("interface") is not None:
         index = given["interface"]
         if not isinstance(index, int) or isinstance(index, bool):
             raise ResultError(f"{where}.interface: expected an integer, got {index!r}")
@@ -126,7 +126,7 @@ def parse(raw: object, version: str) -> dict[str, Any]:
             {"name": name, **{k: interface[k] for k in keys[1:] if interface.get(k) not in (None, "", 0)}}
         )
     ips = _list("prevResult.ips", given.get("ips"))
-    model["ips"] = [_ip_config(f"prevResult.ips[{i}]", ip, with_interface=True) for i, ip in enumerate(ips)]
+    model["ips"] = [_ip_config(f"prevResult.ips[{i}]", ip) for i, ip in enumerate(ips)]
     routes = _list("prevResult.routes", given.get("routes"))
     model["routes"] = [_route(f"prevResult.routes[{i}]", r) for i, r in enumerate(routes)]
     return model

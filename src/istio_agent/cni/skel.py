@@ -237,6 +237,11 @@ def _check_command_version(args: CmdArgs) -> None:
         )
 
 
+def internal_error_text(msg: str) -> str:
+    """A code-999 error result as printed on stdout (the plugin, the hand-over and the node agent)."""
+    return go_json(CniError(ERR_INTERNAL, msg).result())
+
+
 def main(
     handlers: Mapping[str, Handler],
     *,
@@ -282,7 +287,7 @@ def main(
         import traceback
 
         traceback.print_exception(err, file=stderr or sys.stderr)
-        text = go_json(CniError(ERR_INTERNAL, str(err) or type(err).__name__).result())
+        text = internal_error_text(str(err) or type(err).__name__)
         status = 1
     else:
         status = 0

@@ -57,15 +57,13 @@ def remove(
     *,
     netns: Path | None = None,
     deadline: Deadline = NO_DEADLINE,
-) -> bool:
-    """Take the TPROXY rule and route table away; True if there was anything to remove."""
-    removed = False
+) -> None:
+    """Take the TPROXY rule and route table away."""
     for family in families:
         flag = _family_flag(family)
         present = False
         while _rule_present(family, mark, table, netns, deadline):
             run(["ip", *flag, "rule", "del", "fwmark", mark, "lookup", table], netns=netns, deadline=deadline)
-            present = removed = True
+            present = True
         if present:
             run(["ip", *flag, "route", "flush", "table", table], netns=netns, deadline=deadline)
-    return removed

@@ -70,7 +70,7 @@ def expected_config(pod: Mapping[str, Any], env: Mapping[str, str]) -> tuple[Cap
     try:
         if reason is None:
             return redirect.capture_config(pod, env), "the pod is injected: the plugin sets up its capture"
-        if redirect.INIT_CONTAINER in reason:  # istio-init writes the same rules from the same annotations
+        if redirect.has_init_container(pod):  # istio-init writes the same rules from the same annotations
             config = redirect.capture_config(pod, env)
             config = dataclasses.replace(
                 config,

@@ -225,7 +225,7 @@ class Forwarder:
             return None
         finally:
             for task in pending:
-                task.cancel()  # their sockets close as the cancellation unwinds them
+                task.cancel()  # a cancelled query frees its ID on its pooled socket
 
     async def _attempt(
         self, server: _Upstream, query: bytes, tcp: bool, errors: list[tuple[str, str]]

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from istio_agent.cni import skel
-from istio_agent.cni.handoff import SOCKET_NAME
+from istio_agent.cni.handoff import SOCKET_NAME, netns_id
 from istio_agent.log import scope
 
 log = scope("cni-agent")
@@ -93,11 +93,7 @@ def parse_invocation(data: bytes) -> tuple[dict[str, str], bytes, float, list[in
 def same_netns(path: str, seen_by_plugin: list[int] | None) -> bool:
     """Whether ``path`` here is the namespace the plugin saw (both not seeing it counts as the same:
     the ADD then reports a vanished namespace, as it would have in the plugin)."""
-    try:
-        info = os.stat(path)
-    except OSError:
-        return seen_by_plugin is None
-    return seen_by_plugin == [info.st_dev, info.st_ino]
+    return netns_id(path) == seen_by_plugin
 
 
 def run_add(env: Mapping[str, str], stdin: bytes, started: float) -> tuple[int, str]:
@@ -125,13 +121,11 @@ def run_add_answer(env: Mapping[str, str], stdin: bytes, started: float) -> dict
         log.error("ADD hand-over: the ADD failed unexpectedly: %s\n%s", err, traceback.format_exc())
         return {
             "exit": 1,
-            "stdout": _error_result(f"the node agent's ADD failed: {str(err) or type(err).__name__}"),
+            "stdout": skel.internal_error_text(
+                f"the node agent's ADD failed: {str(err) or type(err).__name__}"
+            ),
         }
     return {"exit": status, "stdout": stdout}
-
-
-def _error_result(msg: str) -> str:
-    return skel.go_json(skel.CniError(skel.ERR_INTERNAL, msg).result())
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -250,7 +244,7 @@ class AddServer:
             env, stdin, elapsed, netns = parse_invocation(data)
         except InvocationError as err:
             log.error("ADD hand-over: %s", err)
-            return {"exit": 1, "stdout": _error_result(str(err))}
+            return {"exit": 1, "stdout": skel.internal_error_text(str(err))}
         if env.get("CNI_COMMAND") != "ADD":
             return {"fallback": "only ADD is handed over"}
         if not same_netns(env.get("CNI_NETNS", ""), netns):

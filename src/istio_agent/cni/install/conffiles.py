@@ -184,12 +184,20 @@ def resolve_name(directory: Path, name: str) -> Path | None:
     return None
 
 
+def _is_ours(plugin: Any) -> bool:
+    return isinstance(plugin, dict) and plugin.get("type") == PLUGIN_TYPE
+
+
+def _without_ours(plugins: list[Any]) -> list[Any]:
+    return [p for p in plugins if not _is_ours(p)]
+
+
 def istio_entries(document: dict[str, Any]) -> list[int]:
     """Indexes of our plugin (``type: istio-cni``) in a list's plugins."""
     plugins = document.get("plugins")
     if not isinstance(plugins, list):
         return []
-    return [i for i, p in enumerate(plugins) if isinstance(p, dict) and p.get("type") == PLUGIN_TYPE]
+    return [i for i, p in enumerate(plugins) if _is_ours(p)]
 
 
 def insert_entry(document: Any, ours: dict[str, Any]) -> dict[str, Any]:
@@ -205,16 +213,14 @@ def insert_entry(document: Any, ours: dict[str, Any]) -> dict[str, Any]:
     plugins = document.get("plugins")
     if not isinstance(plugins, list) or not plugins:
         raise CniConfigError("the existing CNI config has no plugins list to chain into")
-    kept = [p for p in plugins if not (isinstance(p, dict) and p.get("type") == PLUGIN_TYPE)]
-    return {**document, "plugins": [*kept, ours]}
+    return {**document, "plugins": [*_without_ours(plugins), ours]}
 
 
 def remove_entry(document: Any) -> dict[str, Any]:
     """The document without our entries (cleanup); other plugins keep their order."""
     if not isinstance(document, dict) or not isinstance(document.get("plugins"), list):
         raise CniConfigError("the CNI config has no plugins list")
-    kept = [p for p in document["plugins"] if not (isinstance(p, dict) and p.get("type") == PLUGIN_TYPE)]
-    return {**document, "plugins": kept}
+    return {**document, "plugins": _without_ours(document["plugins"])}
 
 
 def chain_problem(path: Path, document: Any) -> str | None:

@@ -111,6 +111,8 @@ class Installer:
         self._recheck = recheck_seconds
         self._auto = not settings.cni_conf_name
         self._entry = conffiles.entry(settings.plugin)
+        self._standalone = conffiles.parse(conffiles.standalone_text(settings.plugin))
+        """The standalone file's document: what a standalone config must equal."""
         self.config_path: Path | None = None
         """The config file holding our entry (written by us); cleanup restores or removes it."""
         self._binaries: set[str] | None = None
@@ -316,7 +318,7 @@ class Installer:
             return Verdict(Check.REWRITE, str(err))
         if not isinstance(document, dict) or document.get("type") != PLUGIN_TYPE:
             return Verdict(Check.REWRITE, f"{current} is not the istio-cni config")
-        if document != conffiles.parse(conffiles.standalone_text(self.settings.plugin)):
+        if document != self._standalone:
             return Verdict(Check.REWRITE, f"{current} differs from the configured istio-cni config")
         return Verdict(Check.OK)
 
