@@ -33,11 +33,15 @@ $(STAMP): pyproject.toml
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q src bench
 
+# Two pytest workers (pytest-xdist): most tests wait on processes and sockets, so two halve the wall time
+# even on two cores. Tests therefore never bind a fixed host port (port 0, or their own network namespace).
+TEST_WORKERS ?= 2
+
 test: bytecode
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: bytecode
-	$(BIN)/python -m pytest -q -m 'not e2e'
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m 'not e2e'
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import time
 from collections.abc import Callable, Iterable, Sequence
 
 import pytest
@@ -370,16 +369,14 @@ def test_ndsz_of_empty_table() -> None:
     assert build({}).ndsz() == {}
 
 
-def test_build_of_10000_hosts_is_fast() -> None:
+def test_build_of_10000_hosts_answers_full_and_short_names() -> None:
     table = {
         f"svc{i}.ns{i % 50}.svc.cluster.local": k8s(
             [f"10.{i // 256 % 256}.{i % 256}.1", "2001:db8::1"], f"svc{i}", f"ns{i % 50}"
         )
         for i in range(10_000)
     }
-    started = time.perf_counter()
-    t = build(table)
-    assert time.perf_counter() - started < 2.0  # ~0.3 s; catches accidental quadratic work
+    t = build(table)  # its speed is bench.dns's "name table build" row, not a timed test
     assert records(t, "svc51.ns1.") == (a("svc51.ns1.", "10.0.51.1"),)
     assert records(t, "svc51.") == (a("svc51.", "10.0.51.1"),)
 

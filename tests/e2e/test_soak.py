@@ -18,10 +18,10 @@ from bench.soak import GOAL_FD_GROWTH, GOAL_RSS_GROWTH_MB, Plan, print_report, r
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
-def test_short_soak_loses_no_request_and_keeps_rotating(tmp_path: Path) -> None:
+def test_short_soak_loses_no_request_and_keeps_rotating(short_tmp: Path) -> None:
     plan = Plan(duration=36, secret_ttl=14, request_interval=0.05, kill_every=12, outage=9)
     lines: list[str] = []
-    report = run_soak(plan, tmp_path, say=lines.append)
+    report = run_soak(plan, short_tmp, say=lines.append)  # short: Unix socket paths
     print_report(plan, report, say=lines.append)
     shown = "\n".join(lines)
 
