@@ -87,6 +87,77 @@ async def test_repeated_questions_reuse_replies_but_multi_address_answers_still_
     assert [rd.to_text() for rd in moved.answer[0]] == ["10.0.0.2"]
 
 
+def burst(names: list[str], rdtype: str = "A") -> list[bytes]:
+    return [dns.message.make_query(name, rdtype, id=index).to_wire() for index, name in enumerate(names)]
+
+
+def receive_all(sock: socket.socket, count: int) -> list[bytes]:
+    sock.settimeout(5)
+    return [sock.recv(65535) for _ in range(count)]
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batches", "one-by-one"])
+async def test_a_burst_from_many_clients_gets_every_answer_each_to_its_client(batching: bool) -> None:
+    """Queries waiting together are read together: hits, first-time names, errors and forwards mixed."""
+    resolver = DnsResolver(Forwarder([]))  # no upstream: forwarded names get SERVFAIL from a task
+    resolver.table = table()
+    reference = DnsResolver(Forwarder([]))
+    reference.table = table()
+    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    await server.start()
+    listener = server._udp[0]
+    target = ("127.0.0.1", server.bound[0][2])
+    names = ["productpage.", "productpage.ns1.", "PRODUCTPAGE.ns1.svc.cluster.local.", "other.example."]
+    clients = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    try:
+        for _ in range(2):  # the second time every table question is a remembered reply
+            listener._batching = batching
+            sent: list[list[bytes]] = []
+            for client in clients:  # nothing is read until the test yields: they all wait together
+                queries = [*burst(names * 5), b"\x12\x34garbage", b"\x56\x78" + bytes(4999)]
+                for query in queries:
+                    client.sendto(query, target)
+                sent.append(queries)
+            for client, queries in zip(clients, sent, strict=True):
+                expected = len(queries) - 1  # the garbage is too short to answer
+                replies = await asyncio.to_thread(receive_all, client, expected)
+                by_id = {reply[:2]: reply for reply in replies}
+                assert len(by_id) == expected
+                for query in queries[:-2]:
+                    reply = by_id[query[:2]]
+                    if b"other" in query:
+                        assert dns.message.from_wire(reply).rcode() == dns.rcode.SERVFAIL
+                    else:
+                        assert reply == reference.answer_now(query, None)  # byte for byte
+                oversized = dns.message.from_wire(by_id[b"\x56\x78"])
+                assert oversized.rcode() == dns.rcode.FORMERR
+    finally:
+        for client in clients:
+            client.close()
+        await server.stop()
+
+
+async def test_the_listener_batches_under_load_and_goes_back_to_one_by_one() -> None:
+    resolver = DnsResolver(Forwarder([]))
+    resolver.table = table()
+    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    await server.start()
+    listener = server._udp[0]
+    target = ("127.0.0.1", server.bound[0][2])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            assert not listener._batching
+            for query in burst(["productpage."] * 10):
+                client.sendto(query, target)
+            await asyncio.to_thread(receive_all, client, 10)
+            assert listener._batching  # more than one was waiting
+            client.sendto(valid_query(), target)
+            await asyncio.to_thread(receive_all, client, 1)
+            assert not listener._batching  # a batch of one: back to plain reads
+    finally:
+        await server.stop()
+
+
 class Silent(asyncio.DatagramProtocol):
     """A fake upstream that never answers (a remote CA-style outage for DNS)."""
 

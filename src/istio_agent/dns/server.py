@@ -1,8 +1,10 @@
 """The DNS proxy's listeners: one UDP and one TCP server per listen address.
 
 A query is answered from the name table when the table knows the name, and forwarded upstream
-otherwise. Table hits are answered synchronously inside the datagram callback (no task, no await),
-which is what keeps the proxy in dnsmasq's league; only forwarded queries become tasks.
+otherwise. UDP is read in batches (``istio_agent.dns.mmsg``): one readiness callback of the event
+loop reads every query waiting, answers each question it has answered before from the bytes it sent
+then (only the ID differs) with one more system call, and handles the rest right there, synchronously
+(no task, no await) unless it must go upstream. Only forwarded queries become tasks.
 
 Beyond Istio's agent: replies honour the client's size limit with TC (never SERVFAIL for size),
 local replies carry OPT when the query did, the number of forwarded queries in flight and of TCP
@@ -16,12 +18,14 @@ import socket
 import struct
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast
+from typing import TypeAlias
 
+from istio_agent.dns.mmsg import DatagramBatch, data_address
 from istio_agent.dns.records import TYPE_A, TYPE_AAAA, TYPE_MX, Record
 from istio_agent.dns.table import LookupTable, random_id, round_robin
 from istio_agent.dns.upstream import Forwarder, UpstreamError
 from istio_agent.dns.wire import (
+    RCODE_FORMERR,
     RCODE_SERVFAIL,
     Query,
     Rejected,
@@ -49,6 +53,12 @@ TCP_CLOSE_TIMEOUT = 1.0
 """To flush the last answer on close; then the connection is dropped."""
 MAX_REMEMBERED_REPLIES = 8192
 """Table answers kept by question bytes, so a repeated question skips parsing and lookup."""
+UDP_BATCH = 64
+"""Datagrams read (and replies sent) per system call."""
+UDP_QUERY_SIZE = 4096
+"""Longest UDP query read whole; a longer one gets FORMERR (a real query is a few hundred bytes)."""
+UDP_BATCHES_PER_WAKEUP = 4
+"""So that one busy socket cannot hold the event loop."""
 _SHUFFLED = frozenset({TYPE_A, TYPE_AAAA, TYPE_MX})
 
 _RCODE_NAMES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
@@ -93,6 +103,10 @@ class DnsStats:
         yield size
 
 
+Remembered: TypeAlias = tuple[bytes, int, tuple[int, int, str]]
+"""A remembered table reply: its bytes after the ID, their address in memory, its metric labels."""
+
+
 def _rcode(reply: bytes) -> int:
     return reply[3] & 0x0F if len(reply) >= 4 else RCODE_SERVFAIL
 
@@ -112,7 +126,7 @@ class DnsResolver:
         self._respond_before_sync = respond_before_sync
         self._next_id = next_id
         self._table: LookupTable | None = None
-        self._replies: dict[tuple[int | None, bytes], tuple[bytes, tuple[int, int, str]]] = {}
+        self._replies: dict[int | None, dict[bytes, Remembered]] = {}
         self._failures = 0
         self.stats = stats or DnsStats()
         self.stats.table_size = lambda: len(self._table) if self._table is not None else 0
@@ -124,7 +138,23 @@ class DnsResolver:
     @table.setter
     def table(self, table: LookupTable | None) -> None:
         self._table = table
-        self._replies = {}  # replies were built from the old table
+        for replies in self._replies.values():
+            replies.clear()  # built from the old table; cleared in place, listeners hold the dicts
+
+    def remembered(self, limit: int | None) -> dict[bytes, Remembered]:
+        """Table replies by question (the query without its ID) for a transport's size limit.
+
+        The same dict for the resolver's life (cleared in place), so a listener may keep it.
+        """
+        return self._replies.setdefault(limit, {})
+
+    def oversized(self, data: bytes) -> bytes | None:
+        """The reply to a UDP query too long to be read whole: FORMERR, None without a header."""
+        self.stats.requests += 1
+        reply = error_reply(data, RCODE_FORMERR)
+        if reply is not None:
+            self.stats.answered(0, RCODE_FORMERR, "local")
+        return reply
 
     def answer_now(self, data: bytes, limit: int | None) -> bytes | Query | None:
         """A reply that needs no I/O, or the parsed query when it must go upstream, or None to drop.
@@ -142,10 +172,11 @@ class DnsResolver:
 
     def _answer(self, data: bytes, limit: int | None) -> bytes | Query | None:
         stats = self.stats
-        known = self._replies.get((limit, data[2:]))
+        replies = self._replies.get(limit)
+        known = replies.get(data[2:]) if replies is not None else None
         if known is not None:  # the same question as before: only the ID differs
             stats.requests += 1
-            stats.queries[known[1]] += 1
+            stats.queries[known[2]] += 1
             return data[:2] + known[0]
         try:
             query = parse_query(data)
@@ -177,9 +208,11 @@ class DnsResolver:
         if len(reply) > size_limit:
             reply = truncate(reply, size_limit)
         if not shuffled:  # the same bytes for the same question until the table changes
-            if len(self._replies) >= MAX_REMEMBERED_REPLIES:
-                self._replies = {}
-            self._replies[(limit, data[2:])] = (reply[2:], (query.qtype, 0, "table"))
+            replies = self.remembered(limit)
+            if len(replies) >= MAX_REMEMBERED_REPLIES:
+                replies.clear()
+            tail = reply[2:]
+            replies[data[2:]] = (tail, data_address(tail), (query.qtype, 0, "table"))
         return reply
 
     def _cached(self, query: Query, limit: int | None) -> bytes | Query:
@@ -210,27 +243,97 @@ class DnsResolver:
             return servfail(query)
 
 
-class _UdpProtocol(asyncio.DatagramProtocol):
-    def __init__(self, resolver: DnsResolver, pending: set[asyncio.Task[None]]) -> None:
+class _UdpListener:
+    """One UDP socket served from the event loop's reader callback, a batch of datagrams at a time."""
+
+    def __init__(self, sock: socket.socket, resolver: DnsResolver, pending: set[asyncio.Task[None]]) -> None:
+        self.sock = sock
+        self._fd = sock.fileno()
         self._resolver = resolver
+        self._remembered = resolver.remembered(None)
         self._pending = pending
-        self._transport: asyncio.DatagramTransport | None = None
+        self._batch = DatagramBatch(UDP_BATCH, UDP_QUERY_SIZE)
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._fd, self._readable)
+        self._batching = False
+        self._closed = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # asyncio's own datagram transport does not subclass DatagramTransport: no isinstance check
-        self._transport = cast(asyncio.DatagramTransport, transport)
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._loop.remove_reader(self._fd)
+            self.sock.close()
 
-    def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
-        result = self._resolver.answer_now(data, None)
+    def _readable(self) -> None:
+        """Under load, batches; otherwise one datagram at a time, which answers a lone query sooner.
+
+        A batch costs two ctypes calls (~15 µs more than ``recvfrom`` and ``sendto`` for one query
+        on a cold cache), so batching starts when a wake-up finds more than one query waiting and
+        stops when a batch holds only one.
+        """
+        if self._batching:
+            self._read_batches()
+        else:
+            self._read_one_by_one()
+
+    def _read_one_by_one(self) -> None:
+        recvfrom = self.sock.recvfrom
+        for read in range(UDP_BATCH):
+            try:
+                data, addr = recvfrom(UDP_QUERY_SIZE + 1)
+            except BlockingIOError:
+                self._batching = read > 1
+                return
+            except OSError as err:  # e.g. ICMP port unreachable from a client that went away
+                log.debug("DNS UDP socket error: %s", err)
+                continue
+            self._answer_one(data, addr, oversized=len(data) > UDP_QUERY_SIZE)
+        self._batching = True
+
+    def _read_batches(self) -> None:
+        batch = self._batch
+        for _ in range(UDP_BATCHES_PER_WAKEUP):
+            try:
+                count = batch.receive(self._fd)
+            except OSError as err:  # e.g. ICMP port unreachable from a client that went away
+                log.debug("DNS UDP socket error: %s", err)
+                continue
+            if count:
+                self._answer(batch, count)
+            if count < batch.size:
+                self._batching = count > 1
+                return
+
+    def _answer(self, batch: DatagramBatch, count: int) -> None:
+        """Remembered questions first, all in one send; then the others, one by one."""
+        remembered, stats = self._remembered, self._resolver.stats
+        data, size, lengths = batch.data, batch.datagram_size, batch.lengths
+        others: list[int] = []
+        for i in range(count):
+            start = i * size
+            length = lengths[i]
+            known = remembered.get(bytes(data[start + 2 : start + length])) if length < size else None
+            if known is None:
+                others.append(i)
+            else:
+                batch.reply_to(i, known[0], known[1])
+                stats.queries[known[2]] += 1
+        if len(others) < count:
+            stats.requests += count - len(others)
+            batch.send(self._fd)
+        for i in others:  # after the send: an answer below may clear what the batch still sends
+            self._answer_one(batch.datagram(i), batch.sender(i), oversized=batch.truncated(i))
+
+    def _answer_one(self, data: bytes, addr: tuple[str | int, ...], *, oversized: bool) -> None:
+        result = self._resolver.oversized(data) if oversized else self._resolver.answer_now(data, None)
         if result is None:
             return
         if isinstance(result, bytes):
-            assert self._transport is not None
-            self._transport.sendto(result, addr)
+            self._send(result, addr)
             return
         if len(self._pending) >= MAX_PENDING_FORWARDS:
             return  # overloaded: dropping lets the client retry; queueing would only add latency
-        task = asyncio.get_running_loop().create_task(self._forward(data, result, addr))
+        task = self._loop.create_task(self._forward(data, result, addr))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
@@ -240,11 +343,15 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         except Exception:
             log.exception("DNS forwarding failed")
             reply = servfail(query)
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.sendto(reply, addr)
+        self._send(reply, addr)
 
-    def error_received(self, exc: Exception) -> None:
-        log.debug("DNS UDP socket error: %s", exc)  # e.g. ICMP port unreachable from a gone client
+    def _send(self, reply: bytes, addr: tuple[str | int, ...]) -> None:
+        if self._closed:
+            return
+        try:
+            self.sock.sendto(reply, addr)
+        except OSError as err:  # a full send buffer or a gone client: UDP, the client retries
+            log.debug("DNS UDP reply not sent: %s", err)
 
 
 class DnsServer:
@@ -256,7 +363,7 @@ class DnsServer:
         self.resolver = resolver
         self._registry = registry
         self._addresses = list(addresses)
-        self._udp: list[asyncio.DatagramTransport] = []
+        self._udp: list[_UdpListener] = []
         self._tcp: list[asyncio.Server] = []
         self._pending: set[asyncio.Task[None]] = set()
         self._connections: set[asyncio.Task[None]] = set()
@@ -265,15 +372,18 @@ class DnsServer:
 
     async def start(self) -> None:
         """Bind every listener; raises OSError naming the address when one cannot be bound."""
-        loop = asyncio.get_running_loop()
         try:
             for host, port in self._addresses:
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
-                transport, _ = await loop.create_datagram_endpoint(
-                    lambda: _UdpProtocol(self.resolver, self._pending), local_addr=(host, port), family=family
-                )
-                self._udp.append(transport)
-                self.bound.append(("udp", host, transport.get_extra_info("sockname")[1]))
+                sock = socket.socket(family, socket.SOCK_DGRAM)
+                try:
+                    sock.setblocking(False)
+                    sock.bind((host, port))
+                    self._udp.append(_UdpListener(sock, self.resolver, self._pending))
+                except BaseException:
+                    sock.close()
+                    raise
+                self.bound.append(("udp", host, sock.getsockname()[1]))
                 server = await asyncio.start_server(
                     self._serve_tcp, host, port, family=family, reuse_address=True, limit=TCP_LIMIT + 2
                 )
@@ -326,8 +436,8 @@ class DnsServer:
             await asyncio.wait_for(writer.drain(), TCP_READ_TIMEOUT)
 
     async def stop(self) -> None:
-        for transport in self._udp:
-            transport.close()
+        for listener in self._udp:
+            listener.close()
         for server in self._tcp:
             server.close()
         tasks = [*self._pending, *self._connections]
