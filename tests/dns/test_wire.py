@@ -477,6 +477,31 @@ def test_check_reply_accepts_real_replies() -> None:
     wire.check_reply(query, set_counts(reply[:12], 0, 0, 0, 0))
 
 
+def _outcome(check: object, *args: object) -> str:
+    try:
+        check(*args)  # type: ignore[operator]
+    except wire.DnsFormatError as err:
+        return f"rejected: {err}"
+    return "accepted"
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), min_size=1, max_size=4),
+    st.integers(0, 200),
+)
+def test_the_fast_reply_walk_decides_as_the_full_parse(changes: list[tuple[int, int]], cut: int) -> None:
+    """check_reply's walk (the usual reply) accepts and rejects exactly what the full parse does."""
+    query, reply = upstream_reply()
+    body_start = len(query) - 11  # the query's question, then its OPT (11 bytes): records follow
+    mutated = bytearray(reply)
+    for offset, value in changes:  # anything after the question: records, names, pointers, OPT
+        mutated[body_start + offset % (len(reply) - body_start)] = value
+    data = bytes(mutated[: len(mutated) - cut % 40])
+    counts = struct.unpack_from("!3H", data, 6)
+    assert _outcome(wire._skip_records, data, body_start, counts) == _outcome(wire._parse, data)
+
+
 def _reply_with(query: bytes, body: bytes, counts: tuple[int, int, int, int]) -> bytes:
     return query[:2] + struct.pack("!H", 0x8180) + struct.pack("!4H", *counts) + body
 

@@ -229,9 +229,27 @@ class DnsResolver:
         try:
             reply = await self._forwarder.forward(data, query, tcp=tcp, lookup_cache=False)
         except UpstreamError as err:
-            log.debug("upstream failed for a %s query: %s", _TYPE_NAMES.get(query.qtype, query.qtype), err)
+            return self._forwarded(query, err, tcp=tcp)
+        return self._forwarded(query, reply, tcp=tcp)
+
+    def forward_soon(self, data: bytes, query: Query, send: Callable[[bytes], None]) -> bool:
+        """Forward a UDP query without a task when the forwarder can; ``send`` gets the client's reply.
+
+        False (nothing done) when the query must be forwarded with ``forward`` instead.
+        """
+
+        def done(result: bytes | UpstreamError) -> None:
+            send(self._forwarded(query, result, tcp=False))
+
+        return self._forwarder.forward_soon(data, query, done)
+
+    def _forwarded(self, query: Query, result: bytes | UpstreamError, *, tcp: bool) -> bytes:
+        """The client's reply to a forwarded query: the upstream's within the client's size, or SERVFAIL."""
+        if isinstance(result, UpstreamError):
+            log.debug("upstream failed for a %s query: %s", _TYPE_NAMES.get(query.qtype, query.qtype), result)
             self.stats.answered(query.qtype, RCODE_SERVFAIL, "upstream")
             return servfail(query)
+        reply = result
         self.stats.answered(query.qtype, _rcode(reply), "upstream")
         limit = TCP_LIMIT if tcp else query.udp_limit
         if len(reply) <= limit:
@@ -243,10 +261,21 @@ class DnsResolver:
             return servfail(query)
 
 
+class _Forwards:
+    """Forwarded queries in flight over all of a server's listeners: tasks, and queries on callbacks."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.callbacks = 0
+
+    def __len__(self) -> int:
+        return len(self.tasks) + self.callbacks
+
+
 class _UdpListener:
     """One UDP socket served from the event loop's reader callback, a batch of datagrams at a time."""
 
-    def __init__(self, sock: socket.socket, resolver: DnsResolver, pending: set[asyncio.Task[None]]) -> None:
+    def __init__(self, sock: socket.socket, resolver: DnsResolver, pending: _Forwards) -> None:
         self.sock = sock
         self._fd = sock.fileno()
         self._resolver = resolver
@@ -331,11 +360,21 @@ class _UdpListener:
         if isinstance(result, bytes):
             self._send(result, addr)
             return
-        if len(self._pending) >= MAX_PENDING_FORWARDS:
+        pending = self._pending
+        if len(pending) >= MAX_PENDING_FORWARDS:
             return  # overloaded: dropping lets the client retry; queueing would only add latency
+
+        def send(reply: bytes) -> None:
+            pending.callbacks -= 1
+            self._send(reply, addr)
+
+        pending.callbacks += 1
+        if self._resolver.forward_soon(data, result, send):
+            return
+        pending.callbacks -= 1
         task = self._loop.create_task(self._forward(data, result, addr))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        pending.tasks.add(task)
+        task.add_done_callback(pending.tasks.discard)
 
     async def _forward(self, data: bytes, query: Query, addr: tuple[str | int, ...]) -> None:
         try:
@@ -365,7 +404,7 @@ class DnsServer:
         self._addresses = list(addresses)
         self._udp: list[_UdpListener] = []
         self._tcp: list[asyncio.Server] = []
-        self._pending: set[asyncio.Task[None]] = set()
+        self._pending = _Forwards()
         self._connections: set[asyncio.Task[None]] = set()
         self.bound: list[tuple[str, str, int]] = []
         """(protocol, host, port) actually bound, in Istio's order: udp a1, tcp a1, udp a2, ..."""
@@ -440,7 +479,7 @@ class DnsServer:
             listener.close()
         for server in self._tcp:
             server.close()
-        tasks = [*self._pending, *self._connections]
+        tasks = [*self._pending.tasks, *self._connections]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -27,9 +27,20 @@ import socket
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from istio_agent.dns.wire import DnsFormatError, QuestionMismatch, check_reply
+from istio_agent.log import scope
+
+log = scope("dns")
+
+OnReply: TypeAlias = Callable[[bytes | OSError | DnsFormatError], None]
+"""Called once with the reply (the client's ID restored), or with why there will be none."""
+
+
+class PoolClosed(OSError):
+    """The forwarder was closed while a query was in flight: no other upstream should be tried."""
+
 
 UDP_RECEIVE_BUFFER = 65535
 """A whole datagram: a big reply is relayed and truncated for the client by the server."""
@@ -68,15 +79,16 @@ class RandomIds:
 class _Channel:
     """One connected socket and the queries in flight on it, by the ID they went out with."""
 
-    __slots__ = ("expires", "pending", "retired", "sock", "uses")
+    __slots__ = ("closed", "expires", "pending", "retired", "sock", "uses")
 
     def __init__(self, sock: socket.socket, expires: float) -> None:
         self.sock = sock
         self.expires = expires
         self.uses = 0
         self.retired = False
-        self.pending: dict[int, tuple[asyncio.Future[bytes], bytes]] = {}
-        """ID -> (the waiting query's future, the query as sent)."""
+        self.closed = False
+        self.pending: dict[int, tuple[OnReply, bytes]] = {}
+        """ID -> (who waits for the reply, the query as sent)."""
 
 
 class UdpPool:
@@ -103,34 +115,71 @@ class UdpPool:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the pool's sockets are registered with (set by the first ``send``)."""
+        assert self._loop is not None
+        return self._loop
+
+    @property
     def open_sockets(self) -> int:
         return len(self._open)
 
-    async def exchange(self, query: bytes) -> bytes:
-        """The upstream's reply to ``query``, with the client's ID; raises OSError or DnsFormatError.
+    def send(self, query: bytes, on_reply: OnReply) -> Callable[[], None]:
+        """Send ``query``; ``on_reply`` is called once, from the socket's reader, with its outcome.
 
-        No timeout of its own: the caller bounds the wait, and a cancelled wait frees the ID.
+        No timeout of its own: the caller bounds the wait by calling the returned function, which
+        frees the query's ID and makes sure ``on_reply`` is not called any more. Raises OSError when
+        the query cannot be sent (a full send buffer counts: UDP, another upstream may do better).
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None or not loop.is_running():  # (on Python 3.11 get_running_loop costs a getpid())
+            loop = asyncio.get_running_loop()
         channel = self._channel(loop)
         pending = channel.pending
         qid = self._ids()
         while qid in pending:
             qid = self._ids()
         wire = qid.to_bytes(2, "big") + query[2:]
-        future: asyncio.Future[bytes] = loop.create_future()
-        pending[qid] = (future, wire)
-        try:
-            try:
-                channel.sock.send(wire)
-            except BlockingIOError:
-                await loop.sock_sendall(channel.sock, wire)
-            reply = await future
-        finally:
+        client_id = query[:2]
+
+        def restore_id(result: bytes | OSError | DnsFormatError) -> None:
             del pending[qid]
+            on_reply(client_id + result[2:] if isinstance(result, bytes) else result)
+
+        pending[qid] = (restore_id, wire)
+
+        def forget() -> None:
+            if pending.get(qid, (None,))[0] is restore_id:
+                del pending[qid]
             if channel.retired and not pending:
                 self._close(channel)
-        return query[:2] + reply[2:]
+
+        try:
+            channel.sock.send(wire)
+        except OSError:
+            forget()
+            raise
+        return forget
+
+    async def exchange(self, query: bytes) -> bytes:
+        """The upstream's reply to ``query``, with the client's ID; raises OSError or DnsFormatError.
+
+        No timeout of its own: the caller bounds the wait, and a cancelled wait frees the ID.
+        """
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+        def settle(result: bytes | OSError | DnsFormatError) -> None:
+            if not future.done():
+                if isinstance(result, bytes):
+                    future.set_result(result)
+                else:
+                    future.set_exception(result)
+
+        forget = self.send(query, settle)
+        try:
+            return await future
+        finally:
+            forget()
 
     def _channel(self, loop: asyncio.AbstractEventLoop) -> _Channel:
         if loop is not self._loop:
@@ -161,6 +210,8 @@ class UdpPool:
     def _readable(self, channel: _Channel) -> None:
         sock, pending = channel.sock, channel.pending
         for _ in range(_READS_PER_WAKEUP):
+            if channel.closed:
+                return  # a query that ended on the last reply let a retired socket close
             try:
                 data = sock.recv(UDP_RECEIVE_BUFFER)
             except (BlockingIOError, InterruptedError):
@@ -168,24 +219,23 @@ class UdpPool:
             except OSError as err:
                 # An ICMP error for this connected socket (the upstream's port is closed, no route):
                 # every query in flight on it went to that upstream, so each gets the error now.
-                for future, _ in pending.values():
-                    if not future.done():
-                        future.set_exception(OSError(err.errno, err.strerror))
+                for on_reply, _ in list(pending.values()):
+                    _deliver(on_reply, OSError(err.errno, err.strerror))
                 continue
             entry = pending.get(int.from_bytes(data[:2], "big")) if len(data) >= 2 else None
-            if entry is None or entry[0].done():
+            if entry is None:
                 self._unmatched()
                 continue
-            future, wire = entry
+            on_reply, wire = entry
             try:
                 check_reply(wire, data)
             except QuestionMismatch:
                 self._unmatched()  # right port and ID, another question: a spoof; keep waiting
                 continue
             except DnsFormatError as err:
-                future.set_exception(err)  # from the upstream with its ID but broken: fail fast
+                _deliver(on_reply, err)  # from the upstream with its ID but broken: fail fast
                 continue
-            future.set_result(data)
+            _deliver(on_reply, data)
 
     def _retire(self, channel: _Channel) -> None:
         channel.retired = True
@@ -196,6 +246,7 @@ class UdpPool:
         if channel not in self._open:
             return
         self._open.discard(channel)
+        channel.closed = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(channel.sock.fileno())
         channel.sock.close()
@@ -204,8 +255,16 @@ class UdpPool:
         """Close every socket at once; queries still in flight fail with an OSError."""
         loop_alive = self._loop is not None and not self._loop.is_closed()
         for channel in list(self._open):
-            for future, _ in channel.pending.values():
-                if loop_alive and not future.done():  # a closed loop cannot run their callbacks
-                    future.set_exception(OSError("the DNS forwarder was closed"))
+            if loop_alive:  # a closed loop cannot run what waits on the queries
+                for on_reply, _ in list(channel.pending.values()):
+                    _deliver(on_reply, PoolClosed("the DNS forwarder was closed"))
             self._close(channel)
         self._slots = [None] * len(self._slots)
+
+
+def _deliver(on_reply: OnReply, result: bytes | OSError | DnsFormatError) -> None:
+    """One outcome to one waiting query; a failing receiver costs that query, not the socket's reader."""
+    try:
+        on_reply(result)
+    except Exception:
+        log.exception("DNS forwarding: handling an upstream reply failed")

@@ -7,8 +7,11 @@ client's ID), parallel mode with no servers fails at once instead of hanging, op
 with a short backoff, a 64 KiB UDP receive buffer (a big reply is relayed and truncated for the
 client by the server, not turned into SERVFAIL), and an optional answer cache.
 
-This is on the latency path of every forwarded query: no transport, no protocol object, no extra
-task in sequential mode; TCP attempts are a bare non-blocking socket driven by ``loop.sock_*``.
+This is on the latency path of every forwarded query. In the common setup (nameservers given as IP
+addresses, sequential, no extra rounds) a UDP query is forwarded with callbacks only
+(``forward_soon``): the upstream's reply reaches the client from the pool socket's reader callback,
+with no task, no coroutine and no extra turn of the event loop. Every other case goes through the
+coroutine ``forward``; TCP attempts are a bare non-blocking socket driven by ``loop.sock_*``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, TypeVar
 
 from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.table import shuffle_by_ids
-from istio_agent.dns.udp_pool import PoolLimits, RandomIds, UdpPool
+from istio_agent.dns.udp_pool import PoolClosed, PoolLimits, RandomIds, UdpPool
 from istio_agent.dns.wire import Query, check_reply
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
@@ -91,6 +94,14 @@ def _describe(err: BaseException, timeout: float) -> str:
     return str(err) or type(err).__name__
 
 
+def _record_failure(
+    server: _Upstream, err: BaseException, timeout: float, errors: list[tuple[str, str]]
+) -> None:
+    message = _describe(err, timeout)
+    log.info("upstream failure: %s: %s", server.label, message)
+    errors.append((server.label, message))
+
+
 class _ForwarderMetrics:
     """The forwarder's metrics."""
 
@@ -145,6 +156,13 @@ class Forwarder:
         self._query_ids = query_ids or RandomIds()
         """The IDs UDP queries go out with (injected by tests to force a collision)."""
         self._pools: dict[_Upstream, UdpPool] = {}
+        self._callbacks_only = (
+            bool(self._servers)
+            and retries == 0
+            and not (parallel and len(self._servers) > 1)
+            and all(server.family is not None for server in self._servers)
+        )
+        """Whether ``forward_soon`` can forward UDP queries (see the module's docstring)."""
 
     def close(self) -> None:
         """Close the pooled UDP sockets; a later query opens new ones."""
@@ -172,17 +190,35 @@ class Forwarder:
             if hit is not None:
                 return hit
         self._metrics.requests.inc()
-        start = time.perf_counter()
+        started = time.perf_counter()
         try:
             reply = await self._exchange(query, tcp)
         except UpstreamError:
-            self._metrics.failures.inc()
+            self._finished(parsed, started, None)
             raise
-        finally:
-            self._metrics.duration.observe(time.perf_counter() - start)
-        if cache is not None:
-            cache.put(parsed, reply)
+        self._finished(parsed, started, reply)
         return reply
+
+    def forward_soon(
+        self, query: bytes, parsed: Query, on_done: Callable[[bytes | UpstreamError], None]
+    ) -> bool:
+        """Forward a UDP query with callbacks only; False (nothing done) when ``forward`` must be used.
+
+        ``on_done`` is called once, with the reply or the UpstreamError, from an event-loop callback.
+        As ``forward(..., lookup_cache=False)``: the caller already asked ``cached()``.
+        """
+        if not self._callbacks_only:
+            return False
+        _UdpForward(self, query, parsed, on_done).next_server()
+        return True
+
+    def _finished(self, parsed: Query, started: float, reply: bytes | None) -> None:
+        """Metrics and cache of a forwarded query, whichever path it took."""
+        self._metrics.duration.observe(time.perf_counter() - started)
+        if reply is None:
+            self._metrics.failures.inc()
+        elif self._cache is not None:
+            self._cache.put(parsed, reply)
 
     async def _exchange(self, query: bytes, tcp: bool) -> bytes:
         if not self._servers:
@@ -237,9 +273,7 @@ class Forwarder:
                     return await self._exchange_tcp(server, query)
                 return await self._exchange_udp(server, query)
         except (OSError, TimeoutError, ValueError, _AttemptFailed) as err:  # ValueError: DnsFormatError
-            message = _describe(err, self._timeout)
-            log.info("upstream failure: %s: %s", server.label, message)
-            errors.append((server.label, message))
+            _record_failure(server, err, self._timeout, errors)
             return None
 
     async def _address(self, server: _Upstream, kind: int) -> tuple[int, Any]:
@@ -251,20 +285,34 @@ class Forwarder:
         family, _, _, _, address = infos[0]
         return family, address
 
-    async def _exchange_udp(self, server: _Upstream, query: bytes) -> bytes:
+    def _pool(self, server: _Upstream, family: int, address: Any) -> UdpPool:
+        """The pool for ``server``, opened (or reopened, when its host name moved) for ``address``."""
         pool = self._pools.get(server)
-        if pool is None or server.family is None:
-            family, address = await self._address(server, socket.SOCK_DGRAM)
-            if pool is None or (pool.family, pool.address) != (family, address):
-                if pool is not None:
-                    pool.close()  # the host name now resolves elsewhere
-                pool = self._pools[server] = UdpPool(
-                    family,
-                    address,
-                    limits=self._pool_limits,
-                    ids=self._query_ids,
-                    unmatched=self._metrics.unmatched.inc,
-                )
+        if pool is None or (pool.family, pool.address) != (family, address):
+            if pool is not None:
+                pool.close()  # the host name now resolves elsewhere
+            pool = self._pools[server] = UdpPool(
+                family,
+                address,
+                limits=self._pool_limits,
+                ids=self._query_ids,
+                unmatched=self._metrics.unmatched.inc,
+            )
+        return pool
+
+    def _literal_pool(self, server: _Upstream) -> UdpPool:
+        """The pool for a server given as an IP address (no resolving, so no await)."""
+        pool = self._pools.get(server)
+        if pool is None:
+            assert server.family is not None
+            pool = self._pool(server, server.family, (server.host, server.port))
+        return pool
+
+    async def _exchange_udp(self, server: _Upstream, query: bytes) -> bytes:
+        if server.family is not None:
+            pool = self._literal_pool(server)
+        else:
+            pool = self._pool(server, *await self._address(server, socket.SOCK_DGRAM))
         return await pool.exchange(query)
 
     async def _exchange_tcp(self, server: _Upstream, query: bytes) -> bytes:
@@ -284,6 +332,82 @@ class Forwarder:
             return reply
         finally:
             sock.close()
+
+
+class _UdpForward:
+    """One UDP query on the callback path: the servers in Istio's per-query order, one attempt each."""
+
+    __slots__ = (
+        "_errors",
+        "_forget",
+        "_forwarder",
+        "_on_done",
+        "_parsed",
+        "_query",
+        "_server",
+        "_servers",
+        "_started",
+        "_timer",
+    )
+
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        query: bytes,
+        parsed: Query,
+        on_done: Callable[[bytes | UpstreamError], None],
+    ) -> None:
+        self._forwarder = forwarder
+        self._query = query
+        self._parsed = parsed
+        self._on_done = on_done
+        self._servers = iter(shuffled(forwarder._servers, forwarder._next_id))
+        self._errors: list[tuple[str, str]] = []
+        self._server: _Upstream | None = None
+        self._forget: Callable[[], None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        forwarder._metrics.requests.inc()
+        self._started = time.perf_counter()
+
+    def next_server(self) -> None:
+        forwarder = self._forwarder
+        for server in self._servers:
+            pool = forwarder._literal_pool(server)
+            try:
+                self._forget = pool.send(self._query, self._reply)
+            except OSError as err:
+                _record_failure(server, err, forwarder._timeout, self._errors)
+                continue
+            self._server = server
+            self._timer = pool.loop.call_later(forwarder._timeout, self._timed_out)
+            return
+        self._finish(UpstreamError(self._errors))
+
+    def _reply(self, result: bytes | OSError | ValueError) -> None:
+        assert self._timer is not None and self._forget is not None and self._server is not None
+        if isinstance(result, bytes):
+            self._finish(result)  # the client's answer first: the bookkeeping can wait
+            self._timer.cancel()
+            self._forget()
+            return
+        self._timer.cancel()
+        self._forget()
+        if isinstance(result, PoolClosed):  # the agent is stopping: no other upstream
+            self._errors.append((self._server.label, str(result)))
+            self._finish(UpstreamError(self._errors))
+        else:
+            _record_failure(self._server, result, self._forwarder._timeout, self._errors)
+            self.next_server()
+
+    def _timed_out(self) -> None:
+        assert self._forget is not None and self._server is not None
+        self._forget()
+        _record_failure(self._server, TimeoutError(), self._forwarder._timeout, self._errors)
+        self.next_server()
+
+    def _finish(self, result: bytes | UpstreamError) -> None:
+        self._on_done(result)
+        self._forwarder._finished(self._parsed, self._started, result if isinstance(result, bytes) else None)
 
 
 async def _receive_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytes:
