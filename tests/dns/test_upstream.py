@@ -653,3 +653,85 @@ def test_bad_pool_limits_are_rejected() -> None:
         PoolLimits(sockets=0)
     with pytest.raises(ValueError, match="pool limits"):
         PoolLimits(lifetime=0)
+
+
+# --- the callback path (forward_soon): UDP without a task ------------------------------------------
+
+
+async def forward_on_callbacks(forwarder: Forwarder, query: bytes) -> bytes:
+    """``forward_soon`` as the UDP listener uses it; raises its UpstreamError."""
+    done: asyncio.Future[bytes | UpstreamError] = asyncio.get_running_loop().create_future()
+    assert forwarder.forward_soon(query, parse_query(query), done.set_result)
+    result = await done
+    if isinstance(result, UpstreamError):
+        raise result
+    return result
+
+
+@pytest.mark.both_loops
+async def test_callbacks_relay_the_reply_with_the_clients_id_and_count_it(fakes: Any) -> None:
+    fake = await fakes(answer("10.1.2.3"))
+    forwarder = Forwarder([fake.address], timeout=2)
+    query = make_query("WwW.Example.COM.", qid=0xBEEF, use_edns=0)
+    before = sample("dns_upstream_requests_total"), sample("dns_upstream_request_duration_seconds_count")
+    reply = await forward_on_callbacks(forwarder, query)
+    [(transport, sent)] = fake.queries
+    assert (transport, sent[2:]) == ("udp", query[2:]) and sent[:2] != b"" and reply[:2] == b"\xbe\xef"
+    assert answer_ips(reply) == ["10.1.2.3"]
+    assert sample("dns_upstream_requests_total") == before[0] + 1
+    assert sample("dns_upstream_request_duration_seconds_count") == before[1] + 1
+
+
+async def test_callbacks_fail_over_after_a_timeout_and_a_late_reply_is_dropped(fakes: Any) -> None:
+    slow, good = await fakes(answer("10.0.0.1"), delay=0.4), await fakes(answer("10.0.0.2"))
+    forwarder = Forwarder([slow.address, good.address], timeout=0.2, next_id=fixed_ids(1))
+    before = sample("dns_upstream_unmatched_replies_total")
+    started = time.monotonic()
+    reply = await forward_on_callbacks(forwarder, make_query())
+    assert answer_ips(reply) == ["10.0.0.2"] and 0.15 < time.monotonic() - started < 1.5
+    for _ in range(50):  # the slow server's reply arrives after its query gave up on it
+        if sample("dns_upstream_unmatched_replies_total") > before:
+            break
+        await asyncio.sleep(0.02)
+    assert sample("dns_upstream_unmatched_replies_total") == before + 1
+
+
+async def test_callbacks_fail_with_every_servers_error(fakes: Any) -> None:
+    quiet, broken = await fakes(silent), await fakes(garbage)
+    forwarder = Forwarder([quiet.address, broken.address], timeout=0.3)
+    before = sample("dns_upstream_failures_total")
+    with pytest.raises(UpstreamError) as failed:
+        await forward_on_callbacks(forwarder, make_query())
+    assert sorted(server for server, _ in failed.value.errors) == sorted(
+        [f"127.0.0.1:{quiet.port}", f"127.0.0.1:{broken.port}"]
+    )
+    assert sample("dns_upstream_failures_total") == before + 1
+
+
+async def test_callbacks_stop_at_once_when_the_forwarder_closes(fakes: Any) -> None:
+    first, second = await fakes(silent), await fakes(answer("10.0.0.2"))
+    forwarder = Forwarder([first.address, second.address], timeout=5, next_id=fixed_ids(1))
+    pending = asyncio.ensure_future(forward_on_callbacks(forwarder, make_query()))
+    await asyncio.sleep(0.05)
+    forwarder.close()
+    with pytest.raises(UpstreamError, match="closed"):
+        await pending
+    assert second.queries == [] and open_sockets(forwarder) == 0  # no other server was tried
+
+
+@pytest.mark.parametrize(
+    ("servers", "options"),
+    [
+        ([("127.0.0.1", 53)], {"retries": 1}),
+        ([("127.0.0.1", 53), ("127.0.0.2", 53)], {"parallel": True}),
+        ([("dns.example", 53)], {}),
+        ([], {}),
+    ],
+    ids=["retries", "parallel", "host-name", "no-servers"],
+)
+async def test_callbacks_are_declined_where_the_coroutine_path_is_needed(
+    servers: list[tuple[str, int]], options: dict[str, Any]
+) -> None:
+    forwarder = Forwarder(servers, **options)
+    query = make_query()
+    assert not forwarder.forward_soon(query, parse_query(query), lambda result: None)

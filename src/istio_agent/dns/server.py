@@ -369,7 +369,12 @@ class _UdpListener:
             self._send(reply, addr)
 
         pending.callbacks += 1
-        if self._resolver.forward_soon(data, result, send):
+        try:
+            forwarding = self._resolver.forward_soon(data, result, send)
+        except BaseException:
+            pending.callbacks -= 1
+            raise
+        if forwarding:
             return
         pending.callbacks -= 1
         task = self._loop.create_task(self._forward(data, result, addr))
