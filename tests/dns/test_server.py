@@ -7,6 +7,7 @@ import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator
+from typing import Any
 
 import dns.asyncquery
 import dns.message
@@ -154,6 +155,52 @@ async def test_the_listener_batches_under_load_and_goes_back_to_one_by_one() -> 
             client.sendto(valid_query(), target)
             await asyncio.to_thread(receive_all, client, 1)
             assert not listener._batching  # a batch of one: back to plain reads
+    finally:
+        await server.stop()
+
+
+async def test_without_recvmmsg_the_listener_reads_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dns_server.mmsg, "AVAILABLE", False)  # as on a 32-bit process or not Linux
+    resolver = DnsResolver(Forwarder([]))
+    resolver.table = table()
+    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    await server.start()
+    target = ("127.0.0.1", server.bound[0][2])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            queries = burst(["productpage."] * 10)
+            for query in queries:
+                client.sendto(query, target)
+            replies = await asyncio.to_thread(receive_all, client, 10)
+        assert sorted(replies) == sorted(resolver.answer_now(query, None) for query in queries)
+        assert not server._udp[0]._batching
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batches", "one-by-one"])
+async def test_a_query_that_fails_costs_only_itself(monkeypatch: pytest.MonkeyPatch, batching: bool) -> None:
+    resolver = DnsResolver(Forwarder([]))
+    resolver.table = table()
+    real = resolver.forward_soon
+
+    def forward_soon(data: bytes, query: Query, send: Any) -> bool:
+        if query.qname == "broken.example.":
+            raise RuntimeError("a bug")
+        return real(data, query, send)
+
+    monkeypatch.setattr(resolver, "forward_soon", forward_soon)
+    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    await server.start()
+    server._udp[0]._batching = batching
+    target = ("127.0.0.1", server.bound[0][2])
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            for query in burst(["productpage.", "broken.example.", "other.example.", "productpage."]):
+                client.sendto(query, target)
+            replies = await asyncio.to_thread(receive_all, client, 3)
+        assert sorted(reply[:2] for reply in replies) == [b"\x00\x00", b"\x00\x02", b"\x00\x03"]
+        assert len(server._pending) == 0  # the failed query did not stay counted as in flight
     finally:
         await server.stop()
 

@@ -735,3 +735,18 @@ async def test_callbacks_are_declined_where_the_coroutine_path_is_needed(
     forwarder = Forwarder(servers, **options)
     query = make_query()
     assert not forwarder.forward_soon(query, parse_query(query), lambda result: None)
+
+
+async def test_callbacks_answer_once_even_when_the_receiver_fails(fakes: Any) -> None:
+    fake = await fakes(answer("10.0.0.1"))
+    forwarder = Forwarder([fake.address], timeout=0.2)
+    calls: list[str] = []
+
+    def on_done(result: bytes | UpstreamError) -> None:
+        calls.append(type(result).__name__)
+        raise RuntimeError("a receiver with a bug")
+
+    query = make_query()
+    assert forwarder.forward_soon(query, parse_query(query), on_done)
+    await asyncio.sleep(0.5)  # past the timeout: it must not fire a second answer
+    assert calls == ["bytes"]

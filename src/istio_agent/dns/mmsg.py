@@ -147,6 +147,8 @@ class DatagramBatch:
 
         Raises OSError for an error the socket reports (e.g. ECONNREFUSED after an ICMP error).
         """
+        self._queued = 0  # replies queued for the last batch's senders never go to this one's
+        self._keep.clear()
         ints = self._receive_ints
         for i in range(len(self.lengths)):  # the kernel wrote each used slot's address length
             ints[i * _HEADER_INTS + _NAMELEN] = _SOCKADDR_SIZE

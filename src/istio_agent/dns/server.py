@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeAlias
 
+from istio_agent.dns import mmsg
 from istio_agent.dns.mmsg import DatagramBatch, data_address
 from istio_agent.dns.records import TYPE_A, TYPE_AAAA, TYPE_MX, Record
 from istio_agent.dns.table import LookupTable, random_id, round_robin
@@ -281,7 +282,9 @@ class _UdpListener:
         self._resolver = resolver
         self._remembered = resolver.remembered(None)
         self._pending = pending
-        self._batch = DatagramBatch(UDP_BATCH, UDP_QUERY_SIZE)
+        # Without recvmmsg (not Linux, a 32-bit process) the listener reads one datagram at a time.
+        self._batch = DatagramBatch(UDP_BATCH, UDP_QUERY_SIZE) if mmsg.AVAILABLE else None
+        self._failures = 0
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._fd, self._readable)
         self._batching = False
@@ -300,8 +303,8 @@ class _UdpListener:
         on a cold cache), so batching starts when a wake-up finds more than one query waiting and
         stops when a batch holds only one.
         """
-        if self._batching:
-            self._read_batches()
+        if self._batching and self._batch is not None:
+            self._read_batches(self._batch)
         else:
             self._read_one_by_one()
 
@@ -311,16 +314,15 @@ class _UdpListener:
             try:
                 data, addr = recvfrom(UDP_QUERY_SIZE + 1)
             except BlockingIOError:
-                self._batching = read > 1
+                self._batching = read > 1 and self._batch is not None
                 return
             except OSError as err:  # e.g. ICMP port unreachable from a client that went away
                 log.debug("DNS UDP socket error: %s", err)
                 continue
             self._answer_one(data, addr, oversized=len(data) > UDP_QUERY_SIZE)
-        self._batching = True
+        self._batching = self._batch is not None
 
-    def _read_batches(self) -> None:
-        batch = self._batch
+    def _read_batches(self, batch: DatagramBatch) -> None:
         for _ in range(UDP_BATCHES_PER_WAKEUP):
             try:
                 count = batch.receive(self._fd)
@@ -354,6 +356,17 @@ class _UdpListener:
             self._answer_one(batch.datagram(i), batch.sender(i), oversized=batch.truncated(i))
 
     def _answer_one(self, data: bytes, addr: tuple[str | int, ...], *, oversized: bool) -> None:
+        """A bug costs the one query (no answer, the client retries), never the rest of its batch."""
+        try:
+            self._answer_datagram(data, addr, oversized=oversized)
+        except Exception:
+            self._failures += 1
+            if self._failures <= 10 or self._failures % 1000 == 0:
+                log.exception(
+                    "DNS UDP query handling failed (%d so far); the query is dropped", self._failures
+                )
+
+    def _answer_datagram(self, data: bytes, addr: tuple[str | int, ...], *, oversized: bool) -> None:
         result = self._resolver.oversized(data) if oversized else self._resolver.answer_now(data, None)
         if result is None:
             return
@@ -364,19 +377,27 @@ class _UdpListener:
         if len(pending) >= MAX_PENDING_FORWARDS:
             return  # overloaded: dropping lets the client retry; queueing would only add latency
 
+        counted = True
+
+        def uncount() -> None:
+            nonlocal counted
+            if counted:  # once, whichever way the query ends
+                counted = False
+                pending.callbacks -= 1
+
         def send(reply: bytes) -> None:
-            pending.callbacks -= 1
+            uncount()
             self._send(reply, addr)
 
         pending.callbacks += 1
         try:
             forwarding = self._resolver.forward_soon(data, result, send)
         except BaseException:
-            pending.callbacks -= 1
+            uncount()
             raise
         if forwarding:
             return
-        pending.callbacks -= 1
+        uncount()
         task = self._loop.create_task(self._forward(data, result, addr))
         pending.tasks.add(task)
         task.add_done_callback(pending.tasks.discard)

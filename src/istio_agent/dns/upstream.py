@@ -386,9 +386,11 @@ class _UdpForward:
     def _reply(self, result: bytes | OSError | ValueError) -> None:
         assert self._timer is not None and self._forget is not None and self._server is not None
         if isinstance(result, bytes):
-            self._finish(result)  # the client's answer first: the bookkeeping can wait
-            self._timer.cancel()
-            self._forget()
+            try:
+                self._finish(result)  # the client's answer first: the bookkeeping can wait
+            finally:  # even if answering failed: no timeout may call on_done a second time
+                self._timer.cancel()
+                self._forget()
             return
         self._timer.cancel()
         self._forget()
@@ -406,8 +408,11 @@ class _UdpForward:
         self.next_server()
 
     def _finish(self, result: bytes | UpstreamError) -> None:
-        self._on_done(result)
-        self._forwarder._finished(self._parsed, self._started, result if isinstance(result, bytes) else None)
+        try:
+            self._on_done(result)
+        finally:
+            reply = result if isinstance(result, bytes) else None
+            self._forwarder._finished(self._parsed, self._started, reply)
 
 
 async def _receive_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytes:
