@@ -205,6 +205,26 @@ async def test_a_query_that_fails_costs_only_itself(monkeypatch: pytest.MonkeyPa
         await server.stop()
 
 
+async def test_a_question_asked_again_skips_the_parse_yet_gets_its_own_id_and_a_new_table() -> None:
+    resolver = DnsResolver(Forwarder([]))
+    resolver.table = table()
+    query = dns.message.make_query("reviews.ns1.svc.cluster.local.", "A", id=1).to_wire()
+    first = resolver.answer_now(query, None)
+    assert isinstance(first, Query) and first.id == 1  # not in the table: to be forwarded
+    again = resolver.answer_now(b"\x00\x07" + query[2:], None)
+    assert isinstance(again, Query) and again.id == 7 and again._replace(id=1) == first
+    name_table = nds_pb2.NameTable()
+    info = name_table.table["reviews.ns1.svc.cluster.local"]
+    info.ips.append("10.0.0.9")
+    info.registry, info.shortname, info.namespace = "Kubernetes", "reviews", "ns1"
+    resolver.table = LookupTable.build(
+        name_table, proxy_namespace="ns1", proxy_domain="svc.cluster.local", search_domains=[]
+    )
+    answered = resolver.answer_now(b"\x00\x08" + query[2:], None)  # the new table knows it now
+    assert isinstance(answered, bytes) and answered[:2] == b"\x00\x08"
+    assert [rd.to_text() for rd in dns.message.from_wire(answered).answer[0]] == ["10.0.0.9"]
+
+
 class Silent(asyncio.DatagramProtocol):
     """A fake upstream that never answers (a remote CA-style outage for DNS)."""
 

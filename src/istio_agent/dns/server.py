@@ -128,6 +128,8 @@ class DnsResolver:
         self._next_id = next_id
         self._table: LookupTable | None = None
         self._replies: dict[int | None, dict[bytes, Remembered]] = {}
+        self._not_in_table: dict[bytes, Query] = {}
+        """Questions the table could not answer, parsed, by their bytes after the ID (see ``_answer``)."""
         self._failures = 0
         self.stats = stats or DnsStats()
         self.stats.table_size = lambda: len(self._table) if self._table is not None else 0
@@ -141,6 +143,7 @@ class DnsResolver:
         self._table = table
         for replies in self._replies.values():
             replies.clear()  # built from the old table; cleared in place, listeners hold the dicts
+        self._not_in_table.clear()  # the new table may know them
 
     def remembered(self, limit: int | None) -> dict[bytes, Remembered]:
         """Table replies by question (the query without its ID) for a transport's size limit.
@@ -179,6 +182,10 @@ class DnsResolver:
             stats.requests += 1
             stats.queries[known[2]] += 1
             return data[:2] + known[0]
+        asked = self._not_in_table.get(data[2:])
+        if asked is not None:  # asked before and not in the table: parsing and lookup are skipped
+            stats.requests += 1
+            return self._cached(asked._replace(id=(data[0] << 8) | data[1]), limit)
         try:
             query = parse_query(data)
         except Rejected as rejected:
@@ -198,6 +205,9 @@ class DnsResolver:
             return servfail(query)  # Istio: no table yet means SERVFAIL, not a guess
         answer = table.lookup(query.qname, query.qtype)
         if answer is None:
+            if len(self._not_in_table) >= MAX_REMEMBERED_REPLIES:
+                self._not_in_table.clear()
+            self._not_in_table[data[2:]] = query  # the parse depends on these bytes alone
             return self._cached(query, limit)
         records: Sequence[Record] = answer.records
         shuffled = sum(record.rtype in _SHUFFLED for record in records) > 1

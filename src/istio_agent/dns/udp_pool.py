@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import socket
 from array import array
 from collections.abc import Callable
@@ -134,9 +133,9 @@ class UdpPool:
         loop = self._loop
         if loop is None or not loop.is_running():  # (on Python 3.11 get_running_loop costs a getpid())
             loop = asyncio.get_running_loop()
-        channel = self._channel(loop)
-        pending = channel.pending
         qid = self._ids()
+        channel = self._channel(loop, qid)
+        pending = channel.pending
         while qid in pending:
             qid = self._ids()
         wire = qid.to_bytes(2, "big") + query[2:]
@@ -181,11 +180,12 @@ class UdpPool:
         finally:
             forget()
 
-    def _channel(self, loop: asyncio.AbstractEventLoop) -> _Channel:
+    def _channel(self, loop: asyncio.AbstractEventLoop, random_id: int) -> _Channel:
+        """The socket for the next query, picked by the query's random ID (so at random)."""
         if loop is not self._loop:
             self.close()  # sockets are registered with one loop (a new loop: tests, a restart)
             self._loop = loop
-        index = random.randrange(len(self._slots))
+        index = random_id % len(self._slots)
         channel = self._slots[index]
         if channel is None or channel.uses >= self._limits.queries or loop.time() >= channel.expires:
             if channel is not None:
@@ -236,6 +236,10 @@ class UdpPool:
                 _deliver(on_reply, err)  # from the upstream with its ID but broken: fail fast
                 continue
             _deliver(on_reply, data)
+            if not pending:
+                # Nothing else in flight: anything still queued is stray and is read at the next
+                # wake-up. Not reading on until EAGAIN saves a system call and an exception per reply.
+                return
 
     def _retire(self, channel: _Channel) -> None:
         channel.retired = True

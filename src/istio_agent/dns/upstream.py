@@ -361,12 +361,12 @@ class _UdpForward:
         self._query = query
         self._parsed = parsed
         self._on_done = on_done
-        self._servers = iter(shuffled(forwarder._servers, forwarder._next_id))
+        servers = forwarder._servers
+        self._servers = iter(servers if len(servers) == 1 else shuffled(servers, forwarder._next_id))
         self._errors: list[tuple[str, str]] = []
         self._server: _Upstream | None = None
         self._forget: Callable[[], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        forwarder._metrics.requests.inc()
         self._started = time.perf_counter()
 
     def next_server(self) -> None:
@@ -410,7 +410,8 @@ class _UdpForward:
     def _finish(self, result: bytes | UpstreamError) -> None:
         try:
             self._on_done(result)
-        finally:
+        finally:  # the bookkeeping after the client's answer, off the latency path
+            self._forwarder._metrics.requests.inc()
             reply = result if isinstance(result, bytes) else None
             self._forwarder._finished(self._parsed, self._started, reply)
 
