@@ -53,7 +53,8 @@ TCP_QUERIES_PER_CONNECTION = 128
 TCP_CLOSE_TIMEOUT = 1.0
 """To flush the last answer on close; then the connection is dropped."""
 MAX_REMEMBERED_REPLIES = 8192
-"""Table answers kept by question bytes, so a repeated question skips parsing and lookup."""
+"""Table answers, and parsed questions the table cannot answer, kept by question bytes (each up to
+this many), so a repeated question skips parsing and lookup."""
 UDP_BATCH = 64
 """Datagrams read (and replies sent) per system call."""
 UDP_QUERY_SIZE = 4096
