@@ -97,55 +97,60 @@ def receive_all(sock: socket.socket, count: int) -> list[bytes]:
     return [sock.recv(65535) for _ in range(count)]
 
 
-@pytest.mark.parametrize("batching", [True, False], ids=["batches", "one-by-one"])
-async def test_a_burst_from_many_clients_gets_every_answer_each_to_its_client(batching: bool) -> None:
-    """Queries waiting together are read together: hits, first-time names, errors and forwards mixed."""
-    resolver = DnsResolver(Forwarder([]))  # no upstream: forwarded names get SERVFAIL from a task
+def table_resolver() -> DnsResolver:
+    resolver = DnsResolver(Forwarder([]))  # no upstream: forwarded names get SERVFAIL
     resolver.table = table()
-    reference = DnsResolver(Forwarder([]))
-    reference.table = table()
+    return resolver
+
+
+@contextlib.asynccontextmanager
+async def serving_on_loopback(resolver: DnsResolver) -> AsyncIterator[tuple[DnsServer, tuple[str, int]]]:
+    """A server on a free UDP/TCP port of 127.0.0.1 and its UDP address, stopped afterwards."""
     server = DnsServer(resolver, [("127.0.0.1", 0)])
     await server.start()
-    listener = server._udp[0]
-    target = ("127.0.0.1", server.bound[0][2])
-    names = ["productpage.", "productpage.ns1.", "PRODUCTPAGE.ns1.svc.cluster.local.", "other.example."]
-    clients = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
     try:
-        for _ in range(2):  # the second time every table question is a remembered reply
-            listener._batching = batching
-            sent: list[list[bytes]] = []
-            for client in clients:  # nothing is read until the test yields: they all wait together
-                queries = [*burst(names * 5), b"\x12\x34garbage", b"\x56\x78" + bytes(4999)]
-                for query in queries:
-                    client.sendto(query, target)
-                sent.append(queries)
-            for client, queries in zip(clients, sent, strict=True):
-                expected = len(queries) - 1  # the garbage is too short to answer
-                replies = await asyncio.to_thread(receive_all, client, expected)
-                by_id = {reply[:2]: reply for reply in replies}
-                assert len(by_id) == expected
-                for query in queries[:-2]:
-                    reply = by_id[query[:2]]
-                    if b"other" in query:
-                        assert dns.message.from_wire(reply).rcode() == dns.rcode.SERVFAIL
-                    else:
-                        assert reply == reference.answer_now(query, None)  # byte for byte
-                oversized = dns.message.from_wire(by_id[b"\x56\x78"])
-                assert oversized.rcode() == dns.rcode.FORMERR
+        yield server, ("127.0.0.1", server.bound[0][2])
     finally:
-        for client in clients:
-            client.close()
         await server.stop()
 
 
+@pytest.mark.parametrize("batching", [True, False], ids=["batches", "one-by-one"])
+async def test_a_burst_from_many_clients_gets_every_answer_each_to_its_client(batching: bool) -> None:
+    """Queries waiting together are read together: hits, first-time names, errors and forwards mixed."""
+    reference = table_resolver()
+    names = ["productpage.", "productpage.ns1.", "PRODUCTPAGE.ns1.svc.cluster.local.", "other.example."]
+    clients = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    async with serving_on_loopback(table_resolver()) as (server, target):
+        try:
+            for _ in range(2):  # the second time every table question is a remembered reply
+                server._udp[0]._batching = batching
+                sent: list[list[bytes]] = []
+                for client in clients:  # nothing is read until the test yields: they all wait together
+                    queries = [*burst(names * 5), b"\x12\x34garbage", b"\x56\x78" + bytes(4999)]
+                    for query in queries:
+                        client.sendto(query, target)
+                    sent.append(queries)
+                for client, queries in zip(clients, sent, strict=True):
+                    expected = len(queries) - 1  # the garbage is too short to answer
+                    replies = await asyncio.to_thread(receive_all, client, expected)
+                    by_id = {reply[:2]: reply for reply in replies}
+                    assert len(by_id) == expected
+                    for query in queries[:-2]:
+                        reply = by_id[query[:2]]
+                        if b"other" in query:
+                            assert dns.message.from_wire(reply).rcode() == dns.rcode.SERVFAIL
+                        else:
+                            assert reply == reference.answer_now(query, None)  # byte for byte
+                    oversized = dns.message.from_wire(by_id[b"\x56\x78"])
+                    assert oversized.rcode() == dns.rcode.FORMERR
+        finally:
+            for client in clients:
+                client.close()
+
+
 async def test_the_listener_batches_under_load_and_goes_back_to_one_by_one() -> None:
-    resolver = DnsResolver(Forwarder([]))
-    resolver.table = table()
-    server = DnsServer(resolver, [("127.0.0.1", 0)])
-    await server.start()
-    listener = server._udp[0]
-    target = ("127.0.0.1", server.bound[0][2])
-    try:
+    async with serving_on_loopback(table_resolver()) as (server, target):
+        listener = server._udp[0]
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
             assert not listener._batching
             for query in burst(["productpage."] * 10):
@@ -155,18 +160,12 @@ async def test_the_listener_batches_under_load_and_goes_back_to_one_by_one() -> 
             client.sendto(valid_query(), target)
             await asyncio.to_thread(receive_all, client, 1)
             assert not listener._batching  # a batch of one: back to plain reads
-    finally:
-        await server.stop()
 
 
 async def test_without_recvmmsg_the_listener_reads_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dns_server.mmsg, "AVAILABLE", False)  # as on a 32-bit process or not Linux
-    resolver = DnsResolver(Forwarder([]))
-    resolver.table = table()
-    server = DnsServer(resolver, [("127.0.0.1", 0)])
-    await server.start()
-    target = ("127.0.0.1", server.bound[0][2])
-    try:
+    resolver = table_resolver()
+    async with serving_on_loopback(resolver) as (server, target):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
             queries = burst(["productpage."] * 10)
             for query in queries:
@@ -174,14 +173,11 @@ async def test_without_recvmmsg_the_listener_reads_one_by_one(monkeypatch: pytes
             replies = await asyncio.to_thread(receive_all, client, 10)
         assert sorted(replies) == sorted(resolver.answer_now(query, None) for query in queries)
         assert not server._udp[0]._batching
-    finally:
-        await server.stop()
 
 
 @pytest.mark.parametrize("batching", [True, False], ids=["batches", "one-by-one"])
 async def test_a_query_that_fails_costs_only_itself(monkeypatch: pytest.MonkeyPatch, batching: bool) -> None:
-    resolver = DnsResolver(Forwarder([]))
-    resolver.table = table()
+    resolver = table_resolver()
     real = resolver.forward_soon
 
     def forward_soon(data: bytes, query: Query, send: Any) -> bool:
@@ -190,19 +186,14 @@ async def test_a_query_that_fails_costs_only_itself(monkeypatch: pytest.MonkeyPa
         return real(data, query, send)
 
     monkeypatch.setattr(resolver, "forward_soon", forward_soon)
-    server = DnsServer(resolver, [("127.0.0.1", 0)])
-    await server.start()
-    server._udp[0]._batching = batching
-    target = ("127.0.0.1", server.bound[0][2])
-    try:
+    async with serving_on_loopback(resolver) as (server, target):
+        server._udp[0]._batching = batching
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
             for query in burst(["productpage.", "broken.example.", "other.example.", "productpage."]):
                 client.sendto(query, target)
             replies = await asyncio.to_thread(receive_all, client, 3)
         assert sorted(reply[:2] for reply in replies) == [b"\x00\x00", b"\x00\x02", b"\x00\x03"]
         assert len(server._pending) == 0  # the failed query did not stay counted as in flight
-    finally:
-        await server.stop()
 
 
 async def test_a_question_asked_again_skips_the_parse_yet_gets_its_own_id_and_a_new_table() -> None:

@@ -122,7 +122,6 @@ class DatagramBatch:
         self._receive_iovs = (_Iovec * size)()
         self._replies = (_Mmsghdr * size)()
         self._reply_iovs = (_Iovec * (2 * size))()
-        self._receive_words = memoryview(self._received).cast("B").cast("P")
         self._receive_ints = memoryview(self._received).cast("B").cast("I")
         self._reply_words = memoryview(self._replies).cast("B").cast("P")
         self._reply_ints = memoryview(self._replies).cast("B").cast("I")

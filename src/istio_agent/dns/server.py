@@ -109,6 +109,20 @@ Remembered: TypeAlias = tuple[bytes, int, tuple[int, int, str]]
 """A remembered table reply: its bytes after the ID, their address in memory, its metric labels."""
 
 
+class _Failures:
+    """Bugs that cost one query each: counted, and logged with their traceback, but not once per packet."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self.count = 0
+
+    def record(self) -> None:
+        """Call from an ``except`` block."""
+        self.count += 1
+        if self.count <= 10 or self.count % 1000 == 0:
+            log.exception("%s failed (%d so far); the query is dropped", self._what, self.count)
+
+
 def _rcode(reply: bytes) -> int:
     return reply[3] & 0x0F if len(reply) >= 4 else RCODE_SERVFAIL
 
@@ -131,7 +145,7 @@ class DnsResolver:
         self._replies: dict[int | None, dict[bytes, Remembered]] = {}
         self._not_in_table: dict[bytes, Query] = {}
         """Questions the table could not answer, parsed, by their bytes after the ID (see ``_answer``)."""
-        self._failures = 0
+        self._failures = _Failures("DNS query handling")
         self.stats = stats or DnsStats()
         self.stats.table_size = lambda: len(self._table) if self._table is not None else 0
 
@@ -170,9 +184,7 @@ class DnsResolver:
         try:
             return self._answer(data, limit)
         except Exception:
-            self._failures += 1
-            if self._failures <= 10 or self._failures % 1000 == 0:
-                log.exception("DNS query handling failed (%d so far); the query is dropped", self._failures)
+            self._failures.record()
             return None
 
     def _answer(self, data: bytes, limit: int | None) -> bytes | Query | None:
@@ -295,7 +307,7 @@ class _UdpListener:
         self._pending = pending
         # Without recvmmsg (not Linux, a 32-bit process) the listener reads one datagram at a time.
         self._batch = DatagramBatch(UDP_BATCH, UDP_QUERY_SIZE) if mmsg.AVAILABLE else None
-        self._failures = 0
+        self._failures = _Failures("DNS UDP query handling")
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._fd, self._readable)
         self._batching = False
@@ -371,11 +383,7 @@ class _UdpListener:
         try:
             self._answer_datagram(data, addr, oversized=oversized)
         except Exception:
-            self._failures += 1
-            if self._failures <= 10 or self._failures % 1000 == 0:
-                log.exception(
-                    "DNS UDP query handling failed (%d so far); the query is dropped", self._failures
-                )
+            self._failures.record()
 
     def _answer_datagram(self, data: bytes, addr: tuple[str | int, ...], *, oversized: bool) -> None:
         result = self._resolver.oversized(data) if oversized else self._resolver.answer_now(data, None)
