@@ -86,8 +86,51 @@ class _Channel:
         self.uses = 0
         self.retired = False
         self.closed = False
-        self.pending: dict[int, tuple[OnReply, bytes]] = {}
-        """ID -> (who waits for the reply, the query as sent)."""
+        self.pending: dict[int, Sent] = {}
+        """The queries in flight, by the ID they went out with."""
+
+
+class Sent:
+    """A query in flight on a pool socket: what its reply must match, and who waits for it.
+
+    A plain object rather than closures: the forwarded-query path makes one per query, and the
+    waiter usually keeps it, so it must not hold the waiter once the query ended (no reference
+    cycle left for the garbage collector to find).
+    """
+
+    __slots__ = ("_channel", "_id", "_on_reply", "_pool", "client_id", "wire")
+
+    def __init__(self, pool: UdpPool, channel: _Channel, qid: int, query: bytes, on_reply: OnReply) -> None:
+        self._pool = pool
+        self._channel = channel
+        self._id = qid
+        self._on_reply: OnReply | None = on_reply
+        self.client_id = query[:2]
+        self.wire = qid.to_bytes(2, "big") + query[2:]
+        """The query as sent: the pool's random ID, then the client's bytes."""
+
+    def settle(self, result: bytes | OSError | DnsFormatError) -> None:
+        """The query's outcome to its waiter, once; a failing waiter costs this query, not the reader."""
+        pending = self._channel.pending
+        if pending.get(self._id) is self:
+            del pending[self._id]
+        on_reply, self._on_reply = self._on_reply, None
+        if on_reply is None:
+            return
+        try:
+            on_reply(result)
+        except Exception:
+            log.exception("DNS forwarding: handling an upstream reply failed")
+
+    def forget(self) -> None:
+        """Stop waiting: the ID is freed and the waiter is not called any more (idempotent)."""
+        self._on_reply = None
+        channel = self._channel
+        pending = channel.pending
+        if pending.get(self._id) is self:
+            del pending[self._id]
+        if channel.retired and not pending:
+            self._pool._close(channel)
 
 
 class UdpPool:
@@ -123,12 +166,12 @@ class UdpPool:
     def open_sockets(self) -> int:
         return len(self._open)
 
-    def send(self, query: bytes, on_reply: OnReply) -> Callable[[], None]:
+    def send(self, query: bytes, on_reply: OnReply) -> Sent:
         """Send ``query``; ``on_reply`` is called once, from the socket's reader, with its outcome.
 
-        No timeout of its own: the caller bounds the wait by calling the returned function, which
-        frees the query's ID and makes sure ``on_reply`` is not called any more. Raises OSError when
-        the query cannot be sent (a full send buffer counts: UDP, another upstream may do better).
+        No timeout of its own: the caller bounds the wait with ``forget()`` on what this returns,
+        which frees the query's ID and makes sure ``on_reply`` is not called any more. Raises OSError
+        when the query cannot be sent (a full send buffer counts: UDP, another upstream may do better).
         """
         loop = self._loop
         if loop is None or not loop.is_running():  # (on Python 3.11 get_running_loop costs a getpid())
@@ -138,27 +181,13 @@ class UdpPool:
         pending = channel.pending
         while qid in pending:
             qid = self._ids()
-        wire = qid.to_bytes(2, "big") + query[2:]
-        client_id = query[:2]
-
-        def restore_id(result: bytes | OSError | DnsFormatError) -> None:
-            del pending[qid]
-            on_reply(client_id + result[2:] if isinstance(result, bytes) else result)
-
-        pending[qid] = (restore_id, wire)
-
-        def forget() -> None:
-            if pending.get(qid, (None,))[0] is restore_id:
-                del pending[qid]
-            if channel.retired and not pending:
-                self._close(channel)
-
+        sent = pending[qid] = Sent(self, channel, qid, query, on_reply)
         try:
-            channel.sock.send(wire)
+            channel.sock.send(sent.wire)
         except OSError:
-            forget()
+            sent.forget()
             raise
-        return forget
+        return sent
 
     async def exchange(self, query: bytes) -> bytes:
         """The upstream's reply to ``query``, with the client's ID; raises OSError or DnsFormatError.
@@ -174,11 +203,11 @@ class UdpPool:
                 else:
                     future.set_exception(result)
 
-        forget = self.send(query, settle)
+        sent = self.send(query, settle)
         try:
             return await future
         finally:
-            forget()
+            sent.forget()
 
     def _channel(self, loop: asyncio.AbstractEventLoop, random_id: int) -> _Channel:
         """The socket for the next query, picked by the query's random ID (so at random)."""
@@ -219,23 +248,22 @@ class UdpPool:
             except OSError as err:
                 # An ICMP error for this connected socket (the upstream's port is closed, no route):
                 # every query in flight on it went to that upstream, so each gets the error now.
-                for on_reply, _ in list(pending.values()):
-                    _deliver(on_reply, OSError(err.errno, err.strerror))
+                for sent in list(pending.values()):
+                    sent.settle(OSError(err.errno, err.strerror))
                 continue
-            entry = pending.get(int.from_bytes(data[:2], "big")) if len(data) >= 2 else None
-            if entry is None:
+            sent = pending.get(int.from_bytes(data[:2], "big")) if len(data) >= 2 else None
+            if sent is None:
                 self._unmatched()
                 continue
-            on_reply, wire = entry
             try:
-                check_reply(wire, data)
+                check_reply(sent.wire, data)
             except QuestionMismatch:
                 self._unmatched()  # right port and ID, another question: a spoof; keep waiting
                 continue
             except DnsFormatError as err:
-                _deliver(on_reply, err)  # from the upstream with its ID but broken: fail fast
+                sent.settle(err)  # from the upstream with its ID but broken: fail fast
                 continue
-            _deliver(on_reply, data)
+            sent.settle(sent.client_id + data[2:])
             if not pending:
                 # Nothing else in flight: anything still queued is stray and is read at the next
                 # wake-up. Not reading on until EAGAIN saves a system call and an exception per reply.
@@ -260,15 +288,7 @@ class UdpPool:
         loop_alive = self._loop is not None and not self._loop.is_closed()
         for channel in list(self._open):
             if loop_alive:  # a closed loop cannot run what waits on the queries
-                for on_reply, _ in list(channel.pending.values()):
-                    _deliver(on_reply, PoolClosed("the DNS forwarder was closed"))
+                for sent in list(channel.pending.values()):
+                    sent.settle(PoolClosed("the DNS forwarder was closed"))
             self._close(channel)
         self._slots = [None] * len(self._slots)
-
-
-def _deliver(on_reply: OnReply, result: bytes | OSError | DnsFormatError) -> None:
-    """One outcome to one waiting query; a failing receiver costs that query, not the socket's reader."""
-    try:
-        on_reply(result)
-    except Exception:
-        log.exception("DNS forwarding: handling an upstream reply failed")

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.table import shuffle_by_ids
-from istio_agent.dns.udp_pool import PoolClosed, PoolLimits, RandomIds, UdpPool
+from istio_agent.dns.udp_pool import PoolClosed, PoolLimits, RandomIds, Sent, UdpPool
 from istio_agent.dns.wire import Query, check_reply
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
@@ -339,11 +339,11 @@ class _UdpForward:
 
     __slots__ = (
         "_errors",
-        "_forget",
         "_forwarder",
         "_on_done",
         "_parsed",
         "_query",
+        "_sent",
         "_server",
         "_servers",
         "_started",
@@ -365,7 +365,7 @@ class _UdpForward:
         self._servers = iter(servers if len(servers) == 1 else shuffled(servers, forwarder._next_id))
         self._errors: list[tuple[str, str]] = []
         self._server: _Upstream | None = None
-        self._forget: Callable[[], None] | None = None
+        self._sent: Sent | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._started = time.perf_counter()
 
@@ -374,7 +374,7 @@ class _UdpForward:
         for server in self._servers:
             pool = forwarder._literal_pool(server)
             try:
-                self._forget = pool.send(self._query, self._reply)
+                self._sent = pool.send(self._query, self._reply)
             except OSError as err:
                 _record_failure(server, err, forwarder._timeout, self._errors)
                 continue
@@ -384,16 +384,16 @@ class _UdpForward:
         self._finish(UpstreamError(self._errors))
 
     def _reply(self, result: bytes | OSError | ValueError) -> None:
-        assert self._timer is not None and self._forget is not None and self._server is not None
+        assert self._timer is not None and self._sent is not None and self._server is not None
         if isinstance(result, bytes):
             try:
                 self._finish(result)  # the client's answer first: the bookkeeping can wait
             finally:  # even if answering failed: no timeout may call on_done a second time
                 self._timer.cancel()
-                self._forget()
+                self._sent.forget()
             return
         self._timer.cancel()
-        self._forget()
+        self._sent.forget()
         if isinstance(result, PoolClosed):  # the agent is stopping: no other upstream
             self._errors.append((self._server.label, str(result)))
             self._finish(UpstreamError(self._errors))
@@ -402,8 +402,8 @@ class _UdpForward:
             self.next_server()
 
     def _timed_out(self) -> None:
-        assert self._forget is not None and self._server is not None
-        self._forget()
+        assert self._sent is not None and self._server is not None
+        self._sent.forget()
         _record_failure(self._server, TimeoutError(), self._forwarder._timeout, self._errors)
         self.next_server()
 
