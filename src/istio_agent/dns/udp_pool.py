@@ -248,8 +248,8 @@ class UdpPool:
             except OSError as err:
                 # An ICMP error for this connected socket (the upstream's port is closed, no route):
                 # every query in flight on it went to that upstream, so each gets the error now.
-                for sent in list(pending.values()):
-                    sent.settle(OSError(err.errno, err.strerror))
+                for waiting in list(pending.values()):
+                    waiting.settle(OSError(err.errno, err.strerror))
                 continue
             sent = pending.get(int.from_bytes(data[:2], "big")) if len(data) >= 2 else None
             if sent is None:
