@@ -502,6 +502,22 @@ def test_the_fast_reply_walk_decides_as_the_full_parse(changes: list[tuple[int, 
     assert _outcome(wire._skip_records, data, body_start, counts) == _outcome(wire._parse, data)
 
 
+@settings(max_examples=1000, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=4),
+    st.integers(0, 200),
+)
+def test_a_known_question_decides_as_walking_the_query(changes: list[tuple[int, int]], cut: int) -> None:
+    """check_reply given the parsed question (the forwarder's case) decides as when it walks the query."""
+    query, reply = upstream_reply()
+    mutated = bytearray(reply)
+    for offset, value in changes:  # anywhere from the flags on: counts, question, records
+        mutated[2 + offset % (len(reply) - 2)] = value
+    data = bytes(mutated[: len(mutated) - cut % 40])
+    question = wire.parse_query(query).question
+    assert _outcome(wire.check_reply, query, data, question) == _outcome(wire.check_reply, query, data)
+
+
 def _reply_with(query: bytes, body: bytes, counts: tuple[int, int, int, int]) -> bytes:
     return query[:2] + struct.pack("!H", 0x8180) + struct.pack("!4H", *counts) + body
 

@@ -198,7 +198,9 @@ class DnsResolver:
         asked = self._not_in_table.get(data[2:])
         if asked is not None:  # asked before and not in the table: parsing and lookup are skipped
             stats.requests += 1
-            return self._cached(asked._replace(id=(data[0] << 8) | data[1]), limit)
+            return self._cached(
+                Query((data[0] << 8) | data[1], *asked[1:]), limit
+            )  # as _replace, at half the cost
         try:
             query = parse_query(data)
         except Rejected as rejected:

@@ -98,9 +98,17 @@ class Sent:
     cycle left for the garbage collector to find).
     """
 
-    __slots__ = ("_channel", "_id", "_on_reply", "_pool", "client_id", "wire")
+    __slots__ = ("_channel", "_id", "_on_reply", "_pool", "client_id", "question", "wire")
 
-    def __init__(self, pool: UdpPool, channel: _Channel, qid: int, query: bytes, on_reply: OnReply) -> None:
+    def __init__(
+        self,
+        pool: UdpPool,
+        channel: _Channel,
+        qid: int,
+        query: bytes,
+        on_reply: OnReply,
+        question: bytes | None,
+    ) -> None:
         self._pool = pool
         self._channel = channel
         self._id = qid
@@ -108,6 +116,7 @@ class Sent:
         self.client_id = query[:2]
         self.wire = qid.to_bytes(2, "big") + query[2:]
         """The query as sent: the pool's random ID, then the client's bytes."""
+        self.question = question
 
     def settle(self, result: bytes | OSError | DnsFormatError) -> None:
         """The query's outcome to its waiter, once; a failing waiter costs this query, not the reader."""
@@ -166,8 +175,10 @@ class UdpPool:
     def open_sockets(self) -> int:
         return len(self._open)
 
-    def send(self, query: bytes, on_reply: OnReply) -> Sent:
+    def send(self, query: bytes, on_reply: OnReply, question: bytes | None = None) -> Sent:
         """Send ``query``; ``on_reply`` is called once, from the socket's reader, with its outcome.
+
+        ``question``: the query's ``Query.question`` if the caller parsed it (a cheaper reply check).
 
         No timeout of its own: the caller bounds the wait with ``forget()`` on what this returns,
         which frees the query's ID and makes sure ``on_reply`` is not called any more. Raises OSError
@@ -181,7 +192,7 @@ class UdpPool:
         pending = channel.pending
         while qid in pending:
             qid = self._ids()
-        sent = pending[qid] = Sent(self, channel, qid, query, on_reply)
+        sent = pending[qid] = Sent(self, channel, qid, query, on_reply, question)
         try:
             channel.sock.send(sent.wire)
         except OSError:
@@ -256,7 +267,7 @@ class UdpPool:
                 self._unmatched()
                 continue
             try:
-                check_reply(sent.wire, data)
+                check_reply(sent.wire, data, sent.question)
             except QuestionMismatch:
                 self._unmatched()  # right port and ID, another question: a spoof; keep waiting
                 continue

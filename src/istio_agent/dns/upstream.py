@@ -374,7 +374,7 @@ class _UdpForward:
         for server in self._servers:
             pool = forwarder._literal_pool(server)
             try:
-                self._sent = pool.send(self._query, self._reply)
+                self._sent = pool.send(self._query, self._reply, self._parsed.question)
             except OSError as err:
                 _record_failure(server, err, forwarder._timeout, self._errors)
                 continue

@@ -624,31 +624,33 @@ def _skip_records(data: bytes, pos: int, counts: tuple[int, int, int]) -> None:
     without building anything: a forwarded reply is relayed as it came.
     """
     n = len(data)
+    answers, authority, additional = counts
+    additional_from = answers + authority
     opt_seen = False
-    for section, count in enumerate(counts):
-        for _ in range(count):
-            owner = pos
-            pos = _skip_name(data, pos, n)
-            if pos + 10 > n:
-                raise DnsFormatError("record header runs past end of message")
-            start = pos + 10
-            end = start + ((data[pos + 8] << 8) | data[pos + 9])
-            if end > n:
-                raise DnsFormatError("record data runs past end of message")
-            if data[pos] == 0 and data[pos + 1] == TYPE_OPT:
-                if section != 2:
-                    raise DnsFormatError("OPT record outside the additional section")
-                if opt_seen:
-                    raise DnsFormatError("more than one OPT record")
-                if data[owner] and _read_name(data, owner, n)[0]:  # a root owner may be compressed
-                    raise DnsFormatError("OPT record owner is not the root")
-                opt_seen = True
-                _check_options(data, start, end)
-            else:
-                layout = _RDATA_LAYOUTS.get((data[pos] << 8) | data[pos + 1])
-                if layout is not None:
-                    _skip_rdata(data, start, end, layout)
-            pos = end
+    for index in range(additional_from + additional):  # one flat loop: cheaper than one per section
+        owner = pos
+        pos = _skip_name(data, pos, n)
+        if pos + 10 > n:
+            raise DnsFormatError("record header runs past end of message")
+        start = pos + 10
+        end = start + ((data[pos + 8] << 8) | data[pos + 9])
+        if end > n:
+            raise DnsFormatError("record data runs past end of message")
+        rtype = (data[pos] << 8) | data[pos + 1]
+        if rtype == TYPE_OPT:
+            if index < additional_from:
+                raise DnsFormatError("OPT record outside the additional section")
+            if opt_seen:
+                raise DnsFormatError("more than one OPT record")
+            if data[owner] and _read_name(data, owner, n)[0]:  # a root owner may be compressed
+                raise DnsFormatError("OPT record owner is not the root")
+            opt_seen = True
+            _check_options(data, start, end)
+        else:
+            layout = _RDATA_LAYOUTS.get(rtype)
+            if layout is not None:
+                _skip_rdata(data, start, end, layout)
+        pos = end
 
 
 def _skip_rdata(data: bytes, pos: int, end: int, layout: _Layout) -> None:
@@ -668,7 +670,7 @@ def _skip_rdata(data: bytes, pos: int, end: int, layout: _Layout) -> None:
         raise DnsFormatError("record data length does not match its contents")
 
 
-def check_reply(query: bytes, reply: bytes) -> None:
+def check_reply(query: bytes, reply: bytes, question: bytes | None = None) -> None:
     """Raise ``DnsFormatError`` unless ``reply`` is a well-formed response to ``query``.
 
     Beyond the ID and QR bit, a reply that carries a question must carry the query's (case-insensitive),
@@ -677,6 +679,8 @@ def check_reply(query: bytes, reply: bytes) -> None:
     On the latency path of every forwarded query, so the usual reply (one question, the query's as
     sent, case aside) is checked by comparing bytes and walking its records with the same checks as
     ``_parse`` but without building them (``_skip_records``). Any other reply gets the full parse.
+    ``question`` is ``Query.question`` of ``query`` when the caller parsed it: where the question
+    ends is then known without walking the query's name again.
     """
     if len(reply) < HEADER_SIZE:
         raise DnsFormatError("reply shorter than a DNS header")
@@ -688,9 +692,12 @@ def check_reply(query: bytes, reply: bytes) -> None:
         raise DnsFormatError("reply does not have the QR bit set")
     _, _, qdcount, ancount, nscount, arcount = _HEADER.unpack_from(reply)
     if qdcount == 1:
-        asked = _question_end(query, len(query))
-        if asked is not None:
-            end = asked[1]
+        if question is None:
+            asked = _question_end(query, len(query))
+            end = asked[1] if asked is not None else 0
+        else:
+            end = HEADER_SIZE + len(question)
+        if end:
             name_end = end - 4
             if (
                 reply[HEADER_SIZE:name_end].lower() == query[HEADER_SIZE:name_end].lower()
