@@ -19,7 +19,7 @@ import pytest
 
 from istio_agent.ctl.local import free_port
 from istio_agent.dns.cache import AnswerCache
-from istio_agent.dns.udp_pool import PoolLimits, Sent
+from istio_agent.dns.udp_pool import PoolLimits, RandomIds, Sent, UdpPool
 from istio_agent.dns.upstream import Forwarder, UpstreamError, _UdpForward, shuffled
 from istio_agent.dns.wire import parse_query
 from tests.dns import sample
@@ -647,6 +647,38 @@ async def test_closing_fails_the_queries_in_flight(fakes: Any) -> None:
     with pytest.raises(UpstreamError, match="closed"):
         await query
     assert open_sockets(forwarder) == 0
+
+
+@pytest.mark.both_loops
+async def test_the_pools_one_timer_keeps_every_querys_own_deadline(fakes: Any) -> None:
+    """A later query with a shorter timeout is not held to the earlier one's; no timeout: no expiry."""
+    quiet = await fakes(silent)
+    pool = UdpPool(
+        socket.AF_INET, quiet.address, limits=PoolLimits(), ids=RandomIds(), unmatched=lambda: None
+    )
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    ended: dict[str, float] = {}
+
+    def waiter(name: str) -> Callable[[bytes | OSError | ValueError], None]:
+        def on_reply(result: bytes | OSError | ValueError) -> None:
+            assert isinstance(result, TimeoutError), result
+            ended[name] = loop.time() - started
+            if name == "short":  # sending again from the timer's own callback keeps the others' deadlines
+                pool.send(make_query(qid=3), waiter("again"), timeout=0.3)
+
+        return on_reply
+
+    try:
+        pool.send(make_query(qid=1), waiter("long"), timeout=1.0)
+        pool.send(make_query(qid=2), waiter("short"), timeout=0.1)
+        forever = pool.send(make_query(qid=4), waiter("never"))
+        await asyncio.sleep(1.4)
+        assert sorted(ended, key=ended.__getitem__) == ["short", "again", "long"]
+        assert 0.08 < ended["short"] < 0.4 and 0.35 < ended["again"] < 0.8 and 0.95 < ended["long"] < 1.4
+        forever.forget()
+    finally:
+        pool.close()
 
 
 def test_bad_pool_limits_are_rejected() -> None:

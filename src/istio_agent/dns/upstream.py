@@ -347,7 +347,6 @@ class _UdpForward:
         "_server",
         "_servers",
         "_started",
-        "_timer",
     )
 
     def __init__(
@@ -366,7 +365,6 @@ class _UdpForward:
         self._errors: list[tuple[str, str]] = []
         self._server: _Upstream | None = None
         self._sent: Sent | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self._started = time.perf_counter()
 
     def next_server(self) -> None:
@@ -374,25 +372,23 @@ class _UdpForward:
         for server in self._servers:
             pool = forwarder._literal_pool(server)
             try:
-                self._sent = pool.send(self._query, self._reply, self._parsed.question)
+                self._sent = pool.send(self._query, self._reply, self._parsed.question, forwarder._timeout)
             except OSError as err:
                 _record_failure(server, err, forwarder._timeout, self._errors)
                 continue
             self._server = server
-            self._timer = pool.loop.call_later(forwarder._timeout, self._timed_out)
             return
         self._finish(UpstreamError(self._errors))
 
     def _reply(self, result: bytes | OSError | ValueError) -> None:
-        assert self._timer is not None and self._sent is not None and self._server is not None
+        """The pool's outcome for the current attempt, once: a reply, an error, or a TimeoutError."""
+        assert self._sent is not None and self._server is not None
         if isinstance(result, bytes):
             try:
                 self._finish(result)  # the client's answer first: the bookkeeping can wait
-            finally:  # even if answering failed: no timeout may call on_done a second time
-                self._timer.cancel()
-                self._sent.forget()
+            finally:
+                self._sent.forget()  # (lets a retired pool socket close)
             return
-        self._timer.cancel()
         self._sent.forget()
         if isinstance(result, PoolClosed):  # the agent is stopping: no other upstream
             self._errors.append((self._server.label, str(result)))
@@ -400,12 +396,6 @@ class _UdpForward:
         else:
             _record_failure(self._server, result, self._forwarder._timeout, self._errors)
             self.next_server()
-
-    def _timed_out(self) -> None:
-        assert self._sent is not None and self._server is not None
-        self._sent.forget()
-        _record_failure(self._server, TimeoutError(), self._forwarder._timeout, self._errors)
-        self.next_server()
 
     def _finish(self, result: bytes | UpstreamError) -> None:
         try:
