@@ -45,11 +45,11 @@ def test_replies_go_to_each_sender_as_two_bytes_of_its_datagram_and_a_tail(serve
     tails = [b"-tail-%d" % index for index in range(3)]
     try:
         for index, client in enumerate(clients):
-            client.sendto(b"I%d rest of the query" % index, server.getsockname())
+            client.sendto(b"I%d rest of query %d" % (index, index), server.getsockname())
         batch = DatagramBatch(size=8, datagram_size=64)
         assert batch.receive(server.fileno()) == 3
-        batch.reply_to(2, tails[2], data_address(tails[2]))  # any order, any subset
-        batch.reply_to(0, tails[0], data_address(tails[0]))
+        known = {b" rest of query %d" % i: (tails[i], data_address(tails[i]), f"extra {i}") for i in (0, 2)}
+        assert batch.reply_known(3, known) == (["extra 0", "extra 2"], [1])  # any subset
         assert batch.send(server.fileno()) == 2
         assert clients[0].recv(64) == b"I0-tail-0"
         assert clients[2].recv(64) == b"I2-tail-2"
@@ -80,6 +80,8 @@ def test_a_datagram_longer_than_a_slot_arrives_cut_and_says_so(server: socket.so
         assert batch.receive(server.fileno()) == 2
         assert batch.datagram(0) == b"x" * 16 and batch.truncated(0)
         assert batch.datagram(1) == b"y" * 16 and not batch.truncated(1)
+        known = {b"x" * 14: (b"", data_address(b""), 0), b"y" * 14: (b"", data_address(b""), 1)}
+        assert batch.reply_known(2, known) == ([], [0, 1])  # a slot filled to the brim may be cut
 
 
 def test_ipv6_senders_keep_port_flow_and_scope() -> None:
@@ -93,7 +95,7 @@ def test_ipv6_senders_keep_port_flow_and_scope() -> None:
         assert batch.receive(server.fileno()) == 1
         assert batch.sender(0) == client.getsockname()
         tail = b" back"
-        batch.reply_to(0, tail, data_address(tail))
+        assert batch.reply_known(1, {b"x": (tail, data_address(tail), None)}) == ([None], [])
         assert batch.send(server.fileno()) == 1
         assert client.recv(16) == b"si back"
 

@@ -17,7 +17,10 @@ import ctypes
 import errno
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+_Extra = TypeVar("_Extra")
 
 _SOCKADDR_SIZE = 128
 """sizeof(struct sockaddr_storage): room for any address family."""
@@ -104,7 +107,7 @@ class DatagramBatch:
     """Preallocated buffers for up to ``size`` datagrams in, and up to ``size`` replies out.
 
     A received datagram ``i`` is ``data[i * datagram_size :][: lengths[i]]``; a datagram longer than
-    ``datagram_size`` arrives cut, with ``truncated(i)`` true. A reply is queued with ``reply_to``
+    ``datagram_size`` arrives cut, with ``truncated(i)`` true. Replies are queued with ``reply_known``
     as two pieces (two bytes of the query, e.g. its ID, then any bytes object) and sent with
     ``send``; the batch keeps the queued objects alive until then.
     """
@@ -177,20 +180,43 @@ class DatagramBatch:
         start = i * _SOCKADDR_SIZE
         return address_tuple(self.names[start : start + self._receive_ints[i * _HEADER_INTS + _NAMELEN]])
 
-    def reply_to(self, i: int, tail: bytes, tail_address: int) -> None:
-        """Queue a reply to datagram ``i``: its first two bytes, then ``tail`` (at ``tail_address``)."""
-        j = self._queued
-        self._queued = j + 1
-        self._keep.append(tail)
-        words = self._reply_words
-        words[j * _HEADER_WORDS + _NAME] = self._name_addresses[i]
-        self._reply_ints[j * _HEADER_INTS + _NAMELEN] = self._receive_ints[i * _HEADER_INTS + _NAMELEN]
-        iov = self._reply_iov_words
-        k = 2 * j * _IOV_WORDS
-        iov[k] = self._data_addresses[i]
-        iov[k + 1] = 2
-        iov[k + 2] = tail_address
-        iov[k + 3] = len(tail)
+    def reply_known(
+        self, count: int, replies: Mapping[bytes, tuple[bytes, int, _Extra]]
+    ) -> tuple[list[_Extra], list[int]]:
+        """Queue a reply to each of the first ``count`` datagrams that ``replies`` knows.
+
+        ``replies`` maps a datagram's bytes after its first two (a DNS query without its ID) to
+        ``(tail, address of tail's bytes, extra)``; the reply is the datagram's first two bytes, then
+        ``tail``. A datagram that arrived cut is never looked up. Returns the ``extra`` of every reply
+        queued, and the indexes of the other datagrams. One call per batch with the loop inside: a
+        method call per datagram cost as much as the rest of its answer.
+        """
+        size, data, lengths = self.datagram_size, self.data, self.lengths
+        received, names, addresses = self._receive_ints, self._name_addresses, self._data_addresses
+        words, ints, iov = self._reply_words, self._reply_ints, self._reply_iov_words
+        keep, queued = self._keep.append, self._queued
+        extras: list[_Extra] = []
+        others: list[int] = []
+        for i in range(count):
+            length = lengths[i]
+            start = i * size
+            known = replies.get(bytes(data[start + 2 : start + length])) if length < size else None
+            if known is None:
+                others.append(i)
+                continue
+            tail = known[0]
+            keep(tail)  # alive until sent
+            words[queued * _HEADER_WORDS + _NAME] = names[i]
+            ints[queued * _HEADER_INTS + _NAMELEN] = received[i * _HEADER_INTS + _NAMELEN]
+            k = 2 * queued * _IOV_WORDS
+            iov[k] = addresses[i]
+            iov[k + 1] = 2
+            iov[k + 2] = known[1]
+            iov[k + 3] = len(tail)
+            queued += 1
+            extras.append(known[2])
+        self._queued = queued
+        return extras, others
 
     def send(self, fd: int) -> int:
         """Send the queued replies; a reply the kernel refuses is dropped (UDP). Returns how many went."""

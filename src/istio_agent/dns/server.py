@@ -362,20 +362,13 @@ class _UdpListener:
 
     def _answer(self, batch: DatagramBatch, count: int) -> None:
         """Remembered questions first, all in one send; then the others, one by one."""
-        remembered, stats = self._remembered, self._resolver.stats
-        data, size, lengths = batch.data, batch.datagram_size, batch.lengths
-        others: list[int] = []
-        for i in range(count):
-            start = i * size
-            length = lengths[i]
-            known = remembered.get(bytes(data[start + 2 : start + length])) if length < size else None
-            if known is None:
-                others.append(i)
-            else:
-                batch.reply_to(i, known[0], known[1])
-                stats.queries[known[2]] += 1
-        if len(others) < count:
-            stats.requests += count - len(others)
+        answered, others = batch.reply_known(count, self._remembered)
+        if answered:
+            stats = self._resolver.stats
+            stats.requests += len(answered)
+            queries = stats.queries
+            for labels in answered:
+                queries[labels] += 1
             batch.send(self._fd)
         for i in others:  # after the send: an answer below may clear what the batch still sends
             self._answer_one(batch.datagram(i), batch.sender(i), oversized=batch.truncated(i))
