@@ -681,6 +681,48 @@ async def test_the_pools_one_timer_keeps_every_querys_own_deadline(fakes: Any) -
         pool.close()
 
 
+@pytest.mark.both_loops
+async def test_the_pools_timer_runs_a_few_times_for_many_timeouts(fakes: Any) -> None:
+    """uvloop may fire a timer a rounding error early: that must not make the timer spin until due."""
+    quiet = await fakes(silent)
+    pool = UdpPool(
+        socket.AF_INET, quiet.address, limits=PoolLimits(), ids=RandomIds(), unmatched=lambda: None
+    )
+    runs, expire = [], pool._expire
+
+    def counted() -> None:
+        runs.append(1)
+        expire()
+
+    pool._expire = counted  # type: ignore[method-assign]
+    outcomes: list[str] = []
+    try:
+        for qid in range(10):
+            pool.send(
+                make_query(qid=qid), lambda result: outcomes.append(type(result).__name__), timeout=0.05
+            )
+            await asyncio.sleep(0.003)
+        await asyncio.sleep(0.3)
+        assert outcomes == ["TimeoutError"] * 10
+        assert len(runs) <= 10  # before the fix: ~200 on uvloop for these ten
+    finally:
+        pool.close()
+
+
+async def test_a_retired_socket_closes_when_its_last_query_times_out(fakes: Any) -> None:
+    quiet = await fakes(silent)
+    limits = PoolLimits(sockets=1, queries=1)
+    pool = UdpPool(socket.AF_INET, quiet.address, limits=limits, ids=RandomIds(), unmatched=lambda: None)
+    try:
+        pool.send(make_query(qid=1), lambda result: None, timeout=0.05)
+        pool.send(make_query(qid=2), lambda result: None)  # retires the first socket
+        assert pool.open_sockets == 2
+        await asyncio.sleep(0.2)  # the first query timed out, and its waiter never called forget()
+        assert pool.open_sockets == 1
+    finally:
+        pool.close()
+
+
 def test_bad_pool_limits_are_rejected() -> None:
     with pytest.raises(ValueError, match="pool limits"):
         PoolLimits(sockets=0)

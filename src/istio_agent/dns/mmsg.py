@@ -187,9 +187,9 @@ class DatagramBatch:
 
         ``replies`` maps a datagram's bytes after its first two (a DNS query without its ID) to
         ``(tail, address of tail's bytes, extra)``; the reply is the datagram's first two bytes, then
-        ``tail``. A datagram that arrived cut is never looked up. Returns the ``extra`` of every reply
-        queued, and the indexes of the other datagrams. One call per batch with the loop inside: a
-        method call per datagram cost as much as the rest of its answer.
+        ``tail``. A datagram that fills its slot (it may have been cut) is not looked up. Returns the
+        ``extra`` of every reply queued, and the indexes of the other datagrams. One call per batch
+        with the loop inside: a method call per datagram cost as much as the rest of its answer.
         """
         size, data, lengths = self.datagram_size, self.data, self.lengths
         received, names, addresses = self._receive_ints, self._name_addresses, self._data_addresses

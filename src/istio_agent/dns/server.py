@@ -198,9 +198,8 @@ class DnsResolver:
         asked = self._not_in_table.get(data[2:])
         if asked is not None:  # asked before and not in the table: parsing and lookup are skipped
             stats.requests += 1
-            return self._cached(
-                Query((data[0] << 8) | data[1], *asked[1:]), limit
-            )  # as _replace, at half the cost
+            # The tuple constructor does what _replace(id=...) does, at half the cost.
+            return self._cached(Query((data[0] << 8) | data[1], *asked[1:]), limit)
         try:
             query = parse_query(data)
         except Rejected as rejected:
@@ -366,9 +365,7 @@ class _UdpListener:
         if answered:
             stats = self._resolver.stats
             stats.requests += len(answered)
-            queries = stats.queries
-            for labels in answered:
-                queries[labels] += 1
+            stats.queries.update(answered)  # each answer's (qtype, rcode, source)
             batch.send(self._fd)
         for i in others:  # after the send: an answer below may clear what the batch still sends
             self._answer_one(batch.datagram(i), batch.sender(i), oversized=batch.truncated(i))

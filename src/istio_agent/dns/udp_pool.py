@@ -46,6 +46,10 @@ UDP_RECEIVE_BUFFER = 65535
 """A whole datagram: a big reply is relayed and truncated for the client by the server."""
 _READS_PER_WAKEUP = 64
 """Datagrams read per readiness callback, so one busy socket cannot hold the event loop."""
+_CLOCK_SLACK = 0.001
+"""A deadline this close is due (uvloop's timer resolution)."""
+_EXPIRY_GRAIN = 0.01
+"""Timeouts due within this of each other are handled by one run of the pool's timer."""
 
 
 @dataclass(frozen=True)
@@ -123,10 +127,8 @@ class Sent:
 
     def settle(self, result: bytes | OSError | DnsFormatError) -> None:
         """The query's outcome to its waiter, once; a failing waiter costs this query, not the reader."""
-        pending = self._channel.pending
-        if pending.get(self._id) is self:
-            del pending[self._id]
         on_reply, self._on_reply = self._on_reply, None
+        self.forget()
         if on_reply is None:
             return
         try:
@@ -184,14 +186,14 @@ class UdpPool:
     def send(
         self, query: bytes, on_reply: OnReply, question: bytes | None = None, timeout: float | None = None
     ) -> Sent:
-        """Send ``query``; ``on_reply`` is called once, from a callback of the loop, with its outcome.
+        """Send ``query``; ``on_reply`` is called at most once with its outcome, never from here.
 
         ``question``: the query's ``Query.question`` if the caller parsed it (a cheaper reply check).
         ``timeout``: seconds after which ``on_reply`` gets a TimeoutError (the pool's one timer, see
-        ``_expire``); without it the caller bounds the wait itself. Either way ``forget()`` on what
-        this returns frees the query's ID and makes sure ``on_reply`` is not called any more. Raises
+        ``_expire``); without it the caller bounds the wait itself. ``forget()`` on what this
+        returns frees the query's ID and makes sure ``on_reply`` is not called any more. Raises
         OSError when the query cannot be sent (a full send buffer counts: UDP, another upstream may
-        do better).
+        do better). ``close()`` ends every query in flight with PoolClosed.
         """
         loop = self._loop
         if loop is None or not loop.is_running():  # (on Python 3.11 get_running_loop costs a getpid())
@@ -259,14 +261,16 @@ class UdpPool:
         """Time out every query past its deadline; then sleep until the next deadline, if any.
 
         One timer for the pool instead of one per query (a timer and its cancel cost ~3 µs of every
-        forwarded query on uvloop). Queries usually end long before their deadline, so this runs
-        about once per timeout while queries keep coming, and scans only the queries in flight.
+        forwarded query on uvloop). While queries end before their deadlines this runs about once
+        per timeout; when an upstream stops answering, at most once per ``_EXPIRY_GRAIN``. Each run
+        scans the queries in flight (bounded by the server's limit on forwarded queries).
         """
         self._expiry, self._expiry_at = None, math.inf
         loop = self._loop
-        if loop is None:
-            return
-        now = loop.time()
+        if loop is None or not self._open:
+            return  # closed
+        # uvloop's timers have a millisecond's resolution and may fire a rounding error early.
+        now = loop.time() + _CLOCK_SLACK
         expired: list[Sent] = []
         next_deadline = math.inf
         for channel in self._open:
@@ -277,8 +281,8 @@ class UdpPool:
                     next_deadline = sent.deadline
         for sent in expired:
             sent.settle(TimeoutError())  # the waiter may send again (and set the timer)
-        if next_deadline != math.inf:
-            self._expire_by(loop, next_deadline)
+        if next_deadline != math.inf and self._open:  # (a waiter may have closed the pool)
+            self._expire_by(loop, max(next_deadline, now + _EXPIRY_GRAIN))
 
     def _new_channel(self, loop: asyncio.AbstractEventLoop) -> _Channel:
         sock = socket.socket(self.family, socket.SOCK_DGRAM)

@@ -679,8 +679,8 @@ def check_reply(query: bytes, reply: bytes, question: bytes | None = None) -> No
     On the latency path of every forwarded query, so the usual reply (one question, the query's as
     sent, case aside) is checked by comparing bytes and walking its records with the same checks as
     ``_parse`` but without building them (``_skip_records``). Any other reply gets the full parse.
-    ``question`` is ``Query.question`` of ``query`` when the caller parsed it: where the question
-    ends is then known without walking the query's name again.
+    ``question`` is ``Query.question`` of ``query`` (its bytes ``query[12:end]``) when the caller
+    parsed it: where the question ends is then known without walking the query's name again.
     """
     if len(reply) < HEADER_SIZE:
         raise DnsFormatError("reply shorter than a DNS header")
@@ -692,7 +692,7 @@ def check_reply(query: bytes, reply: bytes, question: bytes | None = None) -> No
         raise DnsFormatError("reply does not have the QR bit set")
     _, _, qdcount, ancount, nscount, arcount = _HEADER.unpack_from(reply)
     if qdcount == 1:
-        if question is None:
+        if not question:
             asked = _question_end(query, len(query))
             end = asked[1] if asked is not None else 0
         else:
