@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.table import shuffle_by_ids
-from istio_agent.dns.udp_pool import PoolClosed, PoolLimits, RandomIds, Sent, UdpPool
+from istio_agent.dns.udp_pool import PoolClosed, PoolLimits, RandomIds, UdpPool
 from istio_agent.dns.wire import Query, check_reply
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
@@ -343,7 +343,6 @@ class _UdpForward:
         "_on_done",
         "_parsed",
         "_query",
-        "_sent",
         "_server",
         "_servers",
         "_started",
@@ -364,7 +363,6 @@ class _UdpForward:
         self._servers = iter(servers if len(servers) == 1 else shuffled(servers, forwarder._next_id))
         self._errors: list[tuple[str, str]] = []
         self._server: _Upstream | None = None
-        self._sent: Sent | None = None
         self._started = time.perf_counter()
 
     def next_server(self) -> None:
@@ -372,7 +370,7 @@ class _UdpForward:
         for server in self._servers:
             pool = forwarder._literal_pool(server)
             try:
-                self._sent = pool.send(self._query, self._reply, self._parsed.question, forwarder._timeout)
+                pool.send(self._query, self._reply, self._parsed.question, forwarder._timeout)
             except OSError as err:
                 _record_failure(server, err, forwarder._timeout, self._errors)
                 continue
@@ -381,15 +379,14 @@ class _UdpForward:
         self._finish(UpstreamError(self._errors))
 
     def _reply(self, result: bytes | OSError | ValueError) -> None:
-        """The pool's outcome for the current attempt, once: a reply, an error, or a TimeoutError."""
-        assert self._sent is not None and self._server is not None
+        """The pool's outcome for the current attempt, once: a reply, an error, or a TimeoutError.
+
+        The pool has already forgotten the query (``Sent.settle``): nothing is left to cancel.
+        """
+        assert self._server is not None
         if isinstance(result, bytes):
-            try:
-                self._finish(result)  # the client's answer first: the bookkeeping can wait
-            finally:
-                self._sent.forget()  # (lets a retired pool socket close)
+            self._finish(result)
             return
-        self._sent.forget()
         if isinstance(result, PoolClosed):  # the agent is stopping: no other upstream
             self._errors.append((self._server.label, str(result)))
             self._finish(UpstreamError(self._errors))
