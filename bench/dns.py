@@ -1,6 +1,6 @@
 """DNS benchmark: the agent's DNS proxy against dnsmasq, with dnsperf.
 
-    python -m bench.dns [--seconds 10] [--names 1000] [--rate 1000] [--table-only]
+    python -m bench.dns [--seconds 10] [--names 1000] [--rate 1000] [--rounds 3] [--table-only]
 
 Needs root (the upstream listens on port 53 of a spare 127.0.0.N, because resolv.conf carries no
 port), dnsmasq and dnsperf (Debian packages; ``make`` installs them). One dnsmasq is the upstream
@@ -31,8 +31,11 @@ during the row, per answered query.
 Each target gets one unmeasured pass over its names first (warm-up).
 
 Goals: (a) and (a4) agent >= 1.1x dnsmasq's queries/s (unlimited rows) with CPU per answered query
-<= dnsmasq's, p99 <= 2 ms (fixed rate); (b) agent adds <= 60 µs to the direct p50 at the fixed rate
-(printed beside what dnsmasq as forwarder adds) and latency <= 1.3x direct (p50; p99 ratio shown too).
+<= dnsmasq's, p99 <= 2 ms (fixed rate). The unlimited (a) and (a4) rows are measured ``--rounds``
+times (each server going first in turn) and these two goals use the median, because on a shared
+machine the ratio of two servers this close moves by ±20% from one run to the next; (b) agent adds
+<= 60 µs to the direct p50 at the fixed rate (printed beside what dnsmasq as forwarder adds) and
+latency <= 1.3x direct (p50; p99 ratio shown too).
 The agent's RSS (pilot-agent only, Envoy excluded) is printed for each agent.
 ``--table-only`` measures only (a) and (a4) (no forwarding, no DNS_CACHE agent).
 Last, the time to build the lookup table from an NDS name table of ``TABLE_BUILD_HOSTS`` services
@@ -45,6 +48,7 @@ import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -370,6 +374,8 @@ class Row:
 class Bench:
     seconds: float
     rate: int
+    rounds: int = 1
+    """How many times the unlimited table-hit rows are measured (their ratio moves with the machine)."""
     rows: list[Row] = field(default_factory=list)
     memory: list[tuple[str, float, float]] = field(default_factory=list)
     unavailable: list[str] = field(default_factory=list)
@@ -384,10 +390,17 @@ class Bench:
         *,
         clients: int = 1,
         fixed_rate: bool = True,
+        round_: int = 1,
     ) -> None:
         warm_up(server, datafile)
         for rate in (None, self.rate) if fixed_rate else (None,):
-            load = "unlimited" if rate is None else f"{rate:,} q/s"
+            load = (
+                f"{rate:,} q/s"
+                if rate is not None
+                else "unlimited"
+                if round_ == 1
+                else f"unlimited, round {round_}"
+            )
             result = run_dnsperf(server, datafile, self.seconds, rate, pid, clients)
             self.rows.append(Row(scenario, target, load, result))
             print(f"  {scenario} / {target} / {load}: {result.qps:,.0f} q/s", file=sys.stderr, flush=True)
@@ -395,6 +408,21 @@ class Bench:
     def skip(self, scenario: str, target: str, reason: str) -> None:
         for load in ("unlimited", f"{self.rate:,} q/s") if scenario != TABLE_MANY else ("unlimited",):
             self.rows.append(Row(scenario, target, load, None, reason))
+
+    def unlimited(self, scenario: str) -> list[tuple[DnsperfResult, DnsperfResult]]:
+        """(agent, dnsmasq) of each round of a table-hit scenario's unlimited rows."""
+
+        def rows(target: str) -> list[DnsperfResult]:
+            return [
+                r.result
+                for r in self.rows
+                if r.scenario == scenario
+                and r.target == target
+                and r.load.startswith("unlimited")
+                and r.result
+            ]
+
+        return list(zip(rows("agent"), rows(DNSMASQ), strict=False))  # (a skipped round has neither)
 
     def find(self, scenario: str, target: str, load: str) -> DnsperfResult | None:
         return next(
@@ -412,14 +440,28 @@ FORWARD_CACHE = "(b') forwarded, DNS_CACHE=true"
 
 
 def measure_table(bench: Bench, dnsmasq: Dnsmasq, agent: Agent, datafile: Path) -> None:
-    """(a) and (a4), dnsmasq and the agent interleaved row by row while the agent and its Envoy run."""
+    """(a) and (a4), dnsmasq and the agent interleaved row by row while the agent and its Envoy run.
+
+    Rounds after the first repeat the unlimited rows only, each server going first in turn.
+    """
     assert dnsmasq.process is not None
-    for clients, scenario in ((1, TABLE), (MANY_CLIENTS, TABLE_MANY)):
-        for target, address_, pid in (
-            (DNSMASQ, dnsmasq.address, dnsmasq.process.pid),
-            ("agent", agent.dns, agent.pid),
-        ):
-            bench.measure(scenario, target, address_, datafile, pid, clients=clients, fixed_rate=clients == 1)
+    for round_ in range(1, bench.rounds + 1):
+        for clients, scenario in ((1, TABLE), (MANY_CLIENTS, TABLE_MANY)):
+            targets = [(DNSMASQ, dnsmasq.address, dnsmasq.process.pid), ("agent", agent.dns, agent.pid)]
+            if round_ % 2 == 0:
+                targets.reverse()
+            for target, address_, pid in targets:
+                fixed_rate = clients == 1 and round_ == 1
+                bench.measure(
+                    scenario,
+                    target,
+                    address_,
+                    datafile,
+                    pid,
+                    clients=clients,
+                    fixed_rate=fixed_rate,
+                    round_=round_,
+                )
 
 
 def measure_dnsmasq_forwarder(bench: Bench, base: Path, upstream: Dnsmasq, datafile: Path) -> None:
@@ -554,20 +596,28 @@ def report(bench: Bench, names: int) -> None:
     fixed = f"{bench.rate:,} q/s"
     print("Goals:\n")
     for scenario in (TABLE, TABLE_MANY):
-        agent_max = bench.find(scenario, "agent", "unlimited")
-        dnsmasq_max = bench.find(scenario, DNSMASQ, "unlimited")
         label = scenario.split(" ", 1)[0]
-        if agent_max and dnsmasq_max and dnsmasq_max.qps > 0:
-            ratio = agent_max.qps / dnsmasq_max.qps
-            cpu = f"{agent_max.cpu_us_per_query:.1f} vs {dnsmasq_max.cpu_us_per_query:.1f} µs"
-            verdict = "met" if ratio >= GOAL_QPS_RATIO else "NOT met"
-            cpu_verdict = "met" if agent_max.cpu_us_per_query <= dnsmasq_max.cpu_us_per_query else "NOT met"
-            print(
-                f"- {label} agent / dnsmasq queries/s = {ratio:.2f}x (goal >= {GOAL_QPS_RATIO:.1f}x): {verdict}; "
-                f"CPU per answered query {cpu} (goal <= dnsmasq's): {cpu_verdict}"
-            )
-        else:
+        pairs = [(agent, peer) for agent, peer in bench.unlimited(scenario) if peer.qps > 0]
+        if not pairs:
             print(f"- {label} agent / dnsmasq queries/s: not measured")
+            continue
+        ratios = [agent.qps / peer.qps for agent, peer in pairs]
+        ratio = statistics.median(ratios)
+        agent_cpu = statistics.median(agent.cpu_us_per_query for agent, _ in pairs)
+        peer_cpu = statistics.median(peer.cpu_us_per_query for _, peer in pairs)
+        verdict = "met" if ratio >= GOAL_QPS_RATIO else "NOT met"
+        cpu_verdict = "met" if agent_cpu <= peer_cpu else "NOT met"
+        spread = (
+            f" (median of {len(pairs)} rounds: {min(ratios):.2f}-{max(ratios):.2f}x, "
+            f">= {GOAL_QPS_RATIO:.1f}x in {sum(r >= GOAL_QPS_RATIO for r in ratios)})"
+            if len(pairs) > 1
+            else ""
+        )
+        print(
+            f"- {label} agent / dnsmasq queries/s = {ratio:.2f}x{spread} (goal >= {GOAL_QPS_RATIO:.1f}x): "
+            f"{verdict}; CPU per answered query {agent_cpu:.1f} vs {peer_cpu:.1f} µs (goal <= dnsmasq's): "
+            f"{cpu_verdict}"
+        )
     agent_fixed = bench.find(TABLE, "agent", fixed)
     if agent_fixed and agent_fixed.latencies:
         verdict = "met" if agent_fixed.p99_ms <= GOAL_P99_MS else "NOT met"
@@ -619,10 +669,16 @@ def main() -> None:
     parser.add_argument(
         "--table-only", action="store_true", help="only the table-hit rows (a) and (a4): no forwarding"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="times the unlimited table-hit rows are measured; the goals use the median",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) for inspection")
     args = parser.parse_args()
-    if args.names < 1 or args.seconds <= 0 or args.rate < 1:
-        parser.error("--names, --seconds and --rate must be positive")
+    if args.names < 1 or args.seconds <= 0 or args.rate < 1 or args.rounds < 1:
+        parser.error("--names, --seconds, --rate and --rounds must be positive")
     missing = [
         tool
         for tool, found in (("dnsperf", shutil.which("dnsperf")), ("dnsmasq", find_dnsmasq()))
@@ -633,7 +689,7 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("bench.dns needs root: the upstream dnsmasq listens on port 53 of a spare 127.0.0.N")
     base = Path(tempfile.mkdtemp(prefix="bench-dns-", dir="/tmp"))
-    bench = Bench(args.seconds, args.rate)
+    bench = Bench(args.seconds, args.rate, args.rounds)
     try:
         run(bench, base, args.names, table_only=args.table_only)
     except DnsmasqError as err:
