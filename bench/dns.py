@@ -394,13 +394,10 @@ class Bench:
     ) -> None:
         warm_up(server, datafile)
         for rate in (None, self.rate) if fixed_rate else (None,):
-            load = (
-                f"{rate:,} q/s"
-                if rate is not None
-                else "unlimited"
-                if round_ == 1
-                else f"unlimited, round {round_}"
-            )
+            if rate is not None:
+                load = f"{rate:,} q/s"
+            else:
+                load = "unlimited" if round_ == 1 else f"unlimited, round {round_}"
             result = run_dnsperf(server, datafile, self.seconds, rate, pid, clients)
             self.rows.append(Row(scenario, target, load, result))
             print(f"  {scenario} / {target} / {load}: {result.qps:,.0f} q/s", file=sys.stderr, flush=True)
