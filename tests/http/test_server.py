@@ -323,25 +323,77 @@ async def test_a_kept_alive_connection_may_idle_but_its_next_head_is_bounded(ser
         writer.close()
 
 
-async def test_connections_beyond_the_limit_are_closed_at_once(serve: Serve) -> None:
+async def half_open(port: int, n: int, host: str) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """``n`` connections from ``host`` that each send half a request head and stop (slowloris)."""
+    held = []
+    for _ in range(n):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(host, 0))
+        writer.write(b"GET /healthz/ready HTTP/1.1\r\nHo")
+        held.append((reader, writer))
+    return held
+
+
+async def probe(port: int) -> bytes:
+    """A kubelet-style probe: one request on a new connection, Connection: close."""
+    try:
+        return await raw(port, b"GET /healthz/ready HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+    except ConnectionError:
+        return b""
+
+
+async def test_a_flood_of_half_open_connections_does_not_lock_probes_out(serve: Serve) -> None:
+    """Issue 20: a neighbour holding the connection cap with half-sent heads made the pod unready."""
     rejected: list[str] = []
-    port = await serve(hello, limits=Limits(max_connections=3), on_reject=rejected.append)
-    held = await open_silent(port, 3)
+    port = await serve(hello, limits=Limits(max_connections=16), on_reject=rejected.append)
+    kept_reader, kept = await asyncio.open_connection("127.0.0.1", port)  # e.g. Prometheus, kept alive
+    kept.write(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    await read_response(kept_reader)
+    flood = await half_open(port, 20, "127.0.0.2")
+    try:
+        answers = []
+        for _ in range(20):
+            flood += await half_open(port, 3, "127.0.0.2")  # the flood goes on between probes
+            answers.append(await probe(port))
+        assert all(answer.startswith(b"HTTP/1.1 200 ") for answer in answers)
+        assert set(rejected) == {CONNECTION_LIMIT}
+        kept.write(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")  # the other peer's idle one was spared
+        head, _ = await read_response(kept_reader)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        still_open = [r for r, _ in flood if not await closed_within(r, 0.01)]
+        assert len(still_open) <= 15  # the flooder's oldest connections were the ones closed
+        assert not await closed_within(flood[-1][0], 0.01)
+    finally:
+        kept.close()
+        for _, writer in flood:
+            writer.close()
+
+
+async def test_connections_beyond_the_limit_are_closed_at_once_when_all_are_in_requests(
+    serve: Serve,
+) -> None:
+    rejected: list[str] = []
+    release = asyncio.Event()
+
+    async def slow(request: Request) -> StreamResponse:
+        await release.wait()
+        return Response(text="done")
+
+    port = await serve(slow, limits=Limits(max_connections=3), on_reject=rejected.append)
+    busy = await open_silent(port, 3)
+    for _, writer in busy:
+        writer.write(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
     await asyncio.sleep(0.1)
     (extra_reader, extra_writer), *_ = await open_silent(port, 1)
     try:
         assert await closed_within(extra_reader, 3)
         assert rejected == [CONNECTION_LIMIT]
-        held[0][1].write(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")  # the ones held are served
-        head, _ = await read_response(held[0][0])
-        assert head.startswith(b"HTTP/1.1 200 ")
-        held[1][1].close()
-        await asyncio.sleep(0.1)
-        answer = await raw(port, b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
-        assert answer.startswith(b"HTTP/1.1 200 ")  # room again once one left
+        release.set()
+        for reader, _ in busy:  # the requests in flight were not disturbed
+            head, body = await read_response(reader)
+            assert head.startswith(b"HTTP/1.1 200 ") and body == b"done"
     finally:
         extra_writer.close()
-        for _, writer in held:
+        for _, writer in busy:
             writer.close()
 
 

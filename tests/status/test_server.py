@@ -124,6 +124,38 @@ async def test_ready_is_200_with_empty_body_for_any_method(
         assert (status, body) == (200, "")
 
 
+async def test_probes_are_served_while_a_neighbour_floods_the_port_with_half_sent_heads(
+    server: StatusServer,
+) -> None:
+    """Issue 20: 520 slowloris connections from one neighbour filled the cap and the pod went unready."""
+
+    async def half_open() -> asyncio.StreamWriter:
+        _, writer = await asyncio.open_connection("127.0.0.1", server.port, local_addr=("127.0.0.2", 0))
+        writer.write(b"GET /healthz/ready HTTP/1.1\r\nHo")
+        return writer
+
+    async def probe() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /healthz/ready HTTP/1.1\r\nHost: 10.0.0.1:15020\r\nConnection: close\r\n\r\n")
+        try:
+            return await asyncio.wait_for(reader.read(), 5)
+        except ConnectionError:
+            return b""
+        finally:
+            writer.close()
+
+    flood = [await half_open() for _ in range(520)]
+    try:
+        answers = []
+        for _ in range(20):
+            flood += [await half_open() for _ in range(5)]
+            answers.append(await probe())
+        assert [answer.split(b"\r\n", 1)[0] for answer in answers] == [b"HTTP/1.1 200 OK"] * 20
+    finally:
+        for writer in flood:
+            writer.close()
+
+
 async def test_not_ready_is_503_with_the_reason(
     server: StatusServer, calls: Calls, client: aiohttp.ClientSession
 ) -> None:

@@ -15,9 +15,14 @@ connection instead of waiting for a body it never asked for), request head and b
 Hostile or broken clients cost little and never flood the log, whoever can reach the port: a
 malformed request gets its 400 (431, 505) and a closed connection; a request head must be complete
 within ``Limits.header_timeout`` (Go's ReadHeaderTimeout: a client that connects and sends nothing,
-or trickles its head, is closed); at most ``Limits.max_connections`` are served at once (more are
-closed at once). Each such connection is reported to the runner's ``on_reject`` (metrics) and
-logged on a debug line at most every ``REJECT_LOG_INTERVAL`` seconds.
+or trickles its head, is closed); at most ``Limits.max_connections`` are held at once. A new
+connection beyond that takes the place of one that is not in a request (idle between requests, or
+still sending its head): the one idle the longest, of the peer address that holds the most. A
+flood of half-open connections from one neighbour therefore evicts its own connections, never a
+kubelet's probe (Istio's Go server has no cap at all; ours keeps its file descriptors bounded and
+still serves the probes). Only when every connection is in a request is a new one closed at once.
+Each such connection is reported to the runner's ``on_reject`` (metrics) and logged on a debug line
+at most every ``REJECT_LOG_INTERVAL`` seconds.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import formatdate
@@ -72,7 +78,7 @@ class Limits:
     first byte for the next ones (Go's ReadHeaderTimeout). Every client of the agent sends its head
     at once; a slowloris client is closed."""
     max_connections: int = 512
-    """Connections served at once; more are closed as they come (each holds a file descriptor)."""
+    """Connections held at once (each holds a file descriptor); a new one beyond evicts an idle one."""
 
 
 def reason_phrase(status: int) -> str:
@@ -115,8 +121,12 @@ class _Connection:
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self._limits.max_head)
         name = writer.get_extra_info("peername")
         self.peer = (str(name[0]), int(name[1])) if isinstance(name, tuple) and len(name) >= 2 else None
+        self.host = self.peer[0] if self.peer else ""
+        """The peer's address without the port: connections are weighed per host when evicting."""
         self.idle = True
+        self.idle_since = asyncio.get_running_loop().time()
         self.closing = False
+        self.evicted = False
         self._method = ""
         self._status = 0
         self._started = False
@@ -130,10 +140,17 @@ class _Connection:
         if self.idle:
             self._writer.close()
 
+    def evict(self) -> None:
+        """Make room for a new connection: drop this idle one at once (its descriptor is freed now)."""
+        self.closing = self.evicted = True
+        self._writer.transport.abort()
+
     async def serve(self) -> None:
         try:
             await self._serve()
         except h11.RemoteProtocolError as err:
+            if self.evicted:  # its head was cut short by the eviction, not by the client
+                return
             self._runner.rejected(MALFORMED, self.peer, str(err))
             await self._reject(err)
         except ClientDisconnected:
@@ -145,6 +162,7 @@ class _Connection:
         first = True
         while not self.closing:
             self.idle = True
+            self.idle_since = asyncio.get_running_loop().time()
             event = await self._next_head(first)
             first = False
             if not isinstance(event, h11.Request):  # ConnectionClosed, or timed out
@@ -182,7 +200,7 @@ class _Connection:
                         deadline.reschedule(loop.time() + limits.header_timeout)
                     self._h11.receive_data(data)
         except TimeoutError:
-            if begun:
+            if begun and not self.evicted:
                 self._runner.rejected(
                     HEADER_TIMEOUT, self.peer, f"no complete request head within {limits.header_timeout:g}s"
                 )
@@ -380,15 +398,29 @@ class ServerRunner:
             writer.close()
             return
         if len(self._connections) >= self.limits.max_connections:
-            writer.close()
-            self.rejected(CONNECTION_LIMIT, writer.get_extra_info("peername"), "too many connections")
-            return
+            victim = self._eviction_candidate()
+            if victim is None:
+                writer.close()
+                self.rejected(CONNECTION_LIMIT, writer.get_extra_info("peername"), "too many connections")
+                return
+            del self._connections[victim]
+            victim.evict()
+            self.rejected(
+                CONNECTION_LIMIT, victim.peer, "closed an idle connection to make room for a new one"
+            )
         connection = _Connection(self, reader, writer)
         self._connections[connection] = task
         try:
             await connection.serve()
         finally:
-            del self._connections[connection]
+            self._connections.pop(connection, None)
+
+    def _eviction_candidate(self) -> _Connection | None:
+        """The connection to drop for a new one: not in a request, of the peer holding the most
+        connections, idle the longest. None when every connection is in a request."""
+        held = Counter(connection.host for connection in self._connections)
+        idle = (connection for connection in self._connections if connection.idle)
+        return min(idle, key=lambda c: (-held[c.host], c.idle_since), default=None)
 
     def rejected(self, reason: str, peer: object, detail: str) -> None:
         """A connection closed without a request served: report it; log it unless a line went out lately."""
