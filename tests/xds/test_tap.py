@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,79 @@ async def test_stop_with_idle_connections_open_logs_no_error(
         silent.close()
         http.close()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+# -- what a hostile asker can cost (issue 20) -----------------------------------------------------------
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_request_followed_by_a_stream_of_bytes_is_held_back_by_tcp(
+    short_tmp: Path, istiod: FakeIstiod
+) -> None:
+    """The tap read the socket into memory without limit while the question waited on istiod."""
+    async with running(settings_for(short_tmp, istiod.address)) as (proxy, channel):
+        tap = DebugTap(proxy, 0, host="127.0.0.1", http_timeout=10.0)
+        await tap.start()
+        try:
+            await envoy_connected(channel, istiod, delta=False)  # so the question waits on istiod
+            _, writer = await asyncio.open_connection("127.0.0.1", tap.port)
+            writer.write(b"GET /debug/nonexistent HTTP/1.1\r\nHost: localhost:15004\r\n\r\n")
+            chunk, sent = b"x" * 65536, 0
+            try:
+                async with asyncio.timeout(2):
+                    while sent < 512 * 2**20:
+                        writer.write(chunk)
+                        await writer.drain()
+                        sent += len(chunk)
+            except TimeoutError:
+                pass
+            finally:
+                writer.close()
+            assert sent < 32 * 2**20, f"the tap took {sent >> 20} MiB it had not asked for"
+        finally:
+            await tap.stop()
+
+
+async def test_connections_are_bounded_and_the_tap_stays_usable(tapped: Any) -> None:
+    """~6,700 connections that sent only ``PRI `` took every descriptor of the agent."""
+    _, tap, _ = tapped
+    before = open_descriptors()
+    held = []
+    for _ in range(200):
+        reader, writer = await asyncio.open_connection("127.0.0.1", tap.port)
+        writer.write(b"PRI ")
+        held.append((reader, writer))
+    await asyncio.sleep(0.5)
+    try:
+        grown = open_descriptors() - before
+        assert grown <= 200 + 3 * 64 + 16, f"{grown} descriptors for 200 connections"  # 200 are the test's
+        reply = await http_request("GET", f"http://127.0.0.1:{tap.port}/debug/syncz")
+        assert reply.status == 503  # answered (no stream to istiod here), not refused
+    finally:
+        for _, writer in held:
+            writer.close()
+
+
+@pytest.mark.both_loops
+async def test_askers_hanging_up_on_http2_connections_log_no_error(
+    tapped: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each closed HTTP/2 connection logged a 17-line "Unhandled exception in client_connected_cb"."""
+    _, tap, _ = tapped
+    for _ in range(30):
+        reader, writer = await asyncio.open_connection("127.0.0.1", tap.port)
+        writer.write(H2_PREFACE)
+        await asyncio.wait_for(reader.read(9), 5)  # the server's SETTINGS: the relay is up
+        writer.transport.abort()  # a reset, as a client killed mid-connection
+        reader, writer = await asyncio.open_connection("127.0.0.1", tap.port)
+        writer.write(H2_PREFACE)
+        await asyncio.wait_for(reader.read(9), 5)
+        writer.close()
+    await asyncio.sleep(0.5)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, caplog.text

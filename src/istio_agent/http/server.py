@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import Protocol
 
 import h11
 
@@ -57,6 +58,12 @@ CONNECTION_LIMIT = "connection_limit"
 """Why a connection was closed without serving a request (``on_reject``'s argument)."""
 
 RejectObserver = Callable[[str], None]
+
+
+class ByteReader(Protocol):
+    """What a connection reads from: an ``asyncio.StreamReader``, or one with sniffed bytes put back."""
+
+    async def read(self, n: int = -1) -> bytes: ...
 
 
 class ClientDisconnected(ConnectionResetError):
@@ -111,9 +118,7 @@ def _has_body(method: str, status: int) -> bool:
 class _Connection:
     """One client connection: reads requests with h11, runs the handler, writes its responses."""
 
-    def __init__(
-        self, runner: ServerRunner, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    def __init__(self, runner: ServerRunner, reader: ByteReader, writer: asyncio.StreamWriter) -> None:
         self._runner = runner
         self._limits = runner.limits
         self._reader = reader
@@ -391,7 +396,7 @@ class ServerRunner:
     def connections(self) -> int:
         return len(self._connections)
 
-    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def accept(self, reader: ByteReader, writer: asyncio.StreamWriter) -> None:
         """Serve one accepted connection until it closes (a stream server's client callback)."""
         task = asyncio.current_task()
         if self._closed or task is None:

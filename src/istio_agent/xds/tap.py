@@ -11,6 +11,11 @@ the stream core, 15 s per question); anything else is HTTP/1.1 ``GET /debug/<nam
 Errors say what happened rather than leave the asker waiting: no stream to istiod is open
 (gRPC UNAVAILABLE, HTTP 503), istiod did not answer in time (DEADLINE_EXCEEDED, 504 with the
 reason), or the type is not a debug type (INVALID_ARGUMENT; Istio ended such a stream silently).
+
+Any container of the pod can reach the port, so what a connection costs is bounded: bytes are read
+only as the HTTP server or the gRPC relay consumes them (TCP holds a client that streams more), at
+most ``MAX_CONNECTIONS`` are held (a new one beyond closes the one quiet the longest), and the gRPC
+server drops connections that never finish their handshake or stay idle (``uds.ServerLimits``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from istio_agent.http.messages import Response as HttpResponse
 from istio_agent.http.messages import StreamResponse
 from istio_agent.http.server import ServerRunner
 from istio_agent.log import scope
+from istio_agent.uds import ServerLimits
 from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request, Resource
 from istio_agent.xds.proxy import DEBUG_TYPE_PREFIX, TapError, TapTimeout
 from istio_agent.xds.stream import Reply, Source, Stream, StreamError, StreamServer
@@ -50,6 +56,8 @@ FIRST_BYTES_TIMEOUT = 30.0
 _H2_START = b"PRI "
 """The first four bytes of HTTP/2's connection preface; no HTTP/1.1 method begins so."""
 _COPY_SIZE = 65536
+MAX_CONNECTIONS = 64
+"""Connections held at once; a gRPC one costs three descriptors (the asker's and the relay's two)."""
 
 
 class Tappable(Protocol):
@@ -129,11 +137,13 @@ class DebugTap:
         host: str = "localhost",
         grpc_timeout: float = GRPC_TIMEOUT,
         http_timeout: float = HTTP_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self._upstream = upstream
         self._host = host
         self._port = port
         self._http_timeout = http_timeout
+        self._max_connections = max_connections
         self._core: StreamServer[None, None] = StreamServer(
             _TapSource(upstream, grpc_timeout), name="tap", log=log, describe="debug tap"
         )
@@ -141,7 +151,7 @@ class DebugTap:
         self._grpc_port = 0
         self._http = ServerRunner(self._handle)
         self._listener: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], _TapConnection] = {}
 
     @property
     def port(self) -> int:
@@ -151,7 +161,7 @@ class DebugTap:
         return int(self._listener.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=ServerLimits().grpc_options())
         self._core.register(server, ADS_SERVICE, {SOTW.method: SOTW, DELTA.method: DELTA})
         self._grpc_port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -171,9 +181,10 @@ class DebugTap:
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
-        for task in list(self._connections):
+        tasks = list(self._connections)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._http.cleanup(0.5)
         await self._core.close()
         server, self._grpc = self._grpc, None
@@ -185,46 +196,58 @@ class DebugTap:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
+        connection = _TapConnection(writer)
+        if len(self._connections) >= self._max_connections:
+            self._evict_quietest()
+        self._connections[task] = connection
         try:
-            await self._serve(reader, writer)
+            await self._serve(reader, connection)
         except asyncio.CancelledError:
             pass  # stop(): ends here, or asyncio (3.11) logs the cancelled connection task as an error
         finally:
-            self._connections.discard(task)
+            self._connections.pop(task, None)
             writer.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _evict_quietest(self) -> None:
+        """Make room: close the connection through which nothing has moved for the longest."""
+        task, quietest = min(self._connections.items(), key=lambda item: item[1].last_active)
+        del self._connections[task]
+        quietest.abort()
+        log.debug("debug tap: %d connections held, closed the one quiet the longest", self._max_connections)
+
+    async def _serve(self, reader: asyncio.StreamReader, connection: _TapConnection) -> None:
         """Sniff the protocol from the first bytes, then serve the connection as gRPC or HTTP."""
         try:
             first = await asyncio.wait_for(reader.readexactly(len(_H2_START)), FIRST_BYTES_TIMEOUT)
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
             return
+        connection.touch()
         if first == _H2_START:
-            await self._splice_to_grpc(first, reader, writer)
-            return
-        joined = asyncio.StreamReader()
-        joined.feed_data(first)
-        copying = asyncio.create_task(_feed(reader, joined), name="tap-http-reader")
-        try:
-            await self._http.accept(joined, writer)
-        finally:
-            copying.cancel()
-            await asyncio.gather(copying, return_exceptions=True)
+            await self._splice_to_grpc(first, reader, connection)
+        else:
+            await self._http.accept(_Sniffed(first, reader, connection), connection.writer)
 
     async def _splice_to_grpc(
-        self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, first: bytes, reader: asyncio.StreamReader, connection: _TapConnection
     ) -> None:
-        """Relay the connection's bytes to the tap's gRPC server on a loopback port of its own."""
+        """Relay the connection's bytes to the tap's gRPC server on a loopback port of its own.
+
+        The connection ends when the gRPC server ends its side (the asker hung up, a handshake that
+        never finished, an idle connection): nothing more can be said on it then.
+        """
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._grpc_port)
         except OSError as err:
             log.warning("debug tap: cannot reach its gRPC server: %s", err)
             return
+        connection.upstream = up_writer
+        up_writer.write(first)
+        sending = asyncio.ensure_future(_copy(reader, up_writer, connection))
         try:
-            up_writer.write(first)
-            await asyncio.gather(_copy(reader, up_writer), _copy(up_reader, writer))
+            await _copy(up_reader, connection.writer, connection)
         finally:
+            connection.writer.close()
+            await asyncio.gather(sending, return_exceptions=True)
             up_writer.close()
 
     # -- HTTP --------------------------------------------------------------------------------------
@@ -250,23 +273,54 @@ class DebugTap:
         return HttpResponse(200, body=response_json(response), content_type="application/json")
 
 
-async def _feed(source: asyncio.StreamReader, joined: asyncio.StreamReader) -> None:
-    """Pass what ``source`` yields on to ``joined`` (after the sniffed bytes put back in it)."""
-    try:
-        while data := await source.read(_COPY_SIZE):
-            joined.feed_data(data)
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        joined.feed_eof()
+class _TapConnection:
+    """One asker's connection: its transports, and when bytes last moved through it."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.upstream: asyncio.StreamWriter | None = None
+        """The relay's connection to the tap's gRPC server, for a gRPC asker."""
+        self.last_active = asyncio.get_running_loop().time()
+
+    def touch(self) -> None:
+        self.last_active = asyncio.get_running_loop().time()
+
+    def abort(self) -> None:
+        """Drop it now (its descriptors are freed at once); its task then ends on its own."""
+        self.writer.transport.abort()
+        if self.upstream is not None:
+            self.upstream.transport.abort()
 
 
-async def _copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+class _Sniffed:
+    """The asker's reader with the sniffed bytes put back in front, for the HTTP server.
+
+    Bytes are read only as the server asks for them, so a client that streams more than it is
+    answered is held back by TCP's flow control instead of being buffered here.
+    """
+
+    def __init__(self, first: bytes, reader: asyncio.StreamReader, connection: _TapConnection) -> None:
+        self._first = first
+        self._reader = reader
+        self._connection = connection
+
+    async def read(self, n: int = -1) -> bytes:
+        if self._first:
+            data, self._first = self._first, b""
+            return data
+        data = await self._reader.read(n)
+        self._connection.touch()
+        return data
+
+
+async def _copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter, connection: _TapConnection) -> None:
+    """Relay one direction until ``source`` ends; then half-close ``sink`` if it is still open."""
     try:
         while data := await source.read(_COPY_SIZE):
+            connection.touch()
             sink.write(data)
             await sink.drain()
-        if sink.can_write_eof():
+        if not sink.is_closing() and sink.can_write_eof():
             sink.write_eof()
     except (ConnectionError, OSError):
         sink.close()
