@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from istio_agent.cni import apply as apply_module
-from istio_agent.cni.apply import ApplyError, apply_capture, istio_owned, istio_portion
+from istio_agent.cni.apply import ApplyError, apply_capture, expected_portion, istio_portion
 from istio_agent.cni.capture_config import CaptureConfig
 from istio_agent.cni.iptables import Backend, Tables, parse_save, probe
 from istio_agent.cni.netns import CommandError, Deadline, addresses, ipv6_enabled
-from istio_agent.cni.rules import BUILTIN, Rule, RuleSet, build, render
+from istio_agent.cni.rules import BUILTIN, Rule, RuleSet, build
 from tests.cni.netns import Netns, needs_root, netns, pod_and_peer
 
 pytestmark = needs_root
@@ -77,8 +79,7 @@ def state(backend: Backend, space: Netns, family: str = "v4") -> Tables:
 
 
 def expected(backend: Backend, config: CaptureConfig, family: str = "v4") -> Tables:
-    rules = build(config)
-    return istio_portion(parse_save(backend.canonical(family, render(getattr(rules, family)))))
+    return expected_portion(backend, family, getattr(build(config), family), deadline=Deadline())
 
 
 def istio_chains(tables: Tables) -> list[str]:
@@ -109,8 +110,13 @@ def test_a_different_config_replaces_the_old_rules_without_leftovers(backend: Ba
     replaced = apply_capture(ISTIO_INIT, netns=pod.path, backend=backend)
     assert replaced.action == "replaced"
     after = state(backend, pod)
-    assert istio_portion(after) == expected(backend, ISTIO_INIT)
-    assert "mangle" not in after and "raw" not in after  # TPROXY, DNS and drop-invalid rules all gone
+    assert istio_portion(after, expected(backend, ISTIO_INIT)) == expected(backend, ISTIO_INIT)
+    assert not istio_chains({t: c for t, c in after.items() if t != "nat"})  # TPROXY, DNS, drop-invalid
+    assert "raw" not in after
+    # What RICH wrote into built-in chains without a jump is not ISTIO_INIT's, so it stays (as in
+    # Istio: cleaning up with RICH's flags removes it); none of it can capture anything any more.
+    leftover = {c: r for c, r in after.get("mangle", {}).items()}
+    assert all(not rule.split()[-1].startswith("ISTIO_") for rules in leftover.values() for rule in rules)
     assert "-p udp -m udp --dport 9 -j ACCEPT" in after["nat"]["OUTPUT"]  # not Istio's: kept
     assert "lookup 133" not in pod.ip("rule", "show")
 
@@ -233,14 +239,64 @@ def test_writes_in_a_pod_never_take_the_nodes_xtables_lock(
     assert istio_chains(state(backend, pod))
 
 
-def test_every_rule_istio_writes_into_a_builtin_chain_is_recognised_as_istios(backend: Backend) -> None:
-    config = dataclasses.replace(RICH, enable_ipv6=True, ip_ranges_include=("*",))
-    for family in ("v4", "v6"):
-        saved = parse_save(backend.canonical(family, render(getattr(build(config), family))))
-        builtin = [
-            rule for chains in saved.values() for c, rules in chains.items() if c in BUILTIN for rule in rules
-        ]
-        assert builtin and all(istio_owned(rule) for rule in builtin)
+FOREIGN = [  # rules of other software in built-in chains, several of the shapes Istio writes there
+    ("nat", "PREROUTING", "-i", "wg0", "-j", "RETURN"),
+    ("nat", "OUTPUT", "-o", "wg0", "-j", "RETURN"),
+    ("nat", "PREROUTING", "-i", "eth9", "-j", "RETURN"),  # a copy of a rule RICH writes too
+    ("mangle", "PREROUTING", "-p", "udp", "-j", "CONNMARK", "--restore-mark"),  # wg-quick
+    ("mangle", "POSTROUTING", "-p", "udp", "-m", "mark", "--mark", "0xca6c", "-j", "CONNMARK", "--save-mark"),
+    ("mangle", "OUTPUT", "-p", "tcp", "-j", "MARK", "--set-mark", "7"),
+    ("mangle", "OUTPUT", "-p", "tcp", "-m", "mark", "--mark", "0x7", "-j", "RETURN"),
+    ("filter", "INPUT", "-i", "wg0", "-j", "RETURN"),
+    ("filter", "FORWARD", "-o", "wg0", "-j", "RETURN"),
+]
+
+
+def test_rules_of_other_software_survive_apply_replace_and_cleanup(backend: Backend, pod: Netns) -> None:
+    """Issue 20: rules were matched by shape, so a VPN's CONNMARK or interface RETURN rules went too."""
+    for table, chain, *params in FOREIGN:
+        pod.exec(backend.binary("v4"), "-t", table, "-A", chain, *params)
+    baseline = state(backend, pod)
+
+    def foreign_rules_intact() -> bool:
+        now = state(backend, pod)
+        return all(
+            Counter(now.get(table, {}).get(chain, [])) >= Counter(rules)
+            for table, chains in baseline.items()
+            for chain, rules in chains.items()
+        )
+
+    apply_capture(RICH, netns=pod.path, backend=backend)
+    assert foreign_rules_intact()
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=backend).action == "replaced"
+    assert foreign_rules_intact()
+    assert apply_capture(RICH, netns=pod.path, backend=backend).action == "replaced"
+    assert apply_capture(RICH, netns=pod.path, backend=backend).action == "unchanged"
+    assert apply_capture(RICH, netns=pod.path, backend=backend, cleanup_only=True).action == "cleaned"
+    assert state(backend, pod) == baseline  # exactly Istio's rules went, one copy of eth9's RETURN stays
+
+
+def test_concurrent_applies_on_one_namespace_take_turns(backend: Backend, pod: Netns) -> None:
+    """Issue 20: six identical applies at once: some failed and their rollback wiped the others' rules."""
+
+    def one_apply(start: threading.Barrier, results: list[str]) -> None:
+        start.wait()
+        try:
+            results.append(apply_capture(ISTIO_INIT, netns=pod.path, backend=backend).action)
+        except ApplyError as err:
+            results.append(f"failed: {err}")
+
+    for _ in range(3):
+        start = threading.Barrier(6)
+        results: list[str] = []
+        threads = [threading.Thread(target=one_apply, args=(start, results)) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert sorted(results) == ["applied"] + ["unchanged"] * 5, results
+        assert istio_portion(state(backend, pod)) == expected(backend, ISTIO_INIT)
+        apply_capture(ISTIO_INIT, netns=pod.path, backend=backend, cleanup_only=True)
 
 
 def test_ipv6_follows_the_namespace_addresses() -> None:

@@ -11,22 +11,33 @@ Compared with istio-iptables (``tools/istio-iptables/pkg/capture/run.go``, ``Ver
 - a failure rolls every family back to the rules it had before (the saved tables, restored as they
   were), so nothing is left half-applied, and the error names the command and its stderr.
 
-What counts as Istio's in a pod's namespace: every ``ISTIO_*`` chain, and in the built-in chains the
-rules that jump to one, plus the shapes Istio writes there without a jump (``-i/-o <iface> -j
-RETURN``, the TPROXY ``MARK``/``CONNMARK`` rules and the ``--mark`` RETURN). Other rules are left alone.
+What counts as Istio's in a namespace, as in Istio's cleanup: every ``ISTIO_*`` chain, the rules of
+the built-in chains that jump to one, and the rules the config writes into built-in chains without a
+jump (``-i/-o <iface> -j RETURN``, the TPROXY ``MARK``/``CONNMARK`` rules and the ``--mark`` RETURN),
+each removed once however many copies there are. Anything else is someone else's (a VPN's CONNMARK,
+a CNI's interface RETURN) and is never touched, even when it has the shape of an Istio rule. So a
+config change that drops an interface exclusion leaves the old config's ``-i <iface> -j RETURN``
+behind, as Istio does: cleaning up with the old flags (``--cleanup-only``) removes it.
+
+Concurrent applies on one namespace take turns (:func:`istio_agent.cni.nslock.namespace_lock`):
+check, write and roll back are one step, so a failing run never restores a snapshot over the rules
+another run installed meanwhile.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 from istio_agent.cni import tproxy_routes
 from istio_agent.cni.capture_config import CaptureConfig
 from istio_agent.cni.iptables import Backend, Tables, detect, parse_save
 from istio_agent.cni.netns import CommandError, Deadline
+from istio_agent.cni.nslock import LockError, namespace_lock
 from istio_agent.cni.rules import BUILTIN, Rule, build, render
 from istio_agent.config.env import ConfigError
 from istio_agent.log import scope
@@ -82,11 +93,30 @@ def apply_capture(
         rules = build(config)
     except (CommandError, ConfigError) as err:
         raise ApplyError(str(err)) from None
+    known = {"v4": rules.v4, "v6": rules.v6}
     planned = {"v4": rules.v4, "v6": rules.v6 if config.enable_ipv6 else []}
     if cleanup_only:
         planned = {"v4": [], "v6": []}
+    try:
+        with namespace_lock(netns, budget):
+            return _apply_locked(config, chosen, netns, budget, planned, known, cleanup_only, read_back)
+    except LockError as err:
+        raise ApplyError(str(err)) from None
+
+
+def _apply_locked(
+    config: CaptureConfig,
+    chosen: Backend,
+    netns: Path | None,
+    budget: Deadline,
+    planned: dict[str, list[Rule]],
+    known: dict[str, list[Rule]],
+    cleanup_only: bool,
+    read_back: bool,
+) -> ApplyOutcome:
+    """The rules, then the TPROXY routing, with the namespace's lock held."""
     applier = _Applier(chosen, netns, budget)
-    action = applier.rules(planned, cleanup_only=cleanup_only)
+    action = applier.rules(planned, known, cleanup_only=cleanup_only)
     families = ("v4", "v6") if config.enable_ipv6 else ("v4",)
     mark, table = config.tproxy_mark, config.tproxy_route_table
     try:
@@ -129,44 +159,51 @@ def expected_portion(backend: Backend, family: str, rules: list[Rule], *, deadli
             f"{restore} refuses the rules (tried in an empty network namespace, nothing was"
             f" changed): {err.stderr or err.problem}"
         ) from None
-    return istio_portion(_parse(canonical))
+    parsed = _parse(canonical)
+    return istio_portion(parsed, parsed)  # an empty namespace: every rule in it is the config's
 
 
-def installed_portion(backend: Backend, family: str, *, netns: Path | None, deadline: Deadline) -> Tables:
-    """The Istio portion installed in ``netns`` (iptables-save form); raises ApplyError."""
+def installed_portion(
+    backend: Backend, family: str, *, netns: Path | None, deadline: Deadline, known: Tables | None = None
+) -> Tables:
+    """The Istio portion installed in ``netns`` (iptables-save form); raises ApplyError.
+
+    ``known``: the config's own portion (:func:`expected_portion`), whose rules without a jump count
+    as Istio's where they are found in built-in chains.
+    """
     try:
-        return istio_portion(_parse(backend.save(family, netns=netns, deadline=deadline)))
+        return istio_portion(_parse(backend.save(family, netns=netns, deadline=deadline)), known)
     except CommandError as err:
         raise ApplyError(str(err)) from None
 
 
-def istio_portion(tables: Tables) -> Tables:
-    """Only Istio's part of a parsed save: its chains whole, its rules in the built-in chains."""
+def istio_portion(tables: Tables, known: Tables | None = None) -> Tables:
+    """Only Istio's part of a parsed save: its ``ISTIO_*`` chains whole and, in the built-in chains,
+    the rules that jump to one, plus each rule of ``known``'s built-in chains found there (once per
+    copy in ``known``: a second, foreign copy of the same rule is not Istio's)."""
     portion: Tables = {}
     for table, chains in tables.items():
         for chain, rules in chains.items():
             if chain.startswith(ISTIO_PREFIX):
                 portion.setdefault(table, {})[chain] = list(rules)
             elif chain in BUILTIN:
-                owned = [rule for rule in rules if istio_owned(rule)]
+                expected = Counter((known or {}).get(table, {}).get(chain, ()))
+                owned = []
+                for rule in rules:
+                    if jumps_to_istio(rule):
+                        owned.append(rule)
+                    elif expected[rule] > 0:
+                        expected[rule] -= 1
+                        owned.append(rule)
                 if owned:
                     portion.setdefault(table, {})[chain] = owned
     return portion
 
 
-def istio_owned(rule: str) -> bool:
-    """Whether a rule of a built-in chain (iptables-save form) is one istio-iptables writes there."""
-    tokens = rule.split()
-    if "-j" not in tokens[:-1]:
-        return False
-    at = len(tokens) - 1 - tokens[::-1].index("-j")
-    target, matches = tokens[at + 1], tokens[:at]
-    if target.startswith(ISTIO_PREFIX) or target in ("MARK", "CONNMARK"):
-        return True
-    if target != "RETURN":
-        return False
-    interface_only = len(matches) == 2 and matches[0] in ("-i", "-o")
-    return interface_only or "--mark" in matches
+def jumps_to_istio(rule: str) -> bool:
+    """Whether a rule (iptables-save form) jumps to one of Istio's chains."""
+    pairs = pairwise(rule.split())
+    return any(flag in ("-j", "-g") and target.startswith(ISTIO_PREFIX) for flag, target in pairs)
 
 
 def removal(portion: Mapping[str, list[str]]) -> list[str]:
@@ -221,8 +258,14 @@ class _Applier:
         self.before: dict[str, str] = {}
         self.touched: dict[str, set[str]] = {}
 
-    def rules(self, planned: dict[str, list[Rule]], *, cleanup_only: bool) -> str:
-        """Write what differs; returns the action (see ApplyOutcome)."""
+    def rules(
+        self, planned: dict[str, list[Rule]], known: dict[str, list[Rule]], *, cleanup_only: bool
+    ) -> str:
+        """Write what differs; returns the action (see ApplyOutcome).
+
+        ``known``: the config's rules of each family, written or not (IPv6 off, cleanup-only): their
+        rules without a jump are the only such rules of built-in chains that count as Istio's.
+        """
         for family in FAMILIES:
             try:
                 self.before[family] = self.backend.save(family, netns=self.netns, deadline=self.deadline)
@@ -230,8 +273,8 @@ class _Applier:
                 if family == "v4" or planned[family]:  # v6 may be missing on an IPv4-only node
                     raise ApplyError(str(err)) from None
                 log.info("skipping %s: %s", family, err)
-        current = {family: istio_portion(_parse(self.before[family])) for family in self.before}
-        if not any(current.values()):
+        present = {family: _parse(self.before[family]) for family in self.before}
+        if not any(istio_portion(tables) for tables in present.values()):  # no ISTIO_ chain, no jump
             if cleanup_only:
                 return "clean"
             for family in self.before:
@@ -241,8 +284,14 @@ class _Applier:
         changed = False
         for family in self.before:
             expected = expected_portion(self.backend, family, planned[family], deadline=self.deadline)
-            if expected != current[family]:
-                self._write(family, _table_blocks(planned[family]), current[family])
+            current: Tables = {}
+            if istio_portion(present[family]):  # a family without Istio chains holds nothing of Istio's
+                ours = expected
+                if known[family] != planned[family]:
+                    ours = expected_portion(self.backend, family, known[family], deadline=self.deadline)
+                current = istio_portion(present[family], ours)
+            if expected != current:
+                self._write(family, _table_blocks(planned[family]), current)
                 changed = True
         if not changed:
             return "unchanged"

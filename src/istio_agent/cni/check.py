@@ -89,7 +89,7 @@ def check_capture(
         for family in families:
             planned = [] if rules is None else rules.v4 if family == "v4" else rules.v6
             expected = expected_portion(chosen, family, planned, deadline=budget)
-            installed = installed_portion(chosen, family, netns=netns, deadline=budget)
+            installed = installed_portion(chosen, family, netns=netns, deadline=budget, known=expected)
             expected_count += _count(expected)
             installed_count += _count(installed)
             differences += compare(family, expected, installed)
