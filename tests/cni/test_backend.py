@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from istio_agent.cni.apply import istio_owned, istio_portion
+from istio_agent.cni.apply import istio_portion, jumps_to_istio
 from istio_agent.cni.iptables import Backend, Version, detect, parse_save, parse_version
 from istio_agent.cni.netns import ipv6_enabled
 from istio_agent.config.env import ConfigError
@@ -63,10 +63,15 @@ def test_save_parsing_and_istios_portion() -> None:
     assert tables["nat"]["KUBE-X"] == ["-j RETURN"]
     assert istio_portion(tables) == {
         "nat": {
-            "PREROUTING": ["-p tcp -j ISTIO_INBOUND", "-i eth9 -j RETURN"],
+            "PREROUTING": ["-p tcp -j ISTIO_INBOUND"],
             "ISTIO_INBOUND": ["-p tcp -m tcp --dport 15008 -j RETURN"],
         }
     }
+    config_writes = {"nat": {"PREROUTING": ["-i eth9 -j RETURN"], "OUTPUT": ["-o eth9 -j RETURN"]}}
+    assert istio_portion(tables, config_writes)["nat"]["PREROUTING"] == [
+        "-p tcp -j ISTIO_INBOUND",
+        "-i eth9 -j RETURN",
+    ]
 
 
 def test_a_line_save_never_prints_is_an_error() -> None:
@@ -74,12 +79,14 @@ def test_a_line_save_never_prints_is_an_error() -> None:
         parse_save("*nat\n-Z OUTPUT\nCOMMIT\n")
 
 
-def test_foreign_rules_in_builtin_chains_are_not_istios() -> None:
-    assert not istio_owned("-p udp -m udp --dport 9 -j ACCEPT")
-    assert not istio_owned("-s 10.0.0.0/8 -j RETURN")
-    assert not istio_owned("-j KUBE-SERVICES")
-    assert istio_owned("-i eth9 -j RETURN")
-    assert istio_owned("-o lo -p tcp -m mark --mark 0x539 -j RETURN")
+def test_only_a_jump_to_an_istio_chain_makes_a_rule_istios_whatever_the_config() -> None:
+    assert not jumps_to_istio("-p udp -m udp --dport 9 -j ACCEPT")
+    assert not jumps_to_istio("-j KUBE-SERVICES")
+    assert not jumps_to_istio("-i eth9 -j RETURN")  # Istio's shape, but only the config can say
+    assert not jumps_to_istio("-o lo -p tcp -m mark --mark 0x539 -j RETURN")
+    assert not jumps_to_istio("-m comment --comment ISTIO_OUTPUT -j ACCEPT")
+    assert jumps_to_istio("-p tcp -j ISTIO_INBOUND")
+    assert jumps_to_istio("-m conntrack --ctstate INVALID -j ISTIO_DROP")
 
 
 @pytest.mark.parametrize(
