@@ -1,10 +1,15 @@
-"""``agentctl proxy-status``'s rendering against istioctl's format, and asking agents concurrently."""
+"""``agentctl proxy-status``'s rendering against istioctl's format, asking agents concurrently, and
+peers on loopback whose answer does not decode."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sys
+from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 import yaml
 from envoy.config.core.v3.base_pb2 import ControlPlane
@@ -13,6 +18,7 @@ from envoy.service.status.v3 import csds_pb2
 from google.protobuf import any_pb2
 
 from istio_agent.ctl import proxystatus as ps
+from istio_agent.xds.flavour import ADS_SERVICE, SOTW
 
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -213,3 +219,89 @@ async def test_agents_asked_concurrently_failures_skipped_and_the_limit_said() -
 
     unlimited = await ps.via_agents(agents[:1], node, limit=0, ask=ask)
     assert not unlimited.limited and not unlimited.failures
+
+
+# -- peers whose answer does not decode --------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def peer(answer: bytes) -> AsyncIterator[str]:
+    """A gRPC server on 127.0.0.1 answering every ADS request with ``answer``, sent as raw bytes."""
+
+    async def reply(requests: AsyncIterator[bytes], context: object) -> AsyncIterator[bytes]:
+        async for _ in requests:
+            yield answer
+
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(reply)  # no serializers: bytes go out as they are
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(ADS_SERVICE, {SOTW.method: handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+async def agentctl(*args: str) -> tuple[int, str, str]:
+    """``agentctl proxy-status`` in a process of its own (this loop keeps serving the peers)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "istio_agent.cli.agentctl",
+        "proxy-status",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def bad_resource(type_url: str, value: bytes) -> bytes:
+    """A well-formed syncz answer holding one resource that is no ClientConfig."""
+    response = syncz("istiod-bad", client_config("hidden-1.default", {CDS: (S.SYNCED, 1.0, None)}))
+    response.resources.append(any_pb2.Any(type_url=type_url, value=value))
+    return response.SerializeToString()
+
+
+MALFORMED = {
+    "garbage": b"\xff\xff\xff\xff",
+    "clientconfig-garbage": bad_resource(ps.CLIENT_CONFIG_TYPE, b"\xff\xff\xff\xff"),
+    "not-a-clientconfig": bad_resource("type.googleapis.com/example.Unknown", b""),
+}
+
+
+@pytest.mark.parametrize("answer", MALFORMED.values(), ids=MALFORMED.keys())
+async def test_an_agent_whose_answer_does_not_decode_is_skipped_and_the_others_listed(answer: bytes) -> None:
+    good = syncz("istiod-1", client_config("good-1.default", {CDS: (S.SYNCED, 1.0, None)}))
+    async with peer(good.SerializeToString()) as good_address, peer(answer) as bad_address:
+        for output in ("short", "json"):
+            code, out, err = await agentctl(
+                "--xds-via-agents",
+                "--agent-address",
+                f"good-1.default={good_address}",
+                "--agent-address",
+                f"bad-1.default={bad_address}",
+                "-o",
+                output,
+            )
+            assert code == 0, err
+            (line,) = err.splitlines()
+            assert line.startswith("Skip the agent in Pod bad-1.default due to the error: malformed answer: ")
+            if output == "json":
+                assert list(json.loads(out)) == ["istiod-1"]
+            else:
+                assert [row.split()[0] for row in out.splitlines()] == ["NAME", "good-1.default"]
+
+
+@pytest.mark.parametrize("answer", MALFORMED.values(), ids=MALFORMED.keys())
+async def test_a_control_plane_whose_answer_does_not_decode_is_one_error_line(answer: bytes) -> None:
+    async with peer(answer) as address:
+        code, out, err = await agentctl("--xds-address", address, "--plaintext")
+    assert code == 1 and out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(f"Error: control plane {address}: malformed answer: "), err

@@ -5,7 +5,9 @@ asked either of the control plane itself (``--xds-address``; plaintext, or TLS w
 ``istiod/dial.py``) or of agents' debug taps on their port 15004 (``--xds-via-agents``, as
 ``istioctl x ps`` did until 1.24), which ask on their own workload's authenticated connection.
 Agents are asked concurrently, each within a timeout, at most ``--xds-via-agents-limit`` of them;
-an agent that fails is reported on stderr in istioctl's words and skipped.
+an agent that fails is reported on stderr in istioctl's words and skipped. An answer that does not
+decode (not a DiscoveryResponse, or a resource that is not a ClientConfig, which istioctl refuses too)
+is such a failure, and through ``--xds-address`` an error like any other.
 
 Rendering follows istioctl (``istioctl/pkg/writer/pilot``): the table
 ``NAME CLUSTER ISTIOD VERSION SUBSCRIBED TYPES`` sorted by proxy ID; ``-v`` one column per type with
@@ -27,6 +29,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.status.v3 import csds_pb2
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from istio_agent.istiod.dial import CredentialError, IstiodCredentials, IstiodEndpoint
 from istio_agent.istiod.tokens import FileTokenSource
@@ -284,24 +287,51 @@ def debug_node(namespace: str, service_account: str) -> base_pb2.Node:
     return node
 
 
+def decode_syncz(raw: bytes) -> discovery_pb2.DiscoveryResponse:
+    """A DiscoveryResponse from the wire; ProxyStatusError when it does not parse."""
+    try:
+        return discovery_pb2.DiscoveryResponse.FromString(raw)
+    except DecodeError:
+        raise ProxyStatusError("malformed answer: it does not decode as a DiscoveryResponse") from None
+
+
+def check_syncz(response: discovery_pb2.DiscoveryResponse) -> None:
+    """Every resource of a syncz answer must be a ClientConfig that decodes (istioctl requires it)."""
+    for index, resource in enumerate(response.resources):
+        if resource.type_url != CLIENT_CONFIG_TYPE:
+            raise ProxyStatusError(
+                f"malformed answer: resource {index} is {resource.type_url or 'untyped'}, not a ClientConfig"
+            )
+        try:
+            csds_pb2.ClientConfig.FromString(resource.value)
+        except DecodeError:
+            raise ProxyStatusError(
+                f"malformed answer: resource {index} does not decode as a ClientConfig"
+            ) from None
+
+
 async def ask_syncz(
     channel: grpc.aio.Channel, node: base_pb2.Node, metadata: Sequence[tuple[str, str]], timeout: float
 ) -> discovery_pb2.DiscoveryResponse:
-    """One syncz question on a new ADS stream; the first response of its type is the answer."""
+    """One syncz question on a new ADS stream; the first response of its type is the answer.
+
+    Responses arrive as bytes and are decoded here, so a malformed one is a ProxyStatusError (gRPC's
+    own deserializer would log a traceback and hand back None)."""
     method = channel.stream_stream(
         f"/{ADS_SERVICE}/{SOTW.method}",
         request_serializer=discovery_pb2.DiscoveryRequest.SerializeToString,
-        response_deserializer=discovery_pb2.DiscoveryResponse.FromString,
     )
     call = method(metadata=list(metadata))
     try:
         async with asyncio.timeout(timeout):
             await call.write(discovery_pb2.DiscoveryRequest(type_url=SYNCZ_TYPE, node=node))
             while True:
-                response = await call.read()
-                if response is grpc.aio.EOF:
+                raw = await call.read()
+                if raw is grpc.aio.EOF:
                     raise ProxyStatusError("the stream ended without an answer")
+                response = decode_syncz(raw)
                 if response.type_url == SYNCZ_TYPE:
+                    check_syncz(response)
                     return response
     except TimeoutError:
         raise ProxyStatusError(f"no answer within {timeout:g}s") from None
