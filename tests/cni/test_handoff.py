@@ -191,13 +191,14 @@ async def test_a_node_agent_that_never_answers_is_an_error_within_the_deadline(
     assert "ISTIO_OUTPUT" not in nat_rules(pod)
 
 
-def test_an_add_timeout_the_plugin_cannot_read_quickly_runs_the_add_in_process(
+def test_an_add_timeout_the_hand_over_does_not_read_runs_the_add_in_process(
     tmp_path: Path, pod_file: Path
 ) -> None:
-    """``500ms`` is a Go duration the hand-over leaves to the plugin's config reader: no connection."""
+    """A number of seconds is not a Go duration: the hand-over leaves it to the plugin's config
+    reader (which takes it): no connection."""
     with hung_agent(tmp_path / "run") as run_dir:
         result = run_plugin(
-            run_dir, pod_file, name="istio-cni-node-x", namespace="istio-system", add_timeout="500ms"
+            run_dir, pod_file, name="istio-cni-node-x", namespace="istio-system", add_timeout=2
         )
     # The node agent's own pod needs nothing (Istio's first check), so the in-process ADD succeeds.
     assert result.code == 0, result.stdout
@@ -258,6 +259,15 @@ def test_the_plugin_prints_the_node_agents_answer_falls_back_or_fails_closed(
         assert result.json == stdout
 
 
+@pytest.mark.parametrize("timeout", ["1m30s", "2562047h47m16.854775807s"])
+def test_any_add_timeout_go_reads_is_handed_over(tmp_path: Path, pod_file: Path, timeout: str) -> None:
+    """Read as Go reads it (the in-process ADD's reader), up to Go's longest duration."""
+    answer = b'{"exit": 0, "stdout": "handed over"}'
+    with answering_agent(tmp_path / "run", answer) as run_dir:
+        result = run_plugin(run_dir, pod_file, add_timeout=timeout)
+    assert (result.code, result.stdout) == (0, "handed over"), result.stderr
+
+
 # -- the server's checks, without processes ------------------------------------------------------------
 
 
@@ -296,7 +306,8 @@ def test_a_bad_hand_over_message_is_refused_with_the_reason(message: bytes, erro
             {"cni_agent_run_dir": "/nonexistent-run-dir"},
             "no node agent on /nonexistent-run-dir/plugin-add.sock",
         ),
-        ({"cni_agent_run_dir": "/r", "add_timeout": "1m30s"}, "add_timeout the hand-over does not read"),
+        ({"cni_agent_run_dir": "/r", "add_timeout": "1e12s"}, "add_timeout that is not a Go duration"),
+        ({"cni_agent_run_dir": "/r", "add_timeout": "0.5ms"}, "add_timeout that is not a Go duration"),
         ({"add_timeout": "30s"}, "no cni_agent_run_dir"),
     ],
 )
@@ -371,6 +382,102 @@ async def test_an_add_that_raises_is_answered_with_the_error_not_a_closed_connec
         await server.stop()
     assert code == 1
     assert json.loads(stdout) == {"code": 999, "msg": "the node agent's ADD failed: a bug in the ADD"}
+
+
+def exchange(path: Path, message: bytes) -> bytes:
+    """Send ``message`` as the plugin does (all of it, then shut down) and read the answer to EOF."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.settimeout(20)
+        client.connect(str(path))
+        client.sendall(message)
+        client.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+    return answer
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+ADD_ENV = {
+    "CNI_COMMAND": "ADD",
+    **{k: "x" for k in ("CNI_CONTAINERID", "CNI_IFNAME", "CNI_NETNS", "CNI_PATH")},
+}
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "msg"),
+    [
+        (DEEP.encode(), 999, "the hand-over message is nested too deeply"),
+        (
+            json.dumps({"env": ADD_ENV, "stdin": DEEP, "elapsed": 0, "netns": None}).encode(),
+            6,
+            "error unmarshall network config: nested too deeply",
+        ),
+    ],
+    ids=["message", "config"],
+)
+async def test_the_node_agent_answers_deeply_nested_json_with_an_error_not_a_traceback(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    message: bytes,
+    code: int,
+    msg: str,
+) -> None:
+    server = AddServer(tmp_path / "run")
+    await server.start()
+    try:
+        answer = json.loads(await asyncio.to_thread(exchange, server.path, message))
+    finally:
+        await server.stop()
+    assert answer["exit"] == 1
+    result = json.loads(answer["stdout"])
+    assert result["code"] == code and msg in result["msg"], result
+    assert not [record for record in caplog.records if record.exc_info], caplog.text
+    assert "Traceback" not in capsys.readouterr().err
+
+
+async def test_the_node_agent_declines_a_netns_path_no_namespace_can_have(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A NUL byte: no path, so not the namespace the plugin saw (and no traceback for it)."""
+    message = {
+        "env": {**ADD_ENV, "CNI_NETNS": "/run/netns/a\0b"},
+        "stdin": "{}",
+        "elapsed": 0,
+        "netns": [1, 2],
+    }
+    server = AddServer(tmp_path / "run")
+    await server.start()
+    try:
+        answer = json.loads(await asyncio.to_thread(exchange, server.path, json.dumps(message).encode()))
+    finally:
+        await server.stop()
+    assert "does not see" in answer["fallback"]
+    assert not [record for record in caplog.records if record.exc_info], caplog.text
+
+
+async def test_a_request_the_node_agent_did_not_foresee_is_answered_with_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: Any) -> bool:
+        raise ValueError("a bug in the checks")
+
+    monkeypatch.setattr(add_server, "same_netns", broken)
+    message = {"env": ADD_ENV, "stdin": "{}", "elapsed": 0, "netns": None}
+    server = AddServer(tmp_path / "run")
+    await server.start()
+    try:
+        answer = json.loads(await asyncio.to_thread(exchange, server.path, json.dumps(message).encode()))
+    finally:
+        await server.stop()
+    assert answer["exit"] == 1
+    assert json.loads(answer["stdout"]) == {
+        "code": 999,
+        "msg": "the node agent cannot serve the request: a bug in the checks",
+    }
+    assert "cannot serve the request: a bug in the checks" in caplog.text
+    assert not [record for record in caplog.records if record.exc_info], caplog.text
 
 
 async def test_the_socket_is_owner_only_from_the_moment_it_is_bound(

@@ -151,6 +151,58 @@ async def test_malformed_stdin_is_code_6(node: Node) -> None:
     assert run.json["msg"].startswith("error unmarshall network config")
 
 
+AGENT_POD_ARGS = "K8S_POD_NAMESPACE=istio-system;K8S_POD_NAME=istio-cni-node-x7f2q"
+"""The node agent's own pod: the ADD succeeds without asking the API server."""
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [sys.getrecursionlimit() - 20, sys.getrecursionlimit() - 5, 100_000])
+@pytest.mark.parametrize("where", ["key", "prevResult"])
+async def test_deeply_nested_stdin_is_an_error_result_not_a_traceback(
+    node: Node, where: str, depth: int
+) -> None:
+    """Nesting Python's decoder cannot follow (its recursion limit) is a decoding error, code 6, as
+    any other stdin that is not a config; near the limit it may be read as usual."""
+    config = json.dumps({k: v for k, v in node.config().items() if k != "prevResult"})
+    extra = f'"x": {nested(depth)}' if where == "key" else f'"prevResult": {{"ips": {nested(depth)}}}'
+    run = await run_plugin(node.env(CNI_ARGS=AGENT_POD_ARGS), config[:-1] + ", " + extra + "}")
+    assert "Traceback" not in run.stderr, run.stderr
+    decoding_error = {"code": 6, "msg": "error unmarshall network config: nested too deeply"}
+    if depth >= sys.getrecursionlimit():
+        assert (run.code, run.json) == (1, decoding_error)
+    elif run.code == 0:
+        assert where == "key" and run.json == {"cniVersion": "1.0.0", "dns": {}}
+    else:  # read, and refused for what it is; or just too deep for the stack it was read on
+        refused = "prevResult.ips[0]: expected an object, got list" in run.json["msg"]
+        assert run.json == decoding_error or (where == "prevResult" and refused), run.json
+
+
+@pytest.mark.parametrize(
+    ("timeout", "problem"),
+    [
+        ("1e12s", 'time: unknown unit "e" in duration "1e12s"'),  # a float, not a Go duration
+        ("9223372036.854775808s", 'time: invalid duration "9223372036.854775808s"'),  # 1ns past Go's range
+        ("2562048h", 'time: invalid duration "2562048h"'),
+        ("inf", 'time: invalid duration "inf"'),
+    ],
+)
+async def test_an_add_timeout_go_refuses_is_an_error_result(node: Node, timeout: str, problem: str) -> None:
+    run = await run_plugin(node.env(CNI_ARGS=AGENT_POD_ARGS), node.config(add_timeout=timeout))
+    assert "Traceback" not in run.stderr, run.stderr
+    assert run.code == 1
+    assert run.json == {"code": 999, "msg": f"invalid network config: add_timeout: {problem}"}
+
+
+async def test_the_longest_add_timeout_go_reads_is_read(node: Node) -> None:
+    longest = "2562047h47m16.854775807s"  # Go's largest time.Duration
+    run = await run_plugin(node.env(CNI_ARGS=AGENT_POD_ARGS), node.config(add_timeout=longest))
+    assert run.code == 0, run.stdout + run.stderr
+    assert run.json["ips"] == PREV_RESULT["ips"]
+
+
 async def test_incompatible_version_is_code_1(node: Node) -> None:
     run = await run_plugin(node.env(), node.config(cniVersion="2.0.0"))
     assert (run.code, run.json["code"], run.json["msg"]) == (1, 1, "incompatible CNI versions")

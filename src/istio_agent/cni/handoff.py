@@ -21,7 +21,8 @@ without a node agent. A node agent that takes the connection but does not answer
 deadline, or answers nonsense, is a CNI error: failing closed as the in-process ADD does.
 
 Imports only ``os``, ``json``, ``socket``, ``time`` and ``skel`` (which imports only ``os``): the point
-is to import nothing else.
+is to import nothing else. A config that sets ``add_timeout`` (install-cni writes none) also loads
+the agent's Go duration parser (``config/env.py``), so both sides read it alike.
 """
 
 from __future__ import annotations
@@ -51,24 +52,28 @@ class Fallback(Exception):
 
 
 def _budget_seconds(add_timeout: object) -> float | None:
-    """The ADD deadline in seconds: the default, or ``add_timeout`` in the form install-cni writes
-    (``<seconds>s``, e.g. ``30s``, ``2.5s``); None for anything else (the in-process ADD reads it)."""
+    """The ADD deadline in seconds, ``add_timeout`` read as the in-process ADD reads it (a Go duration
+    of at least 1ms, up to Go's longest); the default without one; None for anything else (the
+    in-process ADD then reports it)."""
     if add_timeout is None:
         return DEFAULT_ADD_SECONDS
-    if not isinstance(add_timeout, str) or not add_timeout.endswith("s"):
+    if not isinstance(add_timeout, str):
         return None
+    # Imported only here: a config without add_timeout (install-cni writes none) does not pay for it.
+    from istio_agent.config.env import parse_go_duration
+
     try:
-        seconds = float(add_timeout[:-1])
-    except ValueError:  # 500ms, 1m30s: Go durations the plugin's config reader handles
+        seconds = parse_go_duration(add_timeout).total_seconds()
+    except ValueError:
         return None
-    return seconds if 0 < seconds < float("inf") else None
+    return seconds if seconds >= 0.001 else None
 
 
 def netns_id(path: str) -> list[int] | None:
     """``[st_dev, st_ino]`` of a namespace path as this process sees it, None when it sees nothing."""
     try:
         info = os.stat(path)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte, which no path has
         return None
     return [info.st_dev, info.st_ino]
 
@@ -78,14 +83,14 @@ def hand_over(environ: Mapping[str, str], stdin: bytes, started: float) -> tuple
     it itself. A node agent that fails to answer in time yields a CNI error result (exit 1)."""
     try:
         config = json.loads(stdin)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder follows
         raise Fallback("the config is not JSON (the ADD reports it)") from None
     if not isinstance(config, dict):
         raise Fallback("the config is not a JSON object (the ADD reports it)")
     run_dir = config.get("cni_agent_run_dir")
     budget = _budget_seconds(config.get("add_timeout"))
     if not isinstance(run_dir, str) or not run_dir or budget is None:
-        raise Fallback("no cni_agent_run_dir, or an add_timeout the hand-over does not read")
+        raise Fallback("no cni_agent_run_dir, or an add_timeout that is not a Go duration of 1ms or more")
     path = os.path.join(run_dir, SOCKET_NAME)
     if len(os.fsencode(path)) >= MAX_SOCKET_PATH:
         raise Fallback(f"{path} is too long for a unix socket: no node agent can listen there")
@@ -141,7 +146,7 @@ def _read_answer(sock: socket.socket, deadline: float) -> bytes:
 def _parse_answer(data: bytes, path: str) -> tuple[int, str]:
     try:
         answer: Any = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return _error(f"the node agent on {path} closed the connection without an answer")
     if not isinstance(answer, dict):
         return _error(f"the node agent on {path} answered something other than a JSON object")

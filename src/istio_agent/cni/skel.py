@@ -181,7 +181,7 @@ def _check_not_own_netns(netns: str) -> None:
     the handler's concern (a pod that needs no rules does not need its netns)."""
     try:
         given, own = os.stat(netns), os.stat("/proc/self/ns/net")
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte, which no path has
         return
     if (given.st_dev, given.st_ino) == (own.st_dev, own.st_ino):
         raise CniError(ERR_INVALID_NETNS, f"netns {netns} is the plugin's own network namespace")
@@ -195,6 +195,8 @@ def parse_config(stdin: bytes) -> Mapping[str, Any]:
         config = json.loads(stdin)
     except ValueError as err:  # UnicodeDecodeError is a ValueError too
         raise CniError(ERR_DECODING, f"error unmarshall network config: {err}") from None
+    except RecursionError:  # nesting deeper than the decoder can follow: not a config either
+        raise CniError(ERR_DECODING, "error unmarshall network config: nested too deeply") from None
     if not isinstance(config, dict):
         raise CniError(
             ERR_DECODING,

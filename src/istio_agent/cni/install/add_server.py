@@ -72,6 +72,8 @@ def parse_invocation(data: bytes) -> tuple[dict[str, str], bytes, float, list[in
         message = json.loads(data)
     except ValueError as err:
         raise InvocationError(f"the hand-over message is not JSON: {err}") from None
+    except RecursionError:
+        raise InvocationError("the hand-over message is nested too deeply") from None
     if not isinstance(message, dict):
         raise InvocationError("the hand-over message is not a JSON object")
     env, stdin, elapsed, netns = (message.get(key) for key in ("env", "stdin", "elapsed", "netns"))
@@ -226,7 +228,18 @@ class AddServer:
                     "ADD hand-over: refused a connection from uid %d: only root may hand an ADD over", uid
                 )
                 return
-            answer = await self._answer(reader)
+            try:
+                answer = await self._answer(reader)
+            except (ConnectionError, TimeoutError):
+                raise
+            # The server's boundary for one request, hence the broad except: a request it did not
+            # foresee is answered as an error, not left to asyncio's traceback and a closed socket.
+            except Exception as err:
+                log.error("ADD hand-over: cannot serve the request: %s", str(err) or type(err).__name__)
+                answer = {
+                    "exit": 1,
+                    "stdout": skel.internal_error_text(f"the node agent cannot serve the request: {err}"),
+                }
             writer.write(json.dumps(answer).encode())
             await writer.drain()
         except (ConnectionError, TimeoutError) as err:
