@@ -32,7 +32,7 @@ from tests.cni.fake_kube import TOKEN, FakeKube, sidecar_pod, start_fake_kube
 from tests.cni.install.layout import Node as InstallNode
 from tests.cni.install.layout import start_install_cni
 from tests.cni.netns import Netns, needs_root, netns
-from tests.cni.test_plugin_exec import PLUGIN, Run
+from tests.cni.test_plugin_exec import AGENT_POD_ARGS, PLUGIN, Run
 from tests.cni.test_plugin_exec import Node as PluginNode
 from tests.cni.test_plugin_exec import node as plugin_node  # noqa: F401  (a fixture: the plugin's view of a node)
 from tests.cni.test_plugin_exec import run_plugin as exec_plugin
@@ -359,6 +359,44 @@ async def test_when_every_add_worker_is_stuck_the_next_add_runs_in_the_plugin_at
     finally:
         await server.stop()
     assert not server.path.exists()
+
+
+@pytest.mark.e2e
+async def test_a_config_too_large_to_hand_over_runs_in_the_plugin(
+    plugin_node: PluginNode,  # noqa: F811  (the fixture imported above)
+) -> None:
+    """Over the node agent's message limit, the ADD runs as it would without a node agent (and
+    succeeds as it does there), rather than failing on a connection the node agent cut."""
+    node = plugin_node
+    node.kube.add_pod(sidecar_pod())
+    server = AddServer(node.run_dir)
+    await server.start()
+    try:
+        run = await exec_plugin(node.env(), node.config(padding="x" * add_server.MAX_MESSAGE))
+    finally:
+        await server.stop()
+    assert run.code == 0, run.stdout + run.stderr
+    assert REDIRECT_LOG in run.stderr  # the plugin ran it in its own process
+    assert "too large to hand over" in run.stderr
+    assert node.dry_run.exists()
+
+
+async def test_a_config_small_enough_to_hand_over_gets_its_whole_result_back(
+    plugin_node: PluginNode,  # noqa: F811  (the fixture imported above)
+) -> None:
+    """The result is printed indented and with ``<`` escaped as ``\\u003c``: several times the
+    config's size, and still answered (the plugin reads what any handed-over config can give)."""
+    node = plugin_node
+    previous = {**PREV_RESULT, "dns": {"domain": "<" * (add_server.MAX_MESSAGE - 4096)}}
+    server = AddServer(node.run_dir)
+    await server.start()
+    try:
+        run = await exec_plugin(node.env(CNI_ARGS=AGENT_POD_ARGS), node.config(prevResult=previous))
+    finally:
+        await server.stop()
+    assert run.code == 0, run.stdout[:300] + run.stderr
+    assert run.json == previous
+    assert "running the ADD in the plugin" not in run.stderr  # handed over
 
 
 def hand_over_add(run_dir: Path) -> tuple[int, str]:

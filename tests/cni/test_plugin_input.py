@@ -93,6 +93,16 @@ def test_no_prev_result_is_an_empty_result() -> None:
         ({"ips": "10.1.0.5/24"}, "prevResult.ips"),
         ({"routes": [{"gw": "10.0.0.1"}]}, "prevResult.routes[0].dst"),
         ([], "prevResult"),
+        # Passed on as given, so typed as the library's structs type them (Go refuses the rest);
+        # this also bounds how much larger the printed result can be than the config.
+        ({"dns": {"nameservers": [0]}}, "prevResult.dns.nameservers[0]"),
+        ({"dns": {"nameservers": [[[]]]}}, "prevResult.dns.nameservers[0]"),
+        ({"dns": {"search": "a"}}, "prevResult.dns.search"),
+        ({"dns": {"domain": ["a"]}}, "prevResult.dns.domain"),
+        ({"dns": {"options": {"a": 1}}}, "prevResult.dns.options"),
+        ({"interfaces": [{"name": "eth0", "mac": [[]]}]}, "prevResult.interfaces[0].mac"),
+        ({"interfaces": [{"name": "eth0", "mtu": "1500"}]}, "prevResult.interfaces[0].mtu"),
+        ({"interfaces": [{"name": "eth0", "sandbox": {}}]}, "prevResult.interfaces[0].sandbox"),
     ],
 )
 def test_bad_prev_result_names_the_field(given: Any, where: str) -> None:

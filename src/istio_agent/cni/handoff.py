@@ -42,13 +42,20 @@ if TYPE_CHECKING:
 SOCKET_NAME = "plugin-add.sock"
 DEFAULT_ADD_SECONDS = 30.0
 """The ADD deadline when the config gives none (``plugin.DEFAULT_ADD_TIMEOUT`` is this)."""
-MAX_ANSWER = 4 * 2**20
+MAX_MESSAGE = 2**20
+"""The largest message the node agent reads (an environment and a config are far smaller); a larger
+one is not handed over: the plugin runs that ADD itself, as it would without a node agent."""
+MAX_ANSWER = 8 * MAX_MESSAGE
+"""Whatever a handed-over ADD prints fits: its result is the config's prevResult, typed (nothing
+grows by nesting), so the answer is at most about 7 times the message (a ``<`` is printed as
+``\\u003c``, whose backslash the answer escapes again; indentation adds less)."""
 MAX_SOCKET_PATH = 108
 """Linux's ``sun_path`` size, terminating NUL included."""
 
 
 class Fallback(Exception):
-    """The plugin runs the ADD itself (no node agent, or it declined); the message says why."""
+    """The plugin runs the ADD itself (no node agent, or it declined); the message says why, and the
+    plugin logs it once its logging is set up."""
 
 
 def _budget_seconds(add_timeout: object) -> float | None:
@@ -100,6 +107,9 @@ def hand_over(environ: Mapping[str, str], stdin: bytes, started: float) -> tuple
         "elapsed": time.monotonic() - started,
         "netns": netns_id(environ.get("CNI_NETNS", "")),
     }
+    data = json.dumps(message).encode("utf-8", errors="surrogateescape")
+    if len(data) > MAX_MESSAGE:
+        raise Fallback(f"the invocation is too large to hand over ({len(data)} bytes, at most {MAX_MESSAGE})")
     deadline = started + budget
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -114,7 +124,7 @@ def hand_over(environ: Mapping[str, str], stdin: bytes, started: float) -> tuple
         except OSError as err:
             return _error(f"cannot reach the node agent on {path}: {err.strerror or err}")
         try:
-            sock.sendall(json.dumps(message).encode("utf-8", errors="surrogateescape"))
+            sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
             answer = _read_answer(sock, deadline)
         except TimeoutError:

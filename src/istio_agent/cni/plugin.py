@@ -256,16 +256,21 @@ def cmd_add(
     started: float | None = None,
     environ: Mapping[str, str] | None = None,
     configure_logging: bool = True,
+    not_handed_over: str | None = None,
 ) -> dict[str, Any]:
     """The ADD handler: PluginError becomes the CNI error result (code 999).
 
     The executable runs it with its own environment and sets up its logging; the node agent
     (``install/add_server.py``) passes the plugin's environment and keeps its own logging.
+    ``not_handed_over`` is why the node agent is not running this ADD (``cni/handoff.py``): logged
+    here, where the plugin's logging is set up, so the operator sees which process ran it and why.
     """
     env = os.environ if environ is None else environ
     try:
         if configure_logging:
             _configure_logging(_network_config(args).plugin.plugin_log_level)
+        if not_handed_over is not None:
+            log.info("running the ADD in the plugin: %s", not_handed_over)
         return add(args, programmer=select_programmer(env), started=started, environ=env)
     except PluginError as err:
         log.error("istio-cni cmdAdd error: %s", err)

@@ -22,10 +22,10 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-def _add(args: skel.CmdArgs) -> dict[str, Any]:
+def _add(args: skel.CmdArgs, not_handed_over: str | None = None) -> dict[str, Any]:
     from istio_agent.cni.plugin import cmd_add
 
-    return cmd_add(args, started=_STARTED)
+    return cmd_add(args, started=_STARTED, not_handed_over=not_handed_over)
 
 
 def _nothing(args: skel.CmdArgs) -> None:
@@ -39,19 +39,22 @@ HANDLERS: dict[str, skel.Handler] = {"ADD": _add, "CHECK": _nothing, "DEL": _not
 
 def main() -> None:
     stdin = None
+    handlers = HANDLERS
     if os.environ.get("CNI_COMMAND") == "ADD":
         from istio_agent.cni import handoff
 
         data = sys.stdin.buffer.read()
         try:
             status, stdout = handoff.hand_over(os.environ, data, _STARTED)
-        except handoff.Fallback:
+        except handoff.Fallback as why:
             stdin = io.BytesIO(data)  # the ADD runs here, on the bytes already read
+            reason = str(why)
+            handlers = {**HANDLERS, "ADD": lambda args: _add(args, not_handed_over=reason)}
         else:
             sys.stdout.write(stdout)
             sys.stdout.flush()
             sys.exit(status)
-    sys.exit(skel.main(HANDLERS, about=f"CNI plugin istio-cni {__version__}", stdin=stdin))
+    sys.exit(skel.main(handlers, about=f"CNI plugin istio-cni {__version__}", stdin=stdin))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,35 @@ def _list(where: str, value: object) -> list[Any]:
     return value
 
 
+def _string(where: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ResultError(f"{where}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _strings(where: str, value: object) -> list[str]:
+    return [_string(f"{where}[{i}]", item) for i, item in enumerate(_list(where, value))]
+
+
+def _interface(where: str, raw: object, keys: tuple[str, ...]) -> dict[str, Any]:
+    """An interface with ``keys`` (name first), typed as the library's struct (``mtu`` an integer,
+    the rest strings): what is handed on as given must be what a Go plugin could have decoded."""
+    given = _object(where, raw)
+    name = given.get("name")
+    interface: dict[str, Any] = {"name": "" if name is None else _string(f"{where}.name", name)}
+    for key in keys[1:]:
+        value = given.get(key)
+        if value is None:
+            continue
+        if key == "mtu" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ResultError(f"{where}.mtu: expected an integer, got {value!r}")
+        if key != "mtu":
+            _string(f"{where}.{key}", value)
+        if value not in ("", 0):
+            interface[key] = value
+    return interface
+
+
 def _route(where: str, raw: object) -> dict[str, Any]:
     given = _object(where, raw)
     route: dict[str, Any] = {"dst": _cidr(f"{where}.dst", given.get("dst"))}
@@ -81,6 +110,10 @@ def _dns(raw: object) -> dict[str, Any]:
     dns: dict[str, Any] = {}
     for key in _DNS_KEYS:
         value = given.get(key)
+        if value is None:
+            continue
+        where = f"prevResult.dns.{key}"
+        value = _string(where, value) if key == "domain" else _strings(where, value)
         if value:
             dns[key] = value
     return dns
@@ -117,14 +150,10 @@ def parse(raw: object, version: str) -> dict[str, Any]:
             model["routes"].extend(_route(f"prevResult.{key}.routes[{i}]", r) for i, r in enumerate(routes))
         return model
     keys = _INTERFACE_KEYS["0.4.0" if version in _V04 else "1.0.0"]
-    for i, item in enumerate(_list("prevResult.interfaces", given.get("interfaces"))):
-        interface = _object(f"prevResult.interfaces[{i}]", item)
-        name = interface.get("name", "")
-        if not isinstance(name, str):
-            raise ResultError(f"prevResult.interfaces[{i}].name: expected a string, got {name!r}")
-        model["interfaces"].append(
-            {"name": name, **{k: interface[k] for k in keys[1:] if interface.get(k) not in (None, "", 0)}}
-        )
+    interfaces = _list("prevResult.interfaces", given.get("interfaces"))
+    model["interfaces"] = [
+        _interface(f"prevResult.interfaces[{i}]", x, keys) for i, x in enumerate(interfaces)
+    ]
     ips = _list("prevResult.ips", given.get("ips"))
     model["ips"] = [_ip_config(f"prevResult.ips[{i}]", ip) for i, ip in enumerate(ips)]
     routes = _list("prevResult.routes", given.get("routes"))

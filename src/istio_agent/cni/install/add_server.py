@@ -40,13 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from istio_agent.cni import skel
-from istio_agent.cni.handoff import SOCKET_NAME, netns_id
+from istio_agent.cni.handoff import MAX_MESSAGE, SOCKET_NAME, netns_id
 from istio_agent.log import scope
 
 log = scope("cni-agent")
 
-MAX_MESSAGE = 1 * 2**20
-"""An invocation is an environment and a network config: far below this."""
 READ_TIMEOUT = 5.0
 """The plugin sends its message at once; a connection that does not is dropped after this."""
 MAX_CONCURRENT_ADDS = 8
