@@ -104,3 +104,71 @@ def test_the_plugin_log_level_is_the_cni_plugin_scopes() -> None:
     assert _plugin_log_level("default:info") == "info"
     assert _plugin_log_level("default:debug,cni-plugin:warn") == "warn"
     assert _plugin_log_level("cni-plugin:none") == "none"
+
+
+def launch(node: Node, health: int) -> subprocess.Popen[bytes]:
+    """install-cni on ``node`` with ``/readyz`` on ``health`` and no metrics listener."""
+    env = {**os.environ, "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    args = [
+        str(INSTALL_CNI),
+        f"--cni-agent-run-dir={node.run}",
+        f"--mounted-cni-net-dir={node.conf}",
+        f"--cni-bin-source-dir={node.source}",
+        f"--cni-bin-target-dirs={node.bin}",
+        f"--service-account-dir={node.sa}",
+        f"--health-port={health}",
+        "--monitoring-port=0",
+    ]
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+async def readyz(health: int) -> int | None:
+    """``/readyz``'s status, or None when it does not answer within a second (refused or hung)."""
+    try:
+        timeout = aiohttp.ClientTimeout(total=1.0)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(f"http://127.0.0.1:{health}/readyz") as response,
+        ):
+            return response.status
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+async def wait_ready(process: subprocess.Popen[bytes], health: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while await readyz(health) != 200:
+        assert process.poll() is None, "install-cni exited"
+        assert time.monotonic() < deadline, "install-cni never became ready"
+        await asyncio.sleep(0.02)
+
+
+def stop(process: subprocess.Popen[bytes]) -> tuple[int, str]:
+    """SIGTERM, then the exit status and output (SIGKILL and a failure when it does not end)."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        output, _ = process.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        raise AssertionError(f"install-cni ignored SIGTERM:\n{output.decode()}") from None
+    return process.returncode, output.decode()
+
+
+async def test_a_fifo_in_the_config_dir_is_skipped_not_waited_on(tmp_path: Path) -> None:
+    """open() of a FIFO blocks until a writer comes: install-cni must neither hang nor ignore SIGTERM."""
+    node = Node(tmp_path)
+    calico = node.put("calico.conflist", "10-calico.conflist")
+    before = calico.read_bytes()
+    os.mkfifo(node.conf / "00-fifo.conflist")
+    health = free_port()
+    process = launch(node, health)
+    try:
+        await wait_ready(process, health, timeout=10)
+        assert "istio-cni" in calico.read_text()
+    finally:
+        code, log = stop(process)
+    assert code == 0, log
+    assert "00-fifo.conflist" in log and "not a regular file" in log, log
+    assert conffiles.parse(calico.read_bytes()) == conffiles.parse(before)
+    assert not (node.bin / "istio-cni").exists()

@@ -7,6 +7,7 @@ Goldens are ours, written from the format Istio's install-cni produces (keys sor
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,21 @@ def test_valid_files_in_byte_order_and_invalid_ones_skipped_with_why(node: Node)
     assert "not valid JSON" in skipped["00-not-json.conf"]
     assert skipped["01-typeless.conf"] == "the network config has no type"
     assert skipped["02-nameless.conflist"] == "the network list has no name"
+
+
+@pytest.mark.timeout(5)  # before the fix, open() of the FIFO blocked until a writer came
+def test_a_fifo_or_a_device_is_refused_without_being_waited_on(node: Node) -> None:
+    fifo = node.conf / "00-fifo.conflist"
+    os.mkfifo(fifo)
+    (node.conf / "01-null.conf").symlink_to("/dev/null")
+    node.put("calico.conflist", "10-calico.conflist")
+    with pytest.raises(CniConfigError, match=r"00-fifo\.conflist is not a regular file"):
+        conffiles.read_document(fifo)
+    valid, skipped = conffiles.config_filenames(node.conf)
+    assert valid == ["10-calico.conflist"]
+    assert "is not a regular file" in skipped["00-fifo.conflist"]
+    assert "is not a regular file" in skipped["01-null.conf"]
+    assert conffiles.load_chained(fifo)[1] == skipped["00-fifo.conflist"]
 
 
 def test_a_pluginless_list_is_valid_with_a_plugin_directory(node: Node) -> None:

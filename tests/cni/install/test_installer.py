@@ -283,6 +283,7 @@ async def test_health_readiness_and_metrics_over_http(node: Node, stoppers: list
             base = f"http://127.0.0.1:{health.port}"
             async with session.get(f"{base}/healthz") as response:
                 assert response.status == 200
+            await running.not_ready("waiting for a primary CNI config")  # the first pass runs off the loop
             async with session.get(f"{base}/readyz") as response:
                 assert response.status == 503
                 assert "waiting for a primary CNI config" in await response.text()

@@ -14,6 +14,8 @@ install-cni leaves it alone and reports it instead of editing a file it cannot u
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +58,24 @@ def parse(data: bytes) -> Any:
 
 
 def read_document(path: Path) -> Any:
-    """The parsed file; raises CniConfigError naming the file (unreadable, too large, not JSON)."""
+    """The parsed file; raises CniConfigError naming the file (not a regular file, unreadable, too large, not JSON).
+
+    Opened without blocking and read only when regular: a plain open() of a FIFO waits for a writer,
+    which would stall install-cni (health, signals and all) on a stray ``*.conflist`` pipe.
+    """
     try:
-        with path.open("rb") as file:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise CniConfigError(f"cannot read {path}: {err.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CniConfigError(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as file:
             data = file.read(MAX_CONFIG_BYTES + 1)
     except OSError as err:
         raise CniConfigError(f"cannot read {path}: {err.strerror}") from None
+    finally:
+        os.close(fd)
     if len(data) > MAX_CONFIG_BYTES:
         raise CniConfigError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes")
     try:

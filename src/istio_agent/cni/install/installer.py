@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from istio_agent import goformat
 from istio_agent.cni.install import conffiles, kubeconfig
@@ -43,6 +45,24 @@ RECHECK_SECONDS = 30.0
 """While waiting, the config is checked again this often even without an event (a missed event costs no more)."""
 MISSING_DIR_POLL_SECONDS = 1.0
 """A directory that does not exist cannot be watched: look again this often."""
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+async def off_loop(func: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``func`` (blocking file work) in a thread, so ``/readyz``, ``/healthz`` and signals are served meanwhile.
+
+    A cancel (SIGTERM) waits for the work to end before it propagates: cleanup must never run while
+    a write of ours is half-way, nor undo a file that the write then puts back.
+    """
+    work = asyncio.ensure_future(asyncio.to_thread(func, *args, **kwargs))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait({work})
+        raise
 
 
 class InstallError(Exception):
@@ -161,14 +181,14 @@ class Installer:
         """One pass: binaries, kubeconfig, then the CNI config if it needs writing."""
         settings = self.settings
         try:
-            copied = copy_binaries(settings.cni_bin_source_dir, settings.cni_bin_target_dirs)
+            copied = await off_loop(copy_binaries, settings.cni_bin_source_dir, settings.cni_bin_target_dirs)
         except CopyError as err:
             self.metrics.installs.labels(COPY_BINARIES_FAILURE).inc()
             raise InstallError(str(err)) from None
         if self._binaries is None:
             self._binaries = copied  # only the first set is watched, as in Istio
         try:
-            document = kubeconfig.write(settings)
+            document = await off_loop(kubeconfig.write, settings)
         except (kubeconfig.KubeconfigError, OSError) as err:
             self.metrics.installs.labels(CREATE_KUBECONFIG_FAILURE).inc()
             raise InstallError(f"failed to write the kubeconfig: {err}") from None
@@ -185,7 +205,7 @@ class Installer:
         self.metrics.installs.labels(SUCCESS).inc()
 
     async def _install_config(self) -> None:
-        verdict = self.check()
+        verdict = await off_loop(self.check)
         if verdict.check is Check.OK:
             self._unblock()
             log.info("existing CNI config %s is valid", self.config_path)
@@ -200,9 +220,7 @@ class Installer:
             self.config_path or "",
             verdict.reason,
         )
-        path = await self.create_config_file()
-        if path is not None:
-            self.config_path = path
+        if await self.create_config_file() is not None:
             self._unblock()
             log.info("Istio CNI configuration and binaries validated/reinstalled")
 
@@ -238,7 +256,7 @@ class Installer:
             await asyncio.sleep(backoff)  # out of the fight: changes meanwhile are the other side's
             return
         with DirWatcher(interests) as watcher:
-            verdict = self.check()
+            verdict = await off_loop(self.check)
             if verdict.check is Check.REWRITE:
                 self._set_ready(False, verdict.reason)
                 return
@@ -251,7 +269,7 @@ class Installer:
                 self._set_ready(True)
             try:
                 while not await watcher.wait(self._recheck):
-                    if self.check().check is not verdict.check:
+                    if (await off_loop(self.check)).check is not verdict.check:
                         break
             finally:
                 self._set_ready(False, self.reason or "detected changes to the node-level CNI setup")
@@ -323,28 +341,40 @@ class Installer:
         return Verdict(Check.OK)
 
     async def create_config_file(self) -> Path | None:
-        """Write our entry (waiting for the primary config when chained); None when the target is corrupt."""
+        """Write our entry (waiting for the primary config when chained); None when the target is corrupt.
+
+        The file written becomes :attr:`config_path` at once, in the writing thread: a SIGTERM that
+        arrives meanwhile still finds it to clean up.
+        """
         settings = self.settings
-        directory = settings.mounted_cni_net_dir
         if not settings.chained_cni_plugin:
-            path = directory / (settings.cni_conf_name or conffiles.STANDALONE_NAME)
-            directory.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, conffiles.standalone_text(settings.plugin), settings.conf_file_mode)
+            path = settings.mounted_cni_net_dir / (settings.cni_conf_name or conffiles.STANDALONE_NAME)
+            await off_loop(self._write_standalone, path)
             log.info("created CNI config %s", path)
             return path
         path = await self._chain_target()
-        document, problem = conffiles.load_chained(path)
+        document, problem = await off_loop(conffiles.load_chained, path)
         if problem is not None:
             # Only a file we had not chosen yet can be corrupt here (kubelet skipped it too): a named one.
             self._block(CORRUPT, conffiles.corrupt_reason(path, problem))
             return None
+        destination = await off_loop(self._write_chained, path, document)
+        log.info("created CNI config %s", destination)
+        return destination
+
+    def _write_standalone(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, conffiles.standalone_text(self.settings.plugin), self.settings.conf_file_mode)
+        self.config_path = path
+
+    def _write_chained(self, path: Path, document: object) -> Path:
         chained = conffiles.insert_entry(document, self._entry)
         mode = stat.S_IMODE(path.stat().st_mode)
         destination = path.with_name(path.name + "list") if path.suffix == ".conf" else path
         write_atomic(destination, conffiles.marshal(chained), mode)
+        self.config_path = destination
         if destination != path:
             path.unlink(missing_ok=True)
-        log.info("created CNI config %s", destination)
         return destination
 
     async def _chain_target(self) -> Path:
@@ -355,7 +385,7 @@ class Installer:
                 name = self.settings.cni_conf_name
                 if self._auto:
                     try:
-                        name = conffiles.config_filenames(directory)[0][0]
+                        name = (await off_loop(conffiles.config_filenames, directory))[0][0]
                     except NoNetworksError as err:
                         name = ""
                         self._set_ready(False, f"waiting for a primary CNI config: {err}")
