@@ -155,6 +155,28 @@ def stop(process: subprocess.Popen[bytes]) -> tuple[int, str]:
     return process.returncode, output.decode()
 
 
+async def test_a_second_instance_leaves_the_first_ones_files_alone(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    calico = node.put("calico.conflist", "10-calico.conflist")
+    first_port = free_port()
+    first = launch(node, first_port)
+    try:
+        await wait_ready(first, first_port)
+        installed = {p: p.read_bytes() for p in (node.bin / "istio-cni", node.run / "istio-cni-kubeconfig")}
+        installed[calico] = calico.read_bytes()
+        second = launch(node, free_port())
+        output, _ = second.communicate(timeout=20)
+        assert second.returncode == 1, output.decode()
+        assert "another process serves the ADD hand-over" in output.decode()
+        for path, data in installed.items():
+            assert path.exists() and path.read_bytes() == data, f"the second instance changed {path}"
+        assert await readyz(first_port) == 200
+    finally:
+        code, log = stop(first)
+    assert code == 0, log
+    assert not (node.bin / "istio-cni").exists()
+
+
 async def test_a_fifo_in_the_config_dir_is_skipped_not_waited_on(tmp_path: Path) -> None:
     """open() of a FIFO blocks until a writer comes: install-cni must neither hang nor ignore SIGTERM."""
     node = Node(tmp_path)

@@ -22,8 +22,12 @@ class CopyError(Exception):
     """A binary could not be copied; the message names it and, when the host is read-only, says so."""
 
 
-def copy_binaries(source: Path, targets: tuple[Path, ...]) -> set[str]:
-    """Copy every regular file of ``source`` into each writable target; returns the names copied."""
+def copy_binaries(source: Path, targets: tuple[Path, ...], written: set[Path] | None = None) -> set[str]:
+    """Copy every regular file of ``source`` into each writable target; returns the names copied.
+
+    Each destination is added to ``written`` as soon as it is in place, even when a later copy
+    fails: cleanup removes only what this process installed, never another install-cni's files.
+    """
     try:
         files = sorted(p for p in source.iterdir() if p.is_file())
     except OSError as err:
@@ -38,6 +42,8 @@ def copy_binaries(source: Path, targets: tuple[Path, ...]) -> set[str]:
         for file in files:
             remove_stale_temporaries(target, file.name)
             _copy(file, target / file.name)
+            if written is not None:
+                written.add(target / file.name)
             copied.add(file.name)
             log.info("Copied %s to %s", file.name, target)
     return copied

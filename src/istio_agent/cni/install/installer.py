@@ -8,7 +8,8 @@ token) and is *ready* only while waiting with everything in place.
 Beyond Istio (see docs/compatibility.md): the file we chained into is checked as a whole and, when
 it is corrupt, left alone with readiness false and the reason; another component that keeps removing
 our entry gets a back-off (:mod:`.guard`) instead of an endless rewrite loop; a changed entry of ours
-(other settings after an upgrade) is rewritten, not only a missing one.
+(other settings after an upgrade) is rewritten, not only a missing one. Cleanup removes only what this
+process wrote.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from istio_agent import goformat
 from istio_agent.cni.install import conffiles, kubeconfig
@@ -136,6 +137,9 @@ class Installer:
         self.config_path: Path | None = None
         """The config file holding our entry (written by us); cleanup restores or removes it."""
         self._binaries: set[str] | None = None
+        self._copied: set[Path] = set()
+        """Binaries this process copied: the only ones cleanup may remove."""
+        self._kubeconfig_written = False
         self._ready = False
         self.reason = "installing"
         """Why install-cni is not ready (empty when ready)."""
@@ -181,14 +185,16 @@ class Installer:
         """One pass: binaries, kubeconfig, then the CNI config if it needs writing."""
         settings = self.settings
         try:
-            copied = await off_loop(copy_binaries, settings.cni_bin_source_dir, settings.cni_bin_target_dirs)
+            copied = await off_loop(
+                copy_binaries, settings.cni_bin_source_dir, settings.cni_bin_target_dirs, self._copied
+            )
         except CopyError as err:
             self.metrics.installs.labels(COPY_BINARIES_FAILURE).inc()
             raise InstallError(str(err)) from None
         if self._binaries is None:
             self._binaries = copied  # only the first set is watched, as in Istio
         try:
-            document = await off_loop(kubeconfig.write, settings)
+            document = await off_loop(self._write_kubeconfig)
         except (kubeconfig.KubeconfigError, OSError) as err:
             self.metrics.installs.labels(CREATE_KUBECONFIG_FAILURE).inc()
             raise InstallError(f"failed to write the kubeconfig: {err}") from None
@@ -203,6 +209,11 @@ class Installer:
             self.metrics.installs.labels(CREATE_CNI_CONFIG_FAILURE).inc()
             raise InstallError(f"failed to write the CNI config: {err}") from None
         self.metrics.installs.labels(SUCCESS).inc()
+
+    def _write_kubeconfig(self) -> dict[str, Any]:
+        document = kubeconfig.write(self.settings)
+        self._kubeconfig_written = True
+        return document
 
     async def _install_config(self) -> None:
         verdict = await off_loop(self.check)
@@ -405,7 +416,10 @@ class Installer:
     # -- on exit -----------------------------------------------------------------------------------
 
     def cleanup(self) -> None:
-        """Take our entry out (or remove our standalone file), remove the kubeconfig and the plugin binary."""
+        """Undo what this process installed: our entry (or standalone file), the kubeconfig, the plugin binary.
+
+        Files this process did not write are not touched (another install-cni may be serving the node).
+        """
         settings = self.settings
         log.info("cleaning up")
         path = self.config_path
@@ -415,12 +429,14 @@ class Installer:
             else:
                 log.info("removing Istio CNI config file %s", path)
                 path.unlink(missing_ok=True)
-        try:
-            settings.kubeconfig_path.unlink(missing_ok=True)
-            log.info("removed kubeconfig %s", settings.kubeconfig_path)
-        except OSError as err:
-            log.warning("cannot remove the kubeconfig %s: %s", settings.kubeconfig_path, err.strerror)
-        remove_binary(settings.cni_bin_target_dirs, PLUGIN_TYPE)
+        if self._kubeconfig_written:
+            try:
+                settings.kubeconfig_path.unlink(missing_ok=True)
+                log.info("removed kubeconfig %s", settings.kubeconfig_path)
+            except OSError as err:
+                log.warning("cannot remove the kubeconfig %s: %s", settings.kubeconfig_path, err.strerror)
+        copied_to = tuple(sorted(p.parent for p in self._copied if p.name == PLUGIN_TYPE))
+        remove_binary(copied_to, PLUGIN_TYPE)
 
     def _remove_entry(self, path: Path) -> None:
         try:
