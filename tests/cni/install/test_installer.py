@@ -321,3 +321,22 @@ async def test_a_rotated_token_rewrites_the_kubeconfig(node: Node, stoppers: lis
         lambda: '"token": "rotated-token"' in kubeconfig.read_text(), "the new token in the kubeconfig"
     )
     await running.ready()
+
+
+@pytest.mark.parametrize("broken", ["{", '{"name": "k8s-pod-network"}'], ids=["not-json", "no-plugins"])
+async def test_cleanup_keeps_the_plugin_when_its_entry_cannot_be_removed(
+    node: Node, stoppers: list[Running], caplog: pytest.LogCaptureFixture, broken: str
+) -> None:
+    """A list that may still chain istio-cni must not be left chaining a missing binary (Istio's
+    Cleanup returns before removing anything when it cannot take its entry out)."""
+    path = node.put("calico.conflist", "10-calico.conflist")
+    running = start(stoppers, node)
+    await running.ready()
+    path.write_text(broken)
+    await running.not_ready("corrupt")
+    await running.stop()
+    assert path.read_text() == broken
+    assert (node.bin / "istio-cni").read_bytes() == (node.source / "istio-cni").read_bytes()
+    assert TOKEN in (node.run / "istio-cni-kubeconfig").read_text()
+    kept = [r for r in caplog.records if "keeping the kubeconfig" in r.getMessage()]
+    assert kept and kept[0].levelno >= logging.WARNING, [r.getMessage() for r in caplog.records]

@@ -9,7 +9,7 @@ Beyond Istio (see docs/compatibility.md): the file we chained into is checked as
 it is corrupt, left alone with readiness false and the reason; another component that keeps removing
 our entry gets a back-off (:mod:`.guard`) instead of an endless rewrite loop; a changed entry of ours
 (other settings after an upgrade) is rewritten, not only a missing one. Cleanup removes only what this
-process wrote.
+process wrote, and keeps the kubeconfig and the binary when our entry cannot be taken out.
 """
 
 from __future__ import annotations
@@ -419,16 +419,20 @@ class Installer:
         """Undo what this process installed: our entry (or standalone file), the kubeconfig, the plugin binary.
 
         Files this process did not write are not touched (another install-cni may be serving the node).
+        When our entry cannot be taken out, the kubeconfig and the binary stay, as in Istio's Cleanup
+        (``cni/pkg/install/install.go``): a config chaining a missing plugin fails every pod sandbox.
         """
         settings = self.settings
         log.info("cleaning up")
-        path = self.config_path
-        if path is not None and path.exists():
-            if settings.chained_cni_plugin:
-                self._remove_entry(path)
-            else:
-                log.info("removing Istio CNI config file %s", path)
-                path.unlink(missing_ok=True)
+        if not self._remove_config():
+            log.error(
+                "keeping the kubeconfig %s and the %s binary: the CNI config %s may still chain istio-cni, "
+                "and without them every pod sandbox on this node would fail",
+                settings.kubeconfig_path,
+                PLUGIN_TYPE,
+                self.config_path,
+            )
+            return
         if self._kubeconfig_written:
             try:
                 settings.kubeconfig_path.unlink(missing_ok=True)
@@ -438,7 +442,22 @@ class Installer:
         copied_to = tuple(sorted(p.parent for p in self._copied if p.name == PLUGIN_TYPE))
         remove_binary(copied_to, PLUGIN_TYPE)
 
-    def _remove_entry(self, path: Path) -> None:
+    def _remove_config(self) -> bool:
+        """Take our entry out of the config we wrote; False when it may still be there."""
+        path = self.config_path
+        if path is None or not path.exists():
+            return True
+        if self.settings.chained_cni_plugin:
+            return self._remove_entry(path)
+        log.info("removing Istio CNI config file %s", path)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("cannot remove the Istio CNI config file %s: %s", path, err.strerror)
+            return False
+        return True
+
+    def _remove_entry(self, path: Path) -> bool:
         try:
             document = conffiles.read_document(path)
             cleaned = conffiles.remove_entry(document)
@@ -446,5 +465,6 @@ class Installer:
             write_atomic(path, conffiles.marshal(cleaned), mode)
         except (CniConfigError, OSError) as err:
             log.warning("leaving the CNI config %s as it is: %s", path, err)
-            return
+            return False
         log.info("removed the istio-cni entry from CNI config file %s", path)
+        return True
