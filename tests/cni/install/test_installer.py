@@ -340,3 +340,30 @@ async def test_cleanup_keeps_the_plugin_when_its_entry_cannot_be_removed(
     assert TOKEN in (node.run / "istio-cni-kubeconfig").read_text()
     kept = [r for r in caplog.records if "keeping the kubeconfig" in r.getMessage()]
     assert kept and kept[0].levelno >= logging.WARNING, [r.getMessage() for r in caplog.records]
+
+
+async def test_not_ready_while_the_plugin_binary_is_missing(node: Node, stoppers: list[Running]) -> None:
+    """An empty source and no binary on the host: the list would chain a plugin the runtime cannot exec."""
+    node.put("calico.conflist", "10-calico.conflist")
+    (node.source / "istio-cni").unlink()
+    running = start(stoppers, node)
+    installer = running.installer
+    health = health_endpoint("127.0.0.1", 0, lambda: (installer.ready, installer.reason))
+    await health.start()
+    try:
+        await running.not_ready("plugin binary istio-cni")
+        assert has_istio(node.conf / "10-calico.conflist")  # written as Istio does; readiness tells
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{health.port}/readyz") as response,
+        ):
+            assert response.status == 503
+            body = await response.text()
+        assert "not ready: the plugin binary istio-cni is missing from" in body, body
+        assert str(node.bin) in body and str(node.source) in body
+        plugin = node.bin / "istio-cni"  # someone puts it on the host: ready without waiting for a recheck
+        plugin.write_text("#!/bin/sh\n")
+        plugin.chmod(0o755)
+        await running.ready()
+    finally:
+        await health.stop()

@@ -8,7 +8,8 @@ token) and is *ready* only while waiting with everything in place.
 Beyond Istio (see docs/compatibility.md): the file we chained into is checked as a whole and, when
 it is corrupt, left alone with readiness false and the reason; another component that keeps removing
 our entry gets a back-off (:mod:`.guard`) instead of an endless rewrite loop; a changed entry of ours
-(other settings after an upgrade) is rewritten, not only a missing one. Cleanup removes only what this
+(other settings after an upgrade) is rewritten, not only a missing one; install-cni is not ready while
+the plugin binary is on none of the host's CNI bin directories. Cleanup removes only what this
 process wrote, and keeps the kubeconfig and the binary when our entry cannot be taken out.
 """
 
@@ -161,6 +162,10 @@ class Installer:
     def _block(self, kind: str, reason: str) -> None:
         """Leave the config alone on purpose: readiness false with ``reason``, the metric, one log line per reason."""
         self.metrics.blocked.labels(kind).set(1)
+        self._report(reason)
+
+    def _report(self, reason: str) -> None:
+        """Not ready because of something on the node that install-cni cannot fix: one error line per reason."""
         self._set_ready(False, reason)
         if reason not in self._logged:
             self._logged.add(reason)
@@ -257,9 +262,11 @@ class Installer:
     async def sleep_watch_install(self) -> None:
         """Wait until something changes (return at once when the config needs a rewrite); ready meanwhile."""
         settings = self.settings
+        binaries = frozenset({*(self._binaries or ()), PLUGIN_TYPE})
         interests: list[tuple[Path, frozenset[str] | None]] = [
-            (target, frozenset(self._binaries or ())) for target in settings.cni_bin_target_dirs
+            (target, binaries) for target in settings.cni_bin_target_dirs
         ]
+        interests.append((settings.cni_bin_source_dir, frozenset({PLUGIN_TYPE})))  # a missing plugin arriving
         interests.append((settings.mounted_cni_net_dir, None))
         interests.append((settings.service_account_dir, None))
         backoff = self._guard.remaining()
@@ -267,7 +274,7 @@ class Installer:
             await asyncio.sleep(backoff)  # out of the fight: changes meanwhile are the other side's
             return
         with DirWatcher(interests) as watcher:
-            verdict = await off_loop(self.check)
+            verdict, missing = await off_loop(self._survey)
             if verdict.check is Check.REWRITE:
                 self._set_ready(False, verdict.reason)
                 return
@@ -277,16 +284,39 @@ class Installer:
                 return
             else:
                 self._unblock()
-                self._set_ready(True)
+                if missing:
+                    self._report(missing)
+                else:
+                    self._set_ready(True)
             try:
                 while not await watcher.wait(self._recheck):
-                    if (await off_loop(self.check)).check is not verdict.check:
+                    now, now_missing = await off_loop(self._survey)
+                    if now.check is not verdict.check or bool(now_missing) != bool(missing):
                         break
             finally:
                 self._set_ready(False, self.reason or "detected changes to the node-level CNI setup")
         log.info(
             "detected changes to the node-level CNI setup, checking to see if configs or binaries need redeploying"
         )
+
+    def _survey(self) -> tuple[Verdict, str]:
+        """What the config needs, and why the plugin cannot be exec'd ("" when it can): one look, off the loop."""
+        return self.check(), self.missing_plugin()
+
+    def missing_plugin(self) -> str:
+        """Why the runtime could not exec the plugin our entry names ("" when it could).
+
+        Its binary must be in one of the host's CNI bin directories; without it every pod sandbox on
+        the node fails, so install-cni is not ready (Istio stays ready).
+        """
+        settings = self.settings
+        if any((target / PLUGIN_TYPE).is_file() for target in settings.cni_bin_target_dirs):
+            return ""
+        where = ", ".join(str(target) for target in settings.cni_bin_target_dirs)
+        reason = f"the plugin binary {PLUGIN_TYPE} is missing from {where}"
+        if not (settings.cni_bin_source_dir / PLUGIN_TYPE).is_file():
+            reason += f", and {settings.cni_bin_source_dir} has none to copy"
+        return reason
 
     # -- the CNI config ----------------------------------------------------------------------------
 
