@@ -268,6 +268,80 @@ def test_any_add_timeout_go_reads_is_handed_over(tmp_path: Path, pod_file: Path,
     assert (result.code, result.stdout) == (0, "handed over"), result.stderr
 
 
+FAKE_AGENT = """
+import socket, sys
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(sys.argv[1])
+server.listen(1)
+print("listening", flush=True)
+connection, _ = server.accept()
+connection.settimeout(10)
+received = b""
+try:
+    while chunk := connection.recv(65536):
+        received += chunk
+    connection.sendall(b'{"exit": 0, "stdout": "no rules, but success"}')
+except OSError:
+    pass
+print(len(received), flush=True)
+"""
+"""A FAKE node agent for another user to run: it answers success to whoever connects, and says how
+many bytes it was sent."""
+
+
+@contextmanager
+def agent_of_another_user(uid: int) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    """A world-writable run dir (no install-cni there) whose ``plugin-add.sock`` ``uid`` bound."""
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="handoff-squat-"))
+    try:
+        top.chmod(0o755)
+        run_dir = top / "run"
+        run_dir.mkdir()
+        run_dir.chmod(0o1777)
+        agent = subprocess.Popen(
+            ["/usr/bin/python3", "-c", FAKE_AGENT, str(run_dir / SOCKET_NAME)],
+            user=uid,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert agent.stdout is not None and agent.stdout.readline() == "listening\n"
+            yield run_dir, agent
+        finally:
+            agent.kill()
+            agent.wait()
+    finally:
+        shutil.rmtree(top)
+
+
+@needs_root
+def test_a_socket_another_user_serves_is_not_trusted(pod_file: Path) -> None:
+    """The plugin runs as root: a socket in the run dir served by anyone but root (or the plugin's
+    own user) gets neither the invocation nor the say on the result; the plugin runs the ADD."""
+    with agent_of_another_user(65534) as (run_dir, agent):
+        result = run_plugin(run_dir, pod_file, name="istio-cni-node-x", namespace="istio-system")
+        agent.kill()
+        told, _ = agent.communicate(timeout=10)
+    assert result.stdout != "no rules, but success"
+    assert result.code == 0, result.stdout + result.stderr
+    assert result.json == PREV_RESULT  # the in-process ADD's result
+    assert "node agent itself" in result.stderr
+    assert "served by uid 65534" in result.stderr
+    assert told.strip() in ("", "0")  # not even the invocation was sent
+
+
+@needs_root
+def test_a_socket_the_plugins_own_user_serves_is_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin run as another user (not on a node; tests) hands over to that user's node agent:
+    a process of its own user could take it over anyway."""
+    monkeypatch.setattr(handoff.os, "geteuid", lambda: 65534)
+    with agent_of_another_user(65534) as (run_dir, _agent):
+        assert hand_over_add(run_dir) == (0, "no rules, but success")
+
+
 # -- the server's checks, without processes ------------------------------------------------------------
 
 

@@ -17,12 +17,17 @@ socket is ours, with its own protocol:
   plugin then runs the ADD itself.
 
 No socket, or nobody listening on it (install-cni stopped): the plugin runs the ADD itself, as
-without a node agent. A node agent that takes the connection but does not answer within the ADD
+without a node agent. So it does when the socket's listener is neither root nor the plugin's own
+user (``SO_PEERCRED``): the runtime runs the plugin as root and install-cni runs as root, so such
+a socket is not install-cni's (a squatter on a world-writable run dir gets neither the invocation
+nor a say in its result). The plugin's own user may control the plugin anyway (tests run both
+sides unprivileged). A node agent that takes the connection but does not answer within the ADD
 deadline, or answers nonsense, is a CNI error: failing closed as the in-process ADD does.
 
-Imports only ``os``, ``json``, ``socket``, ``time`` and ``skel`` (which imports only ``os``): the point
-is to import nothing else. A config that sets ``add_timeout`` (install-cni writes none) also loads
-the agent's Go duration parser (``config/env.py``), so both sides read it alike.
+Imports only ``os``, ``json``, ``socket``, ``struct``, ``time`` and ``skel`` (which imports only
+``os``): the point is to import nothing else. A config that sets ``add_timeout`` (install-cni
+writes none) also loads the agent's Go duration parser (``config/env.py``), so both sides read it
+alike.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import time
 
 from istio_agent.cni import skel
@@ -51,11 +57,25 @@ grows by nesting), so the answer is at most about 7 times the message (a ``<`` i
 ``\\u003c``, whose backslash the answer escapes again; indentation adds less)."""
 MAX_SOCKET_PATH = 108
 """Linux's ``sun_path`` size, terminating NUL included."""
+_PEERCRED = struct.Struct("iII")
+"""``struct ucred``: pid, uid, gid."""
 
 
 class Fallback(Exception):
     """The plugin runs the ADD itself (no node agent, or it declined); the message says why, and the
-    plugin logs it once its logging is set up."""
+    plugin logs it once its logging is set up (as a warning when ``warning``: the operator should
+    look, e.g. the socket is served by another user)."""
+
+    def __init__(self, reason: str, *, warning: bool = False) -> None:
+        super().__init__(reason)
+        self.warning = warning
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The effective uid of the process at the other end of a connected unix socket, as it was when
+    that process connected (or, for a listener, called listen())."""
+    _pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return int(uid)
 
 
 def _budget_seconds(add_timeout: object) -> float | None:
@@ -124,6 +144,13 @@ def hand_over(environ: Mapping[str, str], stdin: bytes, started: float) -> tuple
         except OSError as err:
             return _error(f"cannot reach the node agent on {path}: {err.strerror or err}")
         try:
+            uid = peer_uid(sock)
+            if uid not in (0, os.geteuid()):
+                raise Fallback(
+                    f"{path} is served by uid {uid}, neither root nor this plugin's user: not install-cni,"
+                    " not trusted with the ADD",
+                    warning=True,
+                )
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
             answer = _read_answer(sock, deadline)

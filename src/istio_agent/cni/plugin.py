@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from istio_agent.cni import result
 from istio_agent.cni.args import ArgsError, K8sArgs, is_agent_pod, parse_k8s_args
 from istio_agent.cni.capture_config import CaptureConfig
-from istio_agent.cni.handoff import DEFAULT_ADD_SECONDS
+from istio_agent.cni.handoff import DEFAULT_ADD_SECONDS, Fallback
 from istio_agent.cni.plugin_config import NetworkConfig, parse_network_config
 from istio_agent.cni.skel import ERR_INTERNAL, CmdArgs, CniError
 from istio_agent.config.env import ConfigError
@@ -256,7 +256,7 @@ def cmd_add(
     started: float | None = None,
     environ: Mapping[str, str] | None = None,
     configure_logging: bool = True,
-    not_handed_over: str | None = None,
+    not_handed_over: Fallback | None = None,
 ) -> dict[str, Any]:
     """The ADD handler: PluginError becomes the CNI error result (code 999).
 
@@ -270,7 +270,8 @@ def cmd_add(
         if configure_logging:
             _configure_logging(_network_config(args).plugin.plugin_log_level)
         if not_handed_over is not None:
-            log.info("running the ADD in the plugin: %s", not_handed_over)
+            level = logging.WARNING if not_handed_over.warning else logging.INFO
+            log.log(level, "running the ADD in the plugin: %s", not_handed_over)
         return add(args, programmer=select_programmer(env), started=started, environ=env)
     except PluginError as err:
         log.error("istio-cni cmdAdd error: %s", err)

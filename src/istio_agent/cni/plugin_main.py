@@ -21,8 +21,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from istio_agent.cni import handoff
 
-def _add(args: skel.CmdArgs, not_handed_over: str | None = None) -> dict[str, Any]:
+
+def _add(args: skel.CmdArgs, not_handed_over: handoff.Fallback | None = None) -> dict[str, Any]:
     from istio_agent.cni.plugin import cmd_add
 
     return cmd_add(args, started=_STARTED, not_handed_over=not_handed_over)
@@ -48,7 +50,7 @@ def main() -> None:
             status, stdout = handoff.hand_over(os.environ, data, _STARTED)
         except handoff.Fallback as why:
             stdin = io.BytesIO(data)  # the ADD runs here, on the bytes already read
-            reason = str(why)
+            reason = why  # ``why`` is unbound when the except block ends
             handlers = {**HANDLERS, "ADD": lambda args: _add(args, not_handed_over=reason)}
         else:
             sys.stdout.write(stdout)

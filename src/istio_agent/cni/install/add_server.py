@@ -30,7 +30,6 @@ import json
 import os
 import socket
 import stat
-import struct
 import threading
 import time
 import traceback
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from istio_agent.cni import skel
-from istio_agent.cni.handoff import MAX_MESSAGE, SOCKET_NAME, netns_id
+from istio_agent.cni.handoff import MAX_MESSAGE, SOCKET_NAME, netns_id, peer_uid
 from istio_agent.log import scope
 
 log = scope("cni-agent")
@@ -52,8 +51,6 @@ MAX_CONCURRENT_ADDS = 8
 pods at a time; eight stuck behind a slow API server must not hold up the ninth."""
 PEER_UID = 0
 """The runtime execs the plugin as root; nobody else may choose an ADD's environment."""
-_PEERCRED = struct.Struct("3i")
-"""``struct ucred``: pid, uid, gid."""
 
 
 class InvocationError(Exception):
@@ -126,12 +123,6 @@ def run_add_answer(env: Mapping[str, str], stdin: bytes, started: float) -> dict
             ),
         }
     return {"exit": status, "stdout": stdout}
-
-
-def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a connected unix socket (as it was at connect)."""
-    _pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-    return int(uid)
 
 
 def remove_stale_socket(path: Path) -> None:
