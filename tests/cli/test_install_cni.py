@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from istio_agent.cli.install_cni import _plugin_log_level, main
 from istio_agent.cni.handoff import SOCKET_NAME
 from istio_agent.cni.install import conffiles
-from tests.cni.install.layout import TOKEN, Node
+from tests.cni.install.layout import TOKEN, Node, install_cni_args
 
 INSTALL_CNI = Path(sys.executable).parent / "install-cni"
 
@@ -109,16 +109,7 @@ def test_the_plugin_log_level_is_the_cni_plugin_scopes() -> None:
 def launch(node: Node, health: int) -> subprocess.Popen[bytes]:
     """install-cni on ``node`` with ``/readyz`` on ``health`` and no metrics listener."""
     env = {**os.environ, "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-    args = [
-        str(INSTALL_CNI),
-        f"--cni-agent-run-dir={node.run}",
-        f"--mounted-cni-net-dir={node.conf}",
-        f"--cni-bin-source-dir={node.source}",
-        f"--cni-bin-target-dirs={node.bin}",
-        f"--service-account-dir={node.sa}",
-        f"--health-port={health}",
-        "--monitoring-port=0",
-    ]
+    args = install_cni_args(node, health_port=health)
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

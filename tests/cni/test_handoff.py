@@ -509,6 +509,16 @@ def exchange(path: Path, message: bytes) -> bytes:
     return answer
 
 
+async def ask_node_agent(run_dir: Path, message: bytes) -> Any:
+    """One raw hand-over message to a real node agent's ADD server on ``run_dir``; its JSON answer."""
+    server = AddServer(run_dir)
+    await server.start()
+    try:
+        return json.loads(await asyncio.to_thread(exchange, server.path, message))
+    finally:
+        await server.stop()
+
+
 DEEP = "[" * 100_000 + "]" * 100_000
 ADD_ENV = {
     "CNI_COMMAND": "ADD",
@@ -536,12 +546,7 @@ async def test_the_node_agent_answers_deeply_nested_json_with_an_error_not_a_tra
     code: int,
     msg: str,
 ) -> None:
-    server = AddServer(tmp_path / "run")
-    await server.start()
-    try:
-        answer = json.loads(await asyncio.to_thread(exchange, server.path, message))
-    finally:
-        await server.stop()
+    answer = await ask_node_agent(tmp_path / "run", message)
     assert answer["exit"] == 1
     result = json.loads(answer["stdout"])
     assert result["code"] == code and msg in result["msg"], result
@@ -559,12 +564,7 @@ async def test_the_node_agent_declines_a_netns_path_no_namespace_can_have(
         "elapsed": 0,
         "netns": [1, 2],
     }
-    server = AddServer(tmp_path / "run")
-    await server.start()
-    try:
-        answer = json.loads(await asyncio.to_thread(exchange, server.path, json.dumps(message).encode()))
-    finally:
-        await server.stop()
+    answer = await ask_node_agent(tmp_path / "run", json.dumps(message).encode())
     assert "does not see" in answer["fallback"]
     assert not [record for record in caplog.records if record.exc_info], caplog.text
 
@@ -577,12 +577,7 @@ async def test_a_request_the_node_agent_did_not_foresee_is_answered_with_an_erro
 
     monkeypatch.setattr(add_server, "same_netns", broken)
     message = {"env": ADD_ENV, "stdin": "{}", "elapsed": 0, "netns": None}
-    server = AddServer(tmp_path / "run")
-    await server.start()
-    try:
-        answer = json.loads(await asyncio.to_thread(exchange, server.path, json.dumps(message).encode()))
-    finally:
-        await server.stop()
+    answer = await ask_node_agent(tmp_path / "run", json.dumps(message).encode())
     assert answer["exit"] == 1
     assert json.loads(answer["stdout"]) == {
         "code": 999,

@@ -75,6 +75,20 @@ def golden(name: str, actual: bytes) -> None:
 INSTALL_CNI = Path(sys.executable).parent / "install-cni"
 
 
+def install_cni_args(node: Node, *, health_port: int = 0) -> list[str]:
+    """The install-cni command line on ``node``'s directories; no metrics listener."""
+    return [
+        str(INSTALL_CNI),
+        f"--cni-agent-run-dir={node.run}",
+        f"--mounted-cni-net-dir={node.conf}",
+        f"--cni-bin-source-dir={node.source}",
+        f"--cni-bin-target-dirs={node.bin}",
+        f"--service-account-dir={node.sa}",
+        f"--health-port={health_port}",
+        "--monitoring-port=0",
+    ]
+
+
 def start_install_cni(
     node: Node,
     api_port: int,
@@ -91,16 +105,7 @@ def start_install_cni(
     (node.sa / "ca.crt").write_bytes(ca_pem)
     (node.sa / "token").write_text(token)
     env = {**os.environ, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api_port)}
-    args = [
-        str(INSTALL_CNI),
-        f"--cni-agent-run-dir={node.run}",
-        f"--mounted-cni-net-dir={node.conf}",
-        f"--cni-bin-source-dir={node.source}",
-        f"--cni-bin-target-dirs={node.bin}",
-        f"--service-account-dir={node.sa}",
-        "--health-port=0",
-        "--monitoring-port=0",
-    ]
+    args = install_cni_args(node)
     if netns is not None:
         args = ["nsenter", f"--net={netns}", "--", *args]
     return subprocess.Popen(args, env=env, stdout=output, stderr=subprocess.STDOUT)
