@@ -13,111 +13,53 @@ Used for Envoy's admin API, the merged metrics' upstreams, app and VM health pro
 from __future__ import annotations
 
 import asyncio
-import os
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from types import TracebackType
-from urllib.parse import urljoin, urlsplit
 
 import h11
 
 from istio_agent.http.dial import SocketFactory, Stream, open_stream
+from istio_agent.http.exchange import (
+    DEFAULT_MAX_BODY,
+    IDEMPOTENT,
+    MAX_HEAD,
+    URL,
+    BodyTooLarge,
+    ClientExchange,
+    ConnectError,
+    Fetched,
+    HTTPError,
+    ProtocolError,
+    default_tls,
+    describe,
+    request_fields,
+)
 from istio_agent.http.headers import Fields, Headers
 
-MAX_HEAD = 64 * 1024
-DEFAULT_MAX_BODY = 16 * 2**20
+__all__ = [
+    "DEFAULT_MAX_BODY",
+    "MAX_HEAD",
+    "URL",
+    "BodyTooLarge",
+    "Client",
+    "ClientResponse",
+    "ConnectError",
+    "Connection",
+    "Fetched",
+    "HTTPError",
+    "ProtocolError",
+    "fetch",
+]
+
 READ_SIZE = 256 * 1024  # what an asyncio transport reads at once: one h11 event per socket read
 IDLE_TIMEOUT = 60.0
 """A pooled connection idle longer than this is not reused (servers close theirs at about this age)."""
 MAX_IDLE_PER_ORIGIN = 2
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-
-
-class HTTPError(Exception):
-    """An HTTP exchange failed; the message says how (never with the body or credentials)."""
-
-
-class ConnectError(HTTPError):
-    """Dialing (TCP connect, or the TLS handshake) failed; ``os_error`` is why."""
-
-    def __init__(self, address: str, os_error: OSError) -> None:
-        self.address = address
-        self.os_error = os_error
-        super().__init__(f"cannot connect to {address}: {_describe(os_error)}")
-
-
-class ProtocolError(HTTPError):
-    """The response was malformed, or the connection broke before it was complete."""
-
-
-class BodyTooLarge(HTTPError):
-    """The response body is larger than the caller's cap."""
-
-
-@dataclass(frozen=True)
-class URL:
-    """An absolute http(s) URL, its target kept exactly as given (nothing is re-encoded)."""
-
-    scheme: str
-    host: str
-    port: int
-    target: str
-
-    @classmethod
-    def parse(cls, url: str) -> URL:
-        try:
-            parts = urlsplit(url)
-            port = parts.port
-        except ValueError as err:
-            raise HTTPError(f"invalid URL {url!r}: {err}") from None
-        scheme = parts.scheme.lower()
-        if scheme not in _DEFAULT_PORTS or not parts.hostname:
-            raise HTTPError(f"invalid URL {url!r}: expected http(s)://host[:port]/path")
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        return cls(scheme, parts.hostname, port or _DEFAULT_PORTS[scheme], target)
-
-    @property
-    def authority(self) -> str:
-        """``host[:port]`` as the Host header carries it (no port when it is the scheme's default)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return host if self.port == _DEFAULT_PORTS[self.scheme] else f"{host}:{self.port}"
-
-    @property
-    def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    def join(self, location: str) -> URL:
-        """A redirect's ``Location`` resolved against this URL."""
-        return URL.parse(urljoin(str(self), location))
-
-    def __str__(self) -> str:
-        return f"{self.scheme}://{self.authority}{self.target}"
-
-
 Connector = Callable[[URL], Awaitable[Stream]]
 """Opens the stream a request to ``URL`` goes over (the default dials; tests may supply their own)."""
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """A whole response; ``truncated`` when the body was cut at the caller's cap."""
-
-    status: int
-    reason: str
-    headers: Headers
-    body: bytes
-    truncated: bool = False
-
-    def text(self) -> str:
-        return self.body.decode("utf-8", errors="replace")
 
 
 class Connection:
@@ -133,8 +75,8 @@ class Connection:
     ) -> None:
         self.stream = stream
         self.origin = origin
-        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_head)
-        self._max_head = max_head
+        self._exchange = ClientExchange(max_head)
+        self._h11 = self._exchange.h11
         self._on_idle = on_idle
         self.idle_since = time.monotonic()
 
@@ -145,30 +87,22 @@ class Connection:
 
     async def request(self, method: str, target: str, headers: Headers, body: bytes = b"") -> ClientResponse:
         """Send the request and read the response head; the body is the response's to read."""
-        try:
-            parts = [
-                self._h11.send(
-                    h11.Request(method=method, target=target.encode("latin-1"), headers=headers.raw())
-                )
-            ]
-            if body:
-                parts.extend(self._h11.send_with_data_passthrough(h11.Data(data=body)) or [])
-            parts.append(self._h11.send(h11.EndOfMessage()))
-        except (h11.LocalProtocolError, UnicodeEncodeError) as err:
-            raise HTTPError(f"invalid request: {err}") from None
+        parts = self._exchange.request(method, target, headers, body)
         try:
             self.stream.writer.writelines(parts)
             await self.stream.writer.drain()
         except OSError as err:
-            raise ProtocolError(f"connection lost while sending the request: {_describe(err)}") from None
+            raise ProtocolError(f"connection lost while sending the request: {describe(err)}") from None
         while True:
             event = await self.next_event()
             if isinstance(event, h11.Response):
                 break
             # InformationalResponse (100 Continue, 103 Early Hints): the final answer follows
-        if sum(len(name) + len(value) + 4 for name, value in event.headers.raw_items()) > self._max_head:
-            self.abort()  # h11 only bounds a head still incomplete
-            raise ProtocolError(f"response head larger than {self._max_head} bytes")
+        try:
+            self._exchange.check_head(event)
+        except ProtocolError:
+            self.abort()
+            raise
         return ClientResponse(
             self,
             status=event.status_code,
@@ -179,22 +113,14 @@ class Connection:
 
     async def next_event(self) -> h11.Event:
         while True:
+            event = self._exchange.next_event()
+            if event is not h11.NEED_DATA:
+                return event  # type: ignore[return-value]
             try:
-                event = self._h11.next_event()
-            except h11.RemoteProtocolError as err:
-                if err.error_status_hint == 431:
-                    raise ProtocolError(f"response head larger than {self._max_head} bytes") from None
-                raise ProtocolError(f"malformed response: {err}") from None
-            if event is h11.NEED_DATA:
-                try:
-                    data = await self.stream.reader.read(READ_SIZE)
-                except OSError as err:
-                    raise ProtocolError(f"connection lost: {_describe(err)}") from None
-                self._h11.receive_data(data)
-                continue
-            if event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
-                raise ProtocolError("connection closed before the response was complete")
-            return event  # type: ignore[return-value]
+                data = await self.stream.reader.read(READ_SIZE)
+            except OSError as err:
+                raise ProtocolError(f"connection lost: {describe(err)}") from None
+            self._exchange.receive(data)
 
     async def finished(self) -> None:
         """The response is complete: reuse the connection when both sides keep it alive, else close."""
@@ -313,7 +239,7 @@ class Client:
     async def _dial(self, url: URL) -> Stream:
         tls = None
         if url.scheme == "https":
-            tls = self._tls if self._tls is not None else _default_tls()
+            tls = self._tls if self._tls is not None else default_tls()
         try:
             return await open_stream(url.host, url.port, tls=tls, socket_factory=self._socket_factory)
         except OSError as err:  # refused, unreachable, no such host, TLS handshake
@@ -335,7 +261,7 @@ class Client:
             return await connection.request(method, target.target, fields, body)
         except ProtocolError:
             connection.abort()
-            if not (reused and method in _IDEMPOTENT):
+            if not (reused and method in IDEMPOTENT):
                 raise
         except BaseException:
             connection.abort()
@@ -387,17 +313,7 @@ class Client:
                 await connection.close()
 
     def _fields(self, method: str, url: URL, headers: Headers | Fields | None, body: bytes) -> Headers:
-        given = headers if isinstance(headers, Headers) else Headers(headers)
-        fields = Headers()
-        if "Host" not in given:
-            fields.add("Host", url.authority)
-        for name, value in given.items():
-            fields.add(name, value)
-        if (body or method in _BODY_METHODS) and "Content-Length" not in fields:
-            fields["Content-Length"] = str(len(body))
-        if not self._keepalive and "Connection" not in fields:
-            fields["Connection"] = "close"
-        return fields
+        return request_fields(method, url, headers, body, keepalive=self._keepalive)
 
     async def _acquire(self, url: URL) -> tuple[Connection, bool]:
         pool = self._idle.get((url.scheme, url.host, url.port), [])
@@ -437,24 +353,3 @@ async def fetch(
     client = Client(tls=tls, socket_factory=socket_factory)
     async with asyncio.timeout(timeout):
         return await client.fetch(method, url, headers=headers, body=body, max_body=max_body)
-
-
-_TLS: ssl.SSLContext | None = None
-
-
-def _default_tls() -> ssl.SSLContext:
-    """A verifying client context, made once (loading the system's roots takes a few ms)."""
-    global _TLS
-    if _TLS is None:
-        _TLS = ssl.create_default_context()
-    return _TLS
-
-
-def _describe(err: BaseException) -> str:
-    """An OSError's reason as the system says it (asyncio's connect errors carry a longer text)."""
-    if isinstance(err, OSError) and not isinstance(err, ssl.SSLError):
-        if err.errno and err.errno > 0:
-            return os.strerror(err.errno)
-        if err.strerror:  # socket.gaierror: "Name or service not known"
-            return err.strerror
-    return str(err) or type(err).__name__
