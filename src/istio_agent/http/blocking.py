@@ -2,7 +2,7 @@
 
 The same h11 engine as the agent's asyncio client (:class:`istio_agent.http.exchange.ClientExchange`),
 driven by plain socket calls: a process that exists for one GET does not import asyncio for it
-(~75–95 ms of the plugin's ADD, docs/performance.md). Every socket operation gets only what is left
+(~75-95 ms of the plugin's ADD, docs/performance.md). Every socket operation gets only what is left
 of the caller's deadline; running out is ``TimeoutError``.
 """
 
