@@ -33,7 +33,7 @@ class FakePods:
         self.errors = list(errors or [])
         self.calls = 0
 
-    async def __call__(self, namespace: str, name: str, deadline: float) -> dict[str, Any]:
+    def __call__(self, namespace: str, name: str, deadline: float) -> dict[str, Any]:
         self.calls += 1
         if self.errors:
             raise self.errors.pop(0)
@@ -168,25 +168,25 @@ def test_dry_run_writer_or_the_applier_is_chosen_by_env(tmp_path: Path) -> None:
 # -- the pod GET: retries within the deadline -------------------------------------------------------
 
 
-async def test_retries_pass_after_transient_failures() -> None:
+def test_retries_pass_after_transient_failures() -> None:
     pods = FakePods(sidecar_pod(), errors=[KubeError("503", retryable=True)] * 3)
-    pod = await fetch_pod(pods, "default", "app-1", time.monotonic() + 5, retry_interval=0.01)
+    pod = fetch_pod(pods, "default", "app-1", time.monotonic() + 5, retry_interval=0.01)
     assert pod["metadata"]["name"] == "app-1" and pods.calls == 4
 
 
-async def test_retries_stop_at_the_deadline() -> None:
+def test_retries_stop_at_the_deadline() -> None:
     pods = FakePods(errors=[KubeError("503 Service Unavailable", retryable=True)] * 1000)
     start = time.monotonic()
     with pytest.raises(PluginError, match=r"503 Service Unavailable.*deadline"):
-        await fetch_pod(pods, "default", "app-1", start + 0.3, retry_interval=0.05)
+        fetch_pod(pods, "default", "app-1", start + 0.3, retry_interval=0.05)
     assert time.monotonic() - start < 1.0
     assert 2 <= pods.calls <= 10
 
 
-async def test_a_denial_is_not_retried() -> None:
+def test_a_denial_is_not_retried() -> None:
     pods = FakePods(errors=[KubeError("403 Forbidden: RBAC", retryable=False)])
     with pytest.raises(PluginError, match="403 Forbidden"):
-        await fetch_pod(pods, "default", "app-1", time.monotonic() + 30, retry_interval=0.01)
+        fetch_pod(pods, "default", "app-1", time.monotonic() + 30, retry_interval=0.01)
     assert pods.calls == 1
 
 

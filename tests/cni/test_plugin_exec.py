@@ -345,25 +345,29 @@ async def test_agent_pod_needs_no_kubeconfig(node: Node) -> None:
         assert run.json["ips"] == PREV_RESULT["ips"]
 
 
-async def test_api_server_certificate_is_verified(node: Node, tmp_path: Path) -> None:
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "asyncio"])
+async def test_api_server_certificate_is_verified(node: Node, tmp_path: Path, blocking: bool) -> None:
     from istio_agent.cni.kube import KubeClient, KubeError, read_kubeconfig
     from istio_agent.controlplane.ca import LocalCA
+
+    async def get(path: Path) -> dict[str, Any]:
+        client = KubeClient(read_kubeconfig(path))
+        deadline = time.monotonic() + 5
+        if blocking:  # the plugin's; the fake API server runs on this loop, so on a thread
+            return await asyncio.to_thread(client.get_pod_blocking, "default", "app-1", deadline=deadline)
+        return await client.get_pod("default", "app-1", deadline=deadline)
 
     other = tmp_path / "other-ca"
     other.mkdir()
     node.kube.add_pod(sidecar_pod())
     path = node.run_dir / "istio-cni-kubeconfig"
-    good = await KubeClient(read_kubeconfig(path)).get_pod("default", "app-1", deadline=time.monotonic() + 5)
-    assert good["metadata"]["name"] == "app-1"
+    assert (await get(path))["metadata"]["name"] == "app-1"
     wrong_ca = LocalCA.load_or_create(other, "cluster.local").root_pem
     path.write_text(dataclasses.replace(node.kube, ca_pem=wrong_ca).kubeconfig())
     with pytest.raises(KubeError, match="certificate verify failed"):
-        await KubeClient(read_kubeconfig(path)).get_pod("default", "app-1", deadline=time.monotonic() + 5)
+        await get(path)
     path.write_text(node.kube.kubeconfig(insecure=True))
-    unverified = await KubeClient(read_kubeconfig(path)).get_pod(
-        "default", "app-1", deadline=time.monotonic() + 5
-    )
-    assert unverified["metadata"]["name"] == "app-1"
+    assert (await get(path))["metadata"]["name"] == "app-1"
 
 
 # -- chained after Debian's bridge plugin, as a runtime chains them ---------------------------------

@@ -3,14 +3,14 @@
 The plugin reads a single pod per ADD, so it needs no client library: the kubeconfig written by
 install-cni (``<cni_agent_run_dir>/istio-cni-kubeconfig``: one cluster with ``server`` and either
 ``certificate-authority-data`` or ``insecure-skip-tls-verify``, one user with a ``token``) and
-``GET /api/v1/namespaces/{ns}/pods/{name}`` on the agent's HTTP client. Every request runs under the
-caller's deadline; what went wrong is a :class:`KubeError` that says whether trying again can help
-(an outage can pass, an RBAC denial will not).
+``GET /api/v1/namespaces/{ns}/pods/{name}`` on the agent's HTTP stack: blocking in the plugin (a
+short-lived process that must not import asyncio for one GET), asyncio in the agent's tools. Every
+request runs under the caller's deadline; what went wrong is a :class:`KubeError` that says whether
+trying again can help (an outage can pass, an RBAC denial will not).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import json
@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 from istio_agent.config.document import DocumentSyntaxError, Keys, Node, config_errors, load_document
 from istio_agent.config.env import ConfigError
-from istio_agent.http.client import URL, Client, HTTPError
+from istio_agent.http.exchange import URL, Fetched, HTTPError
 
 KUBECONFIG_NAME = "istio-cni-kubeconfig"
 MAX_POD_BYTES = 8 * 2**20
@@ -138,40 +138,70 @@ class KubeClient:
 
     def __init__(self, config: Kubeconfig) -> None:
         self._config = config
-        self._client = Client(tls=config.tls() if config.server.scheme == "https" else None)
+        self._tls = config.tls() if config.server.scheme == "https" else None
+
+    def get_pod_blocking(self, namespace: str, name: str, *, deadline: float) -> dict[str, Any]:
+        """The pod object, or KubeError; gives up at ``deadline`` (``time.monotonic()``)."""
+        from istio_agent.http import blocking
+
+        url, headers, what = self._pod_request(namespace, name)
+        try:
+            response = blocking.fetch(
+                "GET", url, headers=headers, deadline=deadline, max_body=MAX_POD_BYTES, tls=self._tls
+            )
+        except TimeoutError:
+            raise self._no_answer(what) from None
+        except HTTPError as err:
+            raise KubeError(f"get {what}: {err}", retryable=True) from None
+        return _pod_from(response, what)
 
     async def get_pod(self, namespace: str, name: str, *, deadline: float) -> dict[str, Any]:
-        """The pod object, or KubeError; gives up at ``deadline`` (``time.monotonic()``)."""
-        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
-        return await self._get(path, f"pod {namespace}/{name}", deadline)
+        """:meth:`get_pod_blocking` on the agent's asyncio client."""
+        import asyncio
 
-    async def _get(self, path: str, what: str, deadline: float) -> dict[str, Any]:
+        from istio_agent.http.client import Client
+
+        url, headers, what = self._pod_request(namespace, name)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
+                response = await Client(tls=self._tls).fetch(
+                    "GET", url, headers=headers, max_body=MAX_POD_BYTES
+                )
+        except TimeoutError:
+            raise self._no_answer(what) from None
+        except HTTPError as err:
+            raise KubeError(f"get {what}: {err}", retryable=True) from None
+        return _pod_from(response, what)
+
+    def _pod_request(self, namespace: str, name: str) -> tuple[URL, dict[str, str], str]:
         server = self._config.server
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
         url = URL(server.scheme, server.host, server.port, server.target.rstrip("/") + path)
         headers = {"Accept": "application/json", "User-Agent": "istio-cni"}
         if self._config.token:
             headers["Authorization"] = f"Bearer {self._config.token}"
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
-                response = await self._client.fetch("GET", url, headers=headers, max_body=MAX_POD_BYTES)
-        except TimeoutError:
-            raise KubeError(f"get {what}: no answer from {server.address} in time", retryable=True) from None
-        except HTTPError as err:
-            raise KubeError(f"get {what}: {err}", retryable=True) from None
-        if response.status != 200:
-            retryable = response.status >= 500 or response.status in _RETRYABLE_STATUS
-            raise KubeError(
-                f"get {what}: {response.status} {response.reason}: {_status_message(response.body)}",
-                retryable=retryable,
-            )
-        try:
-            pod = json.loads(response.body)
-        except ValueError as err:
-            raise KubeError(f"get {what}: the answer is not JSON: {err}", retryable=False) from None
-        if not isinstance(pod, dict):
-            raise KubeError(f"get {what}: the answer is not a JSON object", retryable=False)
-        return pod
+        return url, headers, f"pod {namespace}/{name}"
+
+    def _no_answer(self, what: str) -> KubeError:
+        return KubeError(f"get {what}: no answer from {self._config.server.address} in time", retryable=True)
+
+
+def _pod_from(response: Fetched, what: str) -> dict[str, Any]:
+    """The pod in an answer, or KubeError (retryable for 5xx, 408, 429)."""
+    if response.status != 200:
+        retryable = response.status >= 500 or response.status in _RETRYABLE_STATUS
+        raise KubeError(
+            f"get {what}: {response.status} {response.reason}: {_status_message(response.body)}",
+            retryable=retryable,
+        )
+    try:
+        pod = json.loads(response.body)
+    except ValueError as err:
+        raise KubeError(f"get {what}: the answer is not JSON: {err}", retryable=False) from None
+    if not isinstance(pod, dict):
+        raise KubeError(f"get {what}: the answer is not a JSON object", retryable=False)
+    return pod
 
 
 def _status_message(body: bytes) -> str:

@@ -9,15 +9,17 @@ It fails closed and in bounded time: the whole ADD, API retries and programming 
 under one deadline (``add_timeout`` in the config, else :data:`DEFAULT_ADD_TIMEOUT`), and an API
 error, an RBAC denial, a timeout or a vanished netns is a CNI error: the pod's sandbox is not
 created, rather than created without its rules.
+
+It is written for a short-lived process: no event loop (the pod GET is the HTTP stack's blocking
+client), and only what the ADD in hand needs is imported.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -53,7 +55,7 @@ class Programmer(Protocol):
     def __call__(self, config: CaptureConfig, netns: Path, deadline: float) -> None: ...
 
 
-PodGetter = Callable[[str, str, float], Awaitable[dict[str, Any]]]
+PodGetter = Callable[[str, str, float], dict[str, Any]]
 """Fetches ``(namespace, name)`` before the deadline; raises ``KubeError``."""
 
 
@@ -116,7 +118,7 @@ def _configure_logging(level: str) -> None:
         log.warning("plugin_log_level %r is not a log level; using info", level)
 
 
-async def fetch_pod(
+def fetch_pod(
     get: PodGetter,
     namespace: str,
     name: str,
@@ -135,7 +137,7 @@ async def fetch_pod(
     while True:
         attempt += 1
         try:
-            return await get(namespace, name, min(deadline, time.monotonic() + ATTEMPT_TIMEOUT))
+            return get(namespace, name, min(deadline, time.monotonic() + ATTEMPT_TIMEOUT))
         except KubeError as err:
             if not err.retryable:
                 raise PluginError(str(err)) from None
@@ -144,10 +146,10 @@ async def fetch_pod(
                     f"{err} (gave up after {attempt} attempt(s): the ADD deadline is reached)"
                 ) from None
             log.warning("%s; trying again in %gs (attempt %d)", err, retry_interval, attempt)
-        await asyncio.sleep(retry_interval)
+        time.sleep(retry_interval)  # the next attempt; this process has nothing else to do meanwhile
 
 
-async def plan(
+def plan(
     k8s: K8sArgs, config: NetworkConfig, get: PodGetter, deadline: float, environ: Mapping[str, str]
 ) -> CaptureConfig | None:
     """The capture the pod needs, or None when the plugin leaves it alone (logged with the reason).
@@ -155,7 +157,7 @@ async def plan(
     from istio_agent.cni.redirect import capture_config, skip_reason
 
     pod_id = f"{k8s.pod_namespace}/{k8s.pod_name}"
-    pod = await fetch_pod(get, k8s.pod_namespace, k8s.pod_name, deadline)
+    pod = fetch_pod(get, k8s.pod_namespace, k8s.pod_name, deadline)
     reason = skip_reason(pod)
     if reason is not None:
         log.info("pod %s: no redirect: %s", pod_id, reason)
@@ -213,7 +215,7 @@ def add(
             "ambient_enabled is set, but this istio-cni implements sidecar capture only; "
             "refusing the pod rather than starting it without the capture it may need"
         )
-    capture = asyncio.run(plan(k8s, config, get_pod, deadline, os.environ if environ is None else environ))
+    capture = plan(k8s, config, get_pod, deadline, os.environ if environ is None else environ)
     if capture is None:
         return answer
     netns = Path(args.netns)
@@ -244,8 +246,8 @@ def _api_getter(config: NetworkConfig) -> PodGetter:
     except ConfigError as err:
         raise PluginError(str(err)) from None
 
-    async def get(namespace: str, name: str, deadline: float) -> dict[str, Any]:
-        return await client.get_pod(namespace, name, deadline=deadline)
+    def get(namespace: str, name: str, deadline: float) -> dict[str, Any]:
+        return client.get_pod_blocking(namespace, name, deadline=deadline)
 
     return get
 

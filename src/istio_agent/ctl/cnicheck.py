@@ -7,7 +7,6 @@ fetched with a kubeconfig), decided exactly as the istio-cni plugin decides them
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
@@ -59,7 +58,7 @@ def fetch_pod(kubeconfig: Path, name: str) -> dict[str, Any]:
         raise CheckError(f"--pod-name {name!r}: expected NAMESPACE/NAME")
     try:
         client = KubeClient(read_kubeconfig(kubeconfig))
-        return asyncio.run(client.get_pod(namespace, pod_name, deadline=time.monotonic() + TIMEOUT))
+        return client.get_pod_blocking(namespace, pod_name, deadline=time.monotonic() + TIMEOUT)
     except (ConfigError, KubeError) as err:
         raise CheckError(str(err)) from None
 
