@@ -7,13 +7,15 @@ Every subsystem logs through a *scope* (``sds``, ``cache``, ``ca``, ...), as Ist
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:  # only for an annotation: short-lived processes (the CNI plugin) log without asyncio
+    import asyncio
 
 ROOT = "istio"
 DEFAULT_SCOPE = "default"
