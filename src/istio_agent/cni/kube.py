@@ -1,12 +1,19 @@
-"""The plugin's Kubernetes API access: the kubeconfig install-cni writes, and one GET of the pod.
+"""The CNI side's Kubernetes API access: the kubeconfig install-cni writes, and the few calls made on it.
 
-The plugin reads a single pod per ADD, so it needs no client library: the kubeconfig written by
-install-cni (``<cni_agent_run_dir>/istio-cni-kubeconfig``: one cluster with ``server`` and either
-``certificate-authority-data`` or ``insecure-skip-tls-verify``, one user with a ``token``) and
-``GET /api/v1/namespaces/{ns}/pods/{name}`` on the agent's HTTP stack: blocking in the plugin (a
-short-lived process that must not import asyncio for one GET), asyncio in the agent's tools. Every
-request runs under the caller's deadline; what went wrong is a :class:`KubeError` that says whether
-trying again can help (an outage can pass, an RBAC denial will not).
+No client library: the kubeconfig written by install-cni (``<cni_agent_run_dir>/istio-cni-kubeconfig``:
+one cluster with ``server`` and either ``certificate-authority-data`` or ``insecure-skip-tls-verify``,
+one user with a ``token``) and plain requests on the agent's HTTP stack.
+
+- The plugin reads one pod per ADD: ``GET /api/v1/namespaces/{ns}/pods/{name}``, blocking (a
+  short-lived process that must not import asyncio for one GET); the agent's tools use the asyncio GET.
+- install-cni's repair controller (``cni/repair``) does what client-go does for Istio's: it lists and
+  watches the pods of its node (``list_pods``, ``watch_pods``), deletes (with preconditions) or labels
+  (``pods/status``) broken ones and records Events. These are asyncio; asyncio is imported only when
+  they run, so the plugin's import of this module stays cheap.
+
+Every request but a watch runs under the caller's deadline; what went wrong is a :class:`KubeError`
+that says whether trying again can help (an outage can pass, an RBAC denial will not) and carries the
+HTTP status.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ import binascii
 import json
 import ssl
 import time
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from istio_agent.config.document import DocumentSyntaxError, Keys, Node, config_errors, load_document
 from istio_agent.config.env import ConfigError
@@ -27,15 +35,57 @@ from istio_agent.http.exchange import URL, Fetched, HTTPError
 
 KUBECONFIG_NAME = "istio-cni-kubeconfig"
 MAX_POD_BYTES = 8 * 2**20
+MAX_LIST_BYTES = 256 * 2**20
+"""A node's pod list: ~110 pods of at most a few hundred KiB each, with room to spare."""
+MAX_WATCH_LINE = 16 * 2**20
+"""One watch event (a pod object; the API server stores at most ~1.5 MiB per object)."""
+WATCH_GRACE = 30.0
+"""A watch gets this long past its ``timeoutSeconds`` before the client drops it (a silent peer)."""
 _RETRYABLE_STATUS = frozenset({408, 429})
+MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+WATCH_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK"})
 
 
 class KubeError(Exception):
-    """A Kubernetes API call failed; ``retryable`` when the same call may succeed later."""
+    """A Kubernetes API call failed; ``retryable`` when the same call may succeed later.
 
-    def __init__(self, message: str, *, retryable: bool) -> None:
+    ``status`` is the HTTP status (or a watch ERROR event's ``code``), None when there was no answer;
+    ``reason`` the Status object's ``reason`` (``NotFound``, ``Conflict``, ``Expired``...).
+    """
+
+    def __init__(self, message: str, *, retryable: bool, status: int | None = None, reason: str = "") -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.status = status
+        self.reason = reason
+
+    @property
+    def gone(self) -> bool:
+        """410: the resource version asked for is older than the server keeps (list again)."""
+        return self.status == 410
+
+
+@dataclass(frozen=True)
+class PodList:
+    """A list answer: the pods, and the resource version to watch from."""
+
+    items: list[dict[str, Any]]
+    resource_version: str
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One watch event: ``ADDED``, ``MODIFIED``, ``DELETED`` or ``BOOKMARK`` (ERROR events are raised)."""
+
+    type: str
+    object: dict[str, Any]
+
+    @property
+    def resource_version(self) -> str:
+        meta = self.object.get("metadata")
+        value = meta.get("resourceVersion") if isinstance(meta, dict) else None
+        return value if isinstance(value, str) else ""
 
 
 @dataclass(frozen=True)
@@ -46,6 +96,17 @@ class Kubeconfig:
     ca_pem: str | None
     insecure: bool
     token: str = field(repr=False)
+    token_file: Path | None = None
+    """Read before each request when set (a projected service-account token rotates), as client-go does."""
+
+    def bearer(self) -> str:
+        """The token to send now; ConfigError when its file cannot be read."""
+        if self.token_file is None:
+            return self.token
+        try:
+            return self.token_file.read_text().strip()
+        except OSError as err:
+            raise ConfigError(f"cannot read the token {self.token_file}: {err.strerror or err}") from None
 
     def tls(self) -> ssl.SSLContext | None:
         """The TLS context for the server; None: the system's roots (the HTTP client's cached context)."""
@@ -79,12 +140,17 @@ def read_kubeconfig(path: Path) -> Kubeconfig:
         text = path.read_text()
     except OSError as err:
         raise ConfigError(f"cannot read the kubeconfig {path}: {err.strerror or err}") from None
+    return parse_kubeconfig(text, str(path))
+
+
+def parse_kubeconfig(text: str, where: str) -> Kubeconfig:
+    """:func:`read_kubeconfig` on a kubeconfig's text; ``where`` names it in errors."""
     try:
         document = load_document(text)
     except DocumentSyntaxError as err:
         # err.brief: the YAML parser's message quotes the bad line, which may be the token's
-        raise ConfigError(f"kubeconfig {path} is neither JSON nor YAML: {err.brief}") from None
-    root = Node(document, "", config_errors(f"kubeconfig {path}: "))
+        raise ConfigError(f"kubeconfig {where} is neither JSON nor YAML: {err.brief}") from None
+    root = Node(document, "", config_errors(f"kubeconfig {where}: "))
     fields = root.fields(("current-context", "contexts", "clusters", "users"), Keys.GO_JSON)
     current = fields["current-context"].string()
     contexts = fields["contexts"]
@@ -134,74 +200,251 @@ def read_kubeconfig(path: Path) -> Kubeconfig:
 
 
 class KubeClient:
-    """GETs on the API server named by a kubeconfig (one connection per request)."""
+    """Requests on the API server named by a kubeconfig (one connection per request)."""
 
-    def __init__(self, config: Kubeconfig) -> None:
+    def __init__(self, config: Kubeconfig, *, user_agent: str = "istio-cni") -> None:
         self._config = config
+        self._user_agent = user_agent
         self._tls = config.tls() if config.server.scheme == "https" else None
 
     def get_pod_blocking(self, namespace: str, name: str, *, deadline: float) -> dict[str, Any]:
         """The pod object, or KubeError; gives up at ``deadline`` (``time.monotonic()``)."""
         from istio_agent.http import blocking
 
-        url, headers, what = self._pod_request(namespace, name)
+        url, action = self._url(_pod_path(namespace, name)), f"get pod {namespace}/{name}"
+        headers = self._headers()
         try:
             response = blocking.fetch(
                 "GET", url, headers=headers, deadline=deadline, max_body=MAX_POD_BYTES, tls=self._tls
             )
         except TimeoutError:
-            raise self._no_answer(what) from None
+            raise self._no_answer(action) from None
         except HTTPError as err:
-            raise KubeError(f"get {what}: {err}", retryable=True) from None
-        return _pod_from(response, what)
+            raise KubeError(f"{action}: {err}", retryable=True) from None
+        return _decoded(response, action)
 
     async def get_pod(self, namespace: str, name: str, *, deadline: float) -> dict[str, Any]:
         """:meth:`get_pod_blocking` on the agent's asyncio client."""
+        return await self._object("GET", _pod_path(namespace, name), f"get pod {namespace}/{name}", deadline)
+
+    async def list_pods(
+        self, *, label_selector: str = "", field_selector: str = "", deadline: float
+    ) -> PodList:
+        """All pods matching the selectors (every namespace), with the list's resource version."""
+        query = _query(labelSelector=label_selector, fieldSelector=field_selector)
+        answer = await self._object("GET", "/api/v1/pods" + query, "list pods", deadline, MAX_LIST_BYTES)
+        items, meta = answer.get("items"), answer.get("metadata")
+        version = meta.get("resourceVersion") if isinstance(meta, dict) else None
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise KubeError("list pods: the answer has no list of items", retryable=False)
+        if not isinstance(version, str) or not version:
+            raise KubeError("list pods: the answer has no metadata.resourceVersion", retryable=False)
+        return PodList(items, version)
+
+    async def watch_pods(
+        self,
+        *,
+        resource_version: str,
+        label_selector: str = "",
+        field_selector: str = "",
+        timeout_seconds: int = 300,
+    ) -> AsyncIterator[WatchEvent]:
+        """The pods' changes after ``resource_version``, until the server ends the watch (after
+        ``timeoutSeconds``) or the connection drops; bookmarks are asked for and passed on.
+
+        An ERROR event is raised as the KubeError it carries: 410 (``gone``) means the version is
+        too old, so the caller lists again.
+        """
         import asyncio
 
         from istio_agent.http.client import Client
 
-        url, headers, what = self._pod_request(namespace, name)
+        query = _query(
+            watch="1",
+            resourceVersion=resource_version,
+            allowWatchBookmarks="true",
+            timeoutSeconds=str(timeout_seconds),
+            labelSelector=label_selector,
+            fieldSelector=field_selector,
+        )
+        action, url = "watch pods", self._url("/api/v1/pods" + query)
+        headers = self._headers()
+        try:
+            async with (
+                asyncio.timeout(timeout_seconds + WATCH_GRACE),
+                Client(tls=self._tls).stream("GET", url, headers=headers) as response,
+            ):
+                if response.status != 200:
+                    body = await response.read(MAX_POD_BYTES, truncate=True)
+                    raise _status_error(action, response.status, response.reason, body)
+                async for line in _lines(response, action):
+                    yield _watch_event(line, action)
+        except TimeoutError:
+            raise KubeError(f"{action}: the watch did not end in time", retryable=True) from None
+        except HTTPError as err:
+            raise KubeError(f"{action}: {err}", retryable=True) from None
+
+    async def delete_pod(
+        self, namespace: str, name: str, *, uid: str, resource_version: str, deadline: float
+    ) -> dict[str, Any]:
+        """Delete the pod only if it is still the one seen (preconditions: its UID and resource
+        version, as Istio's repair sends them); 409 (it changed) or 404 (gone) is a KubeError."""
+        options = {
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "preconditions": {"uid": uid, "resourceVersion": resource_version},
+        }
+        action = f"delete pod {namespace}/{name}"
+        return await self._object("DELETE", _pod_path(namespace, name), action, deadline, body=options)
+
+    async def patch_pod_status(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, deadline: float
+    ) -> dict[str, Any]:
+        """A JSON merge patch on ``pods/status``, which may also change labels and annotations with
+        less privilege than ``pods`` (Istio labels broken pods this way); the patched pod."""
+        path, action = _pod_path(namespace, name) + "/status", f"patch pod {namespace}/{name} status"
+        return await self._object("PATCH", path, action, deadline, body=patch, content_type=MERGE_PATCH)
+
+    async def create_event(
+        self, namespace: str, event: Mapping[str, Any], *, deadline: float
+    ) -> dict[str, Any]:
+        """POST a core/v1 Event into ``namespace``."""
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/events"
+        return await self._object("POST", path, f"create event in {namespace}", deadline, body=event)
+
+    async def patch_event(
+        self, namespace: str, name: str, patch: Mapping[str, Any], *, deadline: float
+    ) -> dict[str, Any]:
+        """A strategic merge patch on an Event (its count and last time, as client-go's recorder sends it)."""
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/events/{quote(name, safe='')}"
+        action = f"patch event {namespace}/{name}"
+        return await self._object(
+            "PATCH", path, action, deadline, body=patch, content_type=STRATEGIC_MERGE_PATCH
+        )
+
+    def _url(self, path: str) -> URL:
+        server = self._config.server
+        return URL(server.scheme, server.host, server.port, server.target.rstrip("/") + path)
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": self._user_agent}
+        try:
+            token = self._config.bearer()
+        except ConfigError as err:
+            raise KubeError(str(err), retryable=True) from None
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        return headers
+
+    def _no_answer(self, action: str) -> KubeError:
+        return KubeError(f"{action}: no answer from {self._config.server.address} in time", retryable=True)
+
+    async def _object(
+        self,
+        method: str,
+        path: str,
+        action: str,
+        deadline: float,
+        max_body: int = MAX_POD_BYTES,
+        *,
+        body: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        """One request on the asyncio client whose answer is a JSON object, else KubeError naming ``action``."""
+        import asyncio
+
+        from istio_agent.http.client import Client
+
+        url = self._url(path)
+        data = b"" if body is None else json.dumps(body).encode()
+        headers = self._headers(None if body is None else content_type)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
                 response = await Client(tls=self._tls).fetch(
-                    "GET", url, headers=headers, max_body=MAX_POD_BYTES
+                    method, url, headers=headers, body=data, max_body=max_body
                 )
         except TimeoutError:
-            raise self._no_answer(what) from None
+            raise self._no_answer(action) from None
         except HTTPError as err:
-            raise KubeError(f"get {what}: {err}", retryable=True) from None
-        return _pod_from(response, what)
-
-    def _pod_request(self, namespace: str, name: str) -> tuple[URL, dict[str, str], str]:
-        server = self._config.server
-        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
-        url = URL(server.scheme, server.host, server.port, server.target.rstrip("/") + path)
-        headers = {"Accept": "application/json", "User-Agent": "istio-cni"}
-        if self._config.token:
-            headers["Authorization"] = f"Bearer {self._config.token}"
-        return url, headers, f"pod {namespace}/{name}"
-
-    def _no_answer(self, what: str) -> KubeError:
-        return KubeError(f"get {what}: no answer from {self._config.server.address} in time", retryable=True)
+            raise KubeError(f"{action}: {err}", retryable=True) from None
+        return _decoded(response, action)
 
 
-def _pod_from(response: Fetched, what: str) -> dict[str, Any]:
-    """The pod in an answer, or KubeError (retryable for 5xx, 408, 429)."""
-    if response.status != 200:
-        retryable = response.status >= 500 or response.status in _RETRYABLE_STATUS
-        raise KubeError(
-            f"get {what}: {response.status} {response.reason}: {_status_message(response.body)}",
-            retryable=retryable,
-        )
+def _pod_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
+
+
+def _query(**params: str) -> str:
+    given = {key: value for key, value in params.items() if value}
+    return "?" + urlencode(given) if given else ""
+
+
+def _decoded(response: Fetched, action: str) -> dict[str, Any]:
+    """The JSON object of a 2xx answer, or KubeError (retryable for 5xx, 408, 429)."""
+    if not 200 <= response.status < 300:
+        raise _status_error(action, response.status, response.reason, response.body)
     try:
-        pod = json.loads(response.body)
+        answer = json.loads(response.body)
     except ValueError as err:
-        raise KubeError(f"get {what}: the answer is not JSON: {err}", retryable=False) from None
-    if not isinstance(pod, dict):
-        raise KubeError(f"get {what}: the answer is not a JSON object", retryable=False)
-    return pod
+        raise KubeError(f"{action}: the answer is not JSON: {err}", retryable=False) from None
+    if not isinstance(answer, dict):
+        raise KubeError(f"{action}: the answer is not a JSON object", retryable=False)
+    return answer
+
+
+def _status_error(action: str, status: int, reason: str, body: bytes) -> KubeError:
+    retryable = status >= 500 or status in _RETRYABLE_STATUS
+    return KubeError(
+        f"{action}: {status} {reason}: {_status_message(body)}",
+        retryable=retryable,
+        status=status,
+        reason=_status_reason(body),
+    )
+
+
+async def _lines(response: Any, action: str) -> AsyncIterator[bytes]:
+    """The newline-framed JSON documents of a watch body, each as soon as it is complete."""
+    pending = bytearray()
+    while chunk := await response.read_chunk():
+        pending += chunk
+        while (end := pending.find(b"\n")) >= 0:
+            line = bytes(pending[:end])
+            del pending[: end + 1]
+            if line.strip():
+                yield line
+        if len(pending) > MAX_WATCH_LINE:
+            raise KubeError(f"{action}: an event longer than {MAX_WATCH_LINE} bytes", retryable=True)
+    if pending.strip():
+        yield bytes(pending)
+
+
+def _watch_event(line: bytes, action: str) -> WatchEvent:
+    """One watch event; an ERROR event (a Status) becomes the KubeError it carries."""
+    try:
+        event = json.loads(line)
+    except ValueError as err:
+        raise KubeError(f"{action}: an event that is not JSON: {err}", retryable=True) from None
+    kind = event.get("type") if isinstance(event, dict) else None
+    body = event.get("object") if isinstance(event, dict) else None
+    if not isinstance(kind, str) or not isinstance(body, dict):
+        raise KubeError(f"{action}: an event without a type and an object", retryable=True)
+    if kind == "ERROR":
+        code = body.get("code")
+        status = code if isinstance(code, int) and not isinstance(code, bool) else None
+        message = body.get("message")
+        reason = body.get("reason")
+        raise KubeError(
+            f"{action}: error event {status}: {message if isinstance(message, str) else body}",
+            retryable=True,
+            status=status,
+            reason=reason if isinstance(reason, str) else "",
+        )
+    if kind not in WATCH_TYPES:
+        raise KubeError(f"{action}: an event of unknown type {kind!r}", retryable=True)
+    return WatchEvent(kind, body)
 
 
 def _status_message(body: bytes) -> str:
@@ -214,3 +457,13 @@ def _status_message(body: bytes) -> str:
         return str(status["message"])
     text = body[:200].decode("utf-8", errors="replace").strip()
     return text or "(no body)"
+
+
+def _status_reason(body: bytes) -> str:
+    """The ``reason`` of a Kubernetes Status answer (``NotFound``, ``Conflict``...), else ""."""
+    try:
+        status = json.loads(body)
+    except ValueError:
+        return ""
+    reason = status.get("reason") if isinstance(status, dict) else None
+    return reason if isinstance(reason, str) else ""
