@@ -371,3 +371,31 @@ def test_the_backend_is_the_one_holding_the_nodes_rules(pod: Netns) -> None:
 def test_cleanup_in_a_vanished_namespace_is_an_error_not_clean(backend: Backend) -> None:
     with pytest.raises(ApplyError, match="does not exist"):
         apply_capture(ISTIO_INIT, netns=Path("/run/netns/ia-gone"), backend=backend, cleanup_only=True)
+
+
+def test_applying_needs_no_host_tool_but_iptables(
+    backend: Backend, pod: Netns, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node offers its iptables binaries and nothing else the plugin may lean on (no nsenter, ip,
+    unshare or sh): the namespace is entered, tried out and routed in-process."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for binary in Path("/usr/sbin").glob("ip*tables*"):
+        (tools / binary.name).symlink_to(binary)
+    config = dataclasses.replace(RICH, enable_ipv6=True)
+    with monkeypatch.context() as only_iptables:
+        only_iptables.setenv("PATH", str(tools))
+        assert apply_capture(config, netns=pod.path, backend=backend).action == "applied"
+        assert apply_capture(config, netns=pod.path, backend=backend).action == "unchanged"
+        assert addresses(pod.path)[:1] == ["127.0.0.1"]
+    assert istio_portion(state(backend, pod, "v6"), expected(backend, config, "v6")) == expected(
+        backend, config, "v6"
+    )
+    for family in ([], ["-6"]):
+        assert "fwmark 0x539 lookup 133" in pod.ip(*family, "rule", "show")
+        assert "local default dev lo" in pod.ip(*family, "route", "show", "table", "133")
+    assert "::6/128" in pod.ip("-6", "address", "show", "dev", "lo")
+    with monkeypatch.context() as only_iptables:
+        only_iptables.setenv("PATH", str(tools))
+        assert apply_capture(config, netns=pod.path, backend=backend, cleanup_only=True).action == "cleaned"
+    assert "lookup 133" not in pod.ip("rule", "show") + pod.ip("-6", "rule", "show")

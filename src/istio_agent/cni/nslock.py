@@ -14,23 +14,19 @@ write.
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import os
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from istio_agent.cni.netns import Deadline
+from istio_agent.cni.netns import Deadline, NamespaceError, in_namespace
 
 LOCK_NAME = "istio-agent/capture-rules"
 """The abstract socket's name (``@istio-agent/capture-rules`` in ``ss -xl``)."""
 WAIT_SECONDS = 30.0
 """The longest wait for the lock when the caller has no deadline of its own."""
-_CLONE_NEWNET = 0x40000000
 
 
 class LockError(Exception):
@@ -69,39 +65,11 @@ def _bind_when_free(sock: socket.socket, netns: Path | None, deadline: Deadline)
 
 
 def _socket_in(netns: Path | None) -> socket.socket:
-    """A Unix socket of ``netns``: a socket belongs to the namespace of the thread that made it, so
-    it is made on a short-lived thread that enters the namespace (``setns`` moves only that thread)."""
-    if netns is None:
-        return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    made: list[socket.socket] = []
-    failed: list[OSError] = []
-
-    def enter_and_make() -> None:
-        try:
-            fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if _libc().setns(fd, _CLONE_NEWNET) != 0:
-                    code = ctypes.get_errno()
-                    raise OSError(code, os.strerror(code))
-            finally:
-                os.close(fd)
-            made.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-        except OSError as err:
-            failed.append(err)
-
-    thread = threading.Thread(target=enter_and_make, name="netns-lock")
-    thread.start()
-    thread.join()
-    if failed:
-        err = failed[0]
-        if isinstance(err, FileNotFoundError):
-            raise LockError(f"network namespace {netns} does not exist") from None
-        raise LockError(f"cannot enter network namespace {netns}: {err.strerror or err}") from None
-    return made[0]
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+    """A Unix socket of ``netns``: a socket belongs to the namespace of the thread that made it."""
+    try:
+        return in_namespace(netns, lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    except NamespaceError as err:
+        raise LockError(str(err)) from None
 
 
 def _name(netns: Path | None) -> str:

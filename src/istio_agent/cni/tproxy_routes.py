@@ -1,31 +1,33 @@
 """The policy routing TPROXY needs: marked packets are delivered locally (``run.go``, after the rules).
 
-``ip rule add fwmark <mark> lookup <table>`` and ``ip route add local default dev lo table <table>``,
-for IPv6 too when it is on; with IPv6 the proxy's bind address ``::6/128`` goes on ``lo`` (the v6
-counterpart of 127.0.0.6). Each step checks first or uses ``replace``, so a re-run adds nothing:
-``ip rule add`` would happily add the same rule twice.
+``fwmark <mark> lookup <table>`` and ``local default dev lo table <table>``, for IPv6 too when it is
+on; with IPv6 the proxy's bind address ``::6/128`` goes on ``lo`` (the v6 counterpart of 127.0.0.6).
+Each step checks first or replaces, so a re-run adds nothing (a rule, unlike a route, can be added
+twice). Done over netlink inside the namespace (:mod:`istio_agent.cni.netlink`), as Istio's plugin
+does, so the node needs no ``ip`` binary; errors name the step in ``ip``'s words.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from pathlib import Path
 
-from istio_agent.cni.netns import NO_DEADLINE, CommandError, Deadline, run
+from istio_agent.cni import netlink
+from istio_agent.cni.netns import NO_DEADLINE, CommandError, Deadline, NamespaceError, in_namespace
 
 BIND_V6 = "::6/128"
 
 
-def _family_flag(family: str) -> list[str]:
-    return ["-6"] if family == "v6" else []
-
-
-def _rule_present(family: str, mark: str, table: str, netns: Path | None, deadline: Deadline) -> bool:
-    argv = ["ip", *_family_flag(family), "-j", "rule", "show", "fwmark", mark, "lookup", table]
+def _step(
+    what: tuple[str, ...], netns: Path | None, deadline: Deadline, action: Callable[[], object]
+) -> None:
+    deadline.remaining(what)
     try:
-        return bool(json.loads(run(argv, netns=netns, deadline=deadline) or "[]"))
-    except json.JSONDecodeError as err:
-        raise CommandError(argv, f"printed output that is not JSON ({err})") from None
+        in_namespace(netns, action)
+    except NamespaceError as err:
+        raise CommandError(what, f"not run: {err}") from None
+    except OSError as err:
+        raise CommandError(what, f"failed (netlink): {err.strerror or err}") from None
 
 
 def ensure(
@@ -38,16 +40,20 @@ def ensure(
     deadline: Deadline = NO_DEADLINE,
 ) -> None:
     """The routes of the families given, added where missing; ``::6`` on lo whenever v6 is among them."""
-    for family in families:
-        flag = _family_flag(family)
-        if family == "v6":
-            run(["ip", "-6", "address", "replace", BIND_V6, "dev", "lo"], netns=netns, deadline=deadline)
-        if not tproxy:
-            continue
-        if not _rule_present(family, mark, table, netns, deadline):
-            run(["ip", *flag, "rule", "add", "fwmark", mark, "lookup", table], netns=netns, deadline=deadline)
-        route = ["ip", *flag, "route", "replace", "local", "default", "dev", "lo", "table", table]
-        run(route, netns=netns, deadline=deadline)
+    fwmark, number = int(mark, 0), int(table)
+
+    def add() -> None:
+        for family in families:
+            if family == "v6":
+                netlink.replace_address("::6", 128, "lo")
+            if not tproxy:
+                continue
+            if not netlink.has_mark_rule(family, fwmark, number):
+                netlink.add_mark_rule(family, fwmark, number)
+            netlink.replace_local_default_route(family, number, "lo")
+
+    what = ("ip", "rule", "add", "fwmark", mark, "lookup", table) if tproxy else ("ip", "address", "replace")
+    _step(what, netns, deadline, add)
 
 
 def remove(
@@ -59,11 +65,11 @@ def remove(
     deadline: Deadline = NO_DEADLINE,
 ) -> None:
     """Take the TPROXY rule and route table away."""
-    for family in families:
-        flag = _family_flag(family)
-        present = False
-        while _rule_present(family, mark, table, netns, deadline):
-            run(["ip", *flag, "rule", "del", "fwmark", mark, "lookup", table], netns=netns, deadline=deadline)
-            present = True
-        if present:
-            run(["ip", *flag, "route", "flush", "table", table], netns=netns, deadline=deadline)
+    fwmark, number = int(mark, 0), int(table)
+
+    def take_away() -> None:
+        for family in families:
+            if netlink.delete_mark_rules(family, fwmark, number):
+                netlink.flush_table(family, number)
+
+    _step(("ip", "rule", "del", "fwmark", mark, "lookup", table), netns, deadline, take_away)
