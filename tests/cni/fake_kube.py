@@ -1,41 +1,252 @@
-"""A FAKE Kubernetes API server for the istio-cni plugin's tests (a real one cannot run here).
+"""A FAKE Kubernetes API server for the CNI tests (a real one cannot run here).
 
-HTTPS on 127.0.0.1 with a serving certificate from a test CA, answering only
-``GET /api/v1/namespaces/{ns}/pods/{name}`` from a dict of pods, with a bearer token check. Tests
-script failures per request (status codes, a hang) to check that the plugin fails closed. Built on
-aiohttp, an HTTP stack independent of the plugin's own client.
+HTTPS on 127.0.0.1 with a serving certificate from a test CA and a bearer token check, serving pods
+and Events from memory the way the real API server does for what the plugin and install-cni's repair
+controller use:
+
+- ``GET /api/v1/namespaces/{ns}/pods/{name}`` (the plugin's ADD). ``failures`` and ``requests``
+  concern this request only: tests script failures per pod GET (status codes, a hang) to check that
+  the plugin fails closed.
+- list (``GET /api/v1/pods``, ``/api/v1/namespaces/{ns}/pods``) with ``labelSelector`` and
+  ``fieldSelector`` (the pod fields the real server can select on; anything else is 400), and
+  ``watch=1`` on the same paths: from ``resourceVersion`` "" or "0" the current pods as ADDED, from
+  a version the changes after it (410 Gone as an ERROR event once :meth:`FakeKube.compact` dropped
+  it), an object leaving the selectors as DELETED and entering as ADDED, BOOKMARK events when
+  ``allowWatchBookmarks`` is set (:meth:`FakeKube.bookmark`), the end after ``timeoutSeconds``, and
+  :meth:`FakeKube.drop_watches` to cut every watch connection as a network failure would.
+- ``DELETE`` of a pod with ``DeleteOptions`` preconditions (UID, resourceVersion: 409 Conflict when
+  they do not hold); a pod bound to a node is deleted gracefully (``deletionTimestamp`` set, gone
+  when the "kubelet" calls :meth:`FakeKube.finish_deletion`), an unbound one at once.
+- ``PATCH .../pods/{name}/status`` with a merge patch (labels and annotations may change, spec
+  may not; labels are validated: 422), optimistic concurrency on ``metadata.resourceVersion``.
+- ``POST`` and ``PATCH`` of core/v1 Events (name, namespace and involvedObject checked).
+- ``forbidden``: (verb, resource) pairs answered 403 as RBAC would (``("delete", "pods")``).
+
+Every write bumps the store's resourceVersion and is kept in a history the watches replay from. Built
+on aiohttp, an HTTP stack independent of the agent's own client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import copy
+import json
+import secrets
 import ssl
+import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from istio_agent.controlplane.ca import LocalCA
+from tests.cni.fake_kube_selectors import (
+    SelectorError,
+    dns_subdomain_problem,
+    fields_match,
+    label_value_problem,
+    labels_match,
+    parse_field_selector,
+    parse_label_selector,
+    qualified_name_problem,
+)
 
 TOKEN = "fake-service-account-token-do-not-log"
+USER = "system:serviceaccount:istio-system:istio-cni"
+DEFAULT_WATCH_SECONDS = 1800
+MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+_GO_TRUE = {"1", "t", "T", "TRUE", "true", "True"}
+_GO_FALSE = {"0", "f", "F", "FALSE", "false", "False"}
+
+
+def now_rfc3339(offset: float = 0.0) -> str:
+    return (datetime.now(UTC) + timedelta(seconds=offset)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def status(code: int, reason: str, message: str, *, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``Status`` object, as the API server answers a failed request."""
+    body: dict[str, Any] = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+    if details:
+        body["details"] = details
+    return body
+
+
+def _answer(code: int, reason: str, message: str) -> web.Response:
+    return web.json_response(status(code, reason, message), status=code)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One write as the watch replays it: the object after (before, for a deletion) and before."""
+
+    version: int
+    type: str  # ADDED, MODIFIED, DELETED
+    object: dict[str, Any]
+    old: dict[str, Any] | None
+
+
+@dataclass(eq=False)
+class Watcher:
+    """An open watch: its selectors and the events waiting to be written."""
+
+    namespace: str
+    labels: tuple[Any, ...]
+    fields: tuple[tuple[str, str, str], ...]
+    bookmarks: bool
+    queue: asyncio.Queue[dict[str, Any] | str] = field(default_factory=asyncio.Queue)
+
+    def matches(self, pod: dict[str, Any] | None) -> bool:
+        if pod is None:
+            return False
+        if self.namespace and pod["metadata"].get("namespace") != self.namespace:
+            return False
+        return labels_match(self.labels, pod) and fields_match(self.fields, pod)
+
+    def event_for(self, change: Change) -> dict[str, Any] | None:
+        """What this watch sees of ``change``: objects entering or leaving its selectors are ADDED or
+        DELETED, as the API server's watch filter does."""
+        now, before = self.matches(change.object), self.matches(change.old)
+        if change.type == "DELETED":
+            kind = "DELETED" if now else None
+        elif change.type == "ADDED":
+            kind = "ADDED" if now else None
+        elif now and before:
+            kind = "MODIFIED"
+        elif now:
+            kind = "ADDED"
+        elif before:
+            kind = "DELETED"
+        else:
+            kind = None
+        return None if kind is None else {"type": kind, "object": _with_kind(change.object)}
+
+
+def _with_kind(pod: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": "Pod", "apiVersion": "v1", **copy.deepcopy(pod)}
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge_patch(result.get(key), value)
+    return result
 
 
 @dataclass
 class FakeKube:
-    """The fake's state: the pods it serves, and what to answer instead (popped one per request)."""
+    """The fake's state: the pods and events it serves, and scripted failures of the pod GET."""
 
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     failures: list[int | str] = field(default_factory=list)
-    """Per request, in order: an HTTP status to answer instead, or "hang" (never answer)."""
+    """Per pod GET, in order: an HTTP status to answer instead, or "hang" (never answer)."""
     requests: list[str] = field(default_factory=list)
+    """The paths of the pod GETs."""
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    """Every request but the pod GET: (method, path and query)."""
+    events: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    forbidden: set[tuple[str, str]] = field(default_factory=set)
+    """(verb, resource) pairs RBAC denies: verbs get/list/watch/create/patch/delete, resources
+    ``pods``, ``pods/status``, ``events``."""
     port: int = 0
     ca_pem: bytes = b""
+    version: int = 1000
+    history: list[Change] = field(default_factory=list)
+    compacted: int = 0
+    """Watches from a version below this get 410 Gone (etcd compaction)."""
+    watchers: set[Watcher] = field(default_factory=set)
 
-    def add_pod(self, pod: dict[str, Any]) -> None:
-        meta = pod["metadata"]
-        self.pods[(meta["namespace"], meta["name"])] = pod
+    # -- test-side writes (what the scheduler and the kubelet would do) --------------------------------
+
+    def add_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """Create the pod (uid, resourceVersion and creationTimestamp filled in as the server does);
+        a pod of that name already there is updated instead."""
+        pod = copy.deepcopy(pod)
+        pod.pop("kind", None)  # stored (and listed) without them; GET and watch events add them
+        pod.pop("apiVersion", None)
+        meta = pod.setdefault("metadata", {})
+        key = (meta["namespace"], meta["name"])
+        old = self.pods.get(key)
+        if old is not None:
+            meta["uid"] = old["metadata"]["uid"]
+            meta["creationTimestamp"] = old["metadata"]["creationTimestamp"]
+            return self._store(key, pod, old)
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", now_rfc3339())
+        return self._store(key, pod, None)
+
+    def update_pod(self, namespace: str, name: str, change: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch the stored pod as the kubelet's status updates do (``{"status": {...}}``)."""
+        key = (namespace, name)
+        return self._store(key, _merge_patch(self.pods[key], change), self.pods[key])
+
+    def finish_deletion(self, namespace: str, name: str) -> None:
+        """The kubelet has stopped a gracefully deleted pod: it goes from the store."""
+        self._remove((namespace, name))
+
+    def compact(self) -> None:
+        """Forget the history so far, as etcd compaction does: older versions are 410 Gone."""
+        self.compacted = self.version
+        self.history.clear()
+
+    def bookmark(self) -> None:
+        """Send a BOOKMARK with the current version to every watch that allows them."""
+        for watcher in self.watchers:
+            if watcher.bookmarks:
+                meta = {"resourceVersion": str(self.version), "creationTimestamp": None}
+                watcher.queue.put_nowait(
+                    {"type": "BOOKMARK", "object": {"kind": "Pod", "apiVersion": "v1", "metadata": meta}}
+                )
+
+    def drop_watches(self) -> int:
+        """Cut every open watch connection mid-stream (no end of the body); how many there were."""
+        for watcher in self.watchers:
+            watcher.queue.put_nowait("drop")
+        return len(self.watchers)
+
+    # -- the store ---------------------------------------------------------------------------------
+
+    def _store(self, key: tuple[str, str], pod: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+        self.version += 1
+        pod["metadata"]["resourceVersion"] = str(self.version)
+        self.pods[key] = pod
+        self._publish(Change(self.version, "MODIFIED" if old else "ADDED", copy.deepcopy(pod), old))
+        return copy.deepcopy(pod)
+
+    def _remove(self, key: tuple[str, str]) -> dict[str, Any]:
+        pod = self.pods.pop(key)
+        self.version += 1
+        pod["metadata"]["resourceVersion"] = str(self.version)
+        self._publish(Change(self.version, "DELETED", copy.deepcopy(pod), None))
+        return pod
+
+    def _publish(self, change: Change) -> None:
+        self.history.append(change)
+        for watcher in self.watchers:
+            event = watcher.event_for(change)
+            if event is not None:
+                watcher.queue.put_nowait(event)
+
+    # -- requests ----------------------------------------------------------------------------------
 
     def kubeconfig(self, *, insecure: bool = False, server: str | None = None) -> str:
         """The kubeconfig as install-cni writes it (its own renderer: JSON), pointing at this fake."""
@@ -64,7 +275,22 @@ class FakeKube:
             }
         )
 
+    def _denied(self, request: web.Request, verb: str, resource: str, name: str = "") -> web.Response | None:
+        """401 without the token, 403 for a denied (verb, resource); None when allowed."""
+        if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return _answer(401, "Unauthorized", "Unauthorized")
+        if (verb, resource) not in self.forbidden:
+            return None
+        namespace = request.match_info.get("ns", "")
+        base, _, sub = resource.partition("/")
+        what = f'{base} "{name}"' if name else base
+        where = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
+        target = f'resource "{base}"' + (f' subresource "{sub}"' if sub else "")
+        message = f'{what} is forbidden: User "{USER}" cannot {verb} {target} in API group "" {where}'
+        return _answer(403, "Forbidden", message)
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """GET of one pod (the plugin's ADD)."""
         self.requests.append(request.path)
         if self.failures:
             failure = self.failures.pop(0)
@@ -73,14 +299,297 @@ class FakeKube:
             return web.json_response(
                 {"kind": "Status", "message": f"fake failure {failure}", "code": failure}, status=int(failure)
             )
-        if request.headers.get("Authorization") != f"Bearer {TOKEN}":
-            return web.json_response({"kind": "Status", "message": "Unauthorized", "code": 401}, status=401)
-        key = (request.match_info["ns"], request.match_info["name"])
+        name = request.match_info["name"]
+        denied = self._denied(request, "get", "pods", name)
+        if denied is not None:
+            return denied
+        key = (request.match_info["ns"], name)
         pod = self.pods.get(key)
         if pod is None:
-            message = f'pods "{key[1]}" not found'
-            return web.json_response({"kind": "Status", "message": message, "code": 404}, status=404)
-        return web.json_response(pod)
+            return _answer(404, "NotFound", f'pods "{key[1]}" not found')
+        return web.json_response(_with_kind(pod))
+
+    async def pods_collection(self, request: web.Request) -> web.StreamResponse:
+        """List or watch pods (every namespace, or one)."""
+        self.calls.append((request.method, request.path_qs))
+        query = request.query
+        watch_text = query.get("watch", "false")
+        if watch_text not in _GO_TRUE | _GO_FALSE:
+            return _answer(400, "BadRequest", f'invalid value for watch: "{watch_text}"')
+        watching = watch_text in _GO_TRUE
+        denied = self._denied(request, "watch" if watching else "list", "pods")
+        if denied is not None:
+            return denied
+        try:
+            labels = parse_label_selector(query.get("labelSelector", ""))
+            fields = parse_field_selector(query.get("fieldSelector", ""))
+        except SelectorError as err:
+            return _answer(400, "BadRequest", str(err))
+        if "limit" in query or "continue" in query:
+            return _answer(500, "InternalError", "the FAKE API server does not paginate lists")
+        bookmarks_text = query.get("allowWatchBookmarks", "false")
+        if bookmarks_text not in _GO_TRUE | _GO_FALSE:
+            return _answer(400, "BadRequest", f'invalid value for allowWatchBookmarks: "{bookmarks_text}"')
+        watcher = Watcher(request.match_info.get("ns", ""), labels, fields, bookmarks_text in _GO_TRUE)
+        if not watching:
+            items = [copy.deepcopy(pod) for pod in self.pods.values() if watcher.matches(pod)]
+            return web.json_response(
+                {
+                    "kind": "PodList",
+                    "apiVersion": "v1",
+                    "metadata": {"resourceVersion": str(self.version)},
+                    "items": items,
+                }
+            )
+        return await self._watch(request, watcher)
+
+    async def _watch(self, request: web.Request, watcher: Watcher) -> web.StreamResponse:
+        version_text = request.query.get("resourceVersion", "")
+        timeout_text = request.query.get("timeoutSeconds", str(DEFAULT_WATCH_SECONDS))
+        if not version_text.isdigit() and version_text != "":
+            return _answer(400, "BadRequest", f'invalid resource version: "{version_text}"')
+        if not timeout_text.isdigit():
+            return _answer(400, "BadRequest", f'invalid value for timeoutSeconds: "{timeout_text}"')
+        # Replay and registration happen without yielding to the loop: no write falls between them.
+        if version_text in ("", "0"):
+            for pod in self.pods.values():
+                if watcher.matches(pod):
+                    watcher.queue.put_nowait({"type": "ADDED", "object": _with_kind(pod)})
+        elif int(version_text) < self.compacted:
+            message = f"too old resource version: {version_text} ({self.compacted})"
+            watcher.queue.put_nowait({"type": "ERROR", "object": status(410, "Expired", message)})
+            watcher.queue.put_nowait("end")
+        elif int(version_text) > self.version:
+            message = f"Too large resource version: {version_text}, current: {self.version}"
+            watcher.queue.put_nowait({"type": "ERROR", "object": status(504, "Timeout", message)})
+            watcher.queue.put_nowait("end")
+        else:
+            for change in self.history:
+                if change.version > int(version_text):
+                    event = watcher.event_for(change)
+                    if event is not None:
+                        watcher.queue.put_nowait(event)
+        self.watchers.add(watcher)
+        response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        try:
+            await response.prepare(request)
+            ends = asyncio.get_running_loop().time() + int(timeout_text)
+            while True:
+                left = ends - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(watcher.queue.get(), left)
+                except TimeoutError:
+                    break
+                if item == "end":
+                    break
+                if item == "drop":
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return response
+                assert isinstance(item, dict)
+                await response.write(json.dumps(item).encode() + b"\n")
+            await response.write_eof()
+            return response
+        finally:
+            self.watchers.discard(watcher)
+
+    async def pod_delete(self, request: web.Request) -> web.StreamResponse:
+        self.calls.append((request.method, request.path_qs))
+        namespace, name = request.match_info["ns"], request.match_info["name"]
+        denied = self._denied(request, "delete", "pods", name)
+        if denied is not None:
+            return denied
+        raw = await request.read()
+        try:
+            options = json.loads(raw) if raw.strip() else {}
+        except ValueError as err:
+            return _answer(400, "BadRequest", f"invalid DeleteOptions: {err}")
+        if not isinstance(options, dict) or options.get("kind", "DeleteOptions") != "DeleteOptions":
+            return _answer(400, "BadRequest", "the body is not a DeleteOptions object")
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            return _answer(404, "NotFound", f'pods "{name}" not found')
+        meta = pod["metadata"]
+        preconditions = options.get("preconditions") or {}
+        for field_name, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
+            wanted = preconditions.get(field_name)
+            if wanted is not None and wanted != meta[field_name]:
+                message = (
+                    f'Operation cannot be fulfilled on pods "{name}": Precondition failed: '
+                    f"{label} in precondition: {wanted}, {label} in object meta: {meta[field_name]}"
+                )
+                return _answer(409, "Conflict", message)
+        spec, phase = pod.get("spec") or {}, (pod.get("status") or {}).get("phase")
+        grace = options.get("gracePeriodSeconds", spec.get("terminationGracePeriodSeconds", 30))
+        if not spec.get("nodeName") or phase in ("Failed", "Succeeded"):
+            grace = 0
+        if grace == 0:
+            return web.json_response(_with_kind(self._remove((namespace, name))))
+        if "deletionTimestamp" in meta and meta.get("deletionGracePeriodSeconds", 0) <= grace:
+            return web.json_response(_with_kind(pod))  # already terminating: nothing changes
+        changed = copy.deepcopy(pod)
+        changed["metadata"]["deletionTimestamp"] = now_rfc3339(grace)
+        changed["metadata"]["deletionGracePeriodSeconds"] = grace
+        return web.json_response(_with_kind(self._store((namespace, name), changed, pod)))
+
+    async def pod_status_patch(self, request: web.Request) -> web.StreamResponse:
+        self.calls.append((request.method, request.path_qs))
+        namespace, name = request.match_info["ns"], request.match_info["name"]
+        denied = self._denied(request, "patch", "pods/status", name)
+        if denied is not None:
+            return denied
+        patch, problem = await _patch_body(request)
+        if problem is not None:
+            return problem
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            return _answer(404, "NotFound", f'pods "{name}" not found')
+        patched = _merge_patch(pod, patch)
+        meta, old_meta = patched.get("metadata") or {}, pod["metadata"]
+        if meta.get("name") != name or meta.get("namespace") != namespace:
+            return _answer(
+                400,
+                "BadRequest",
+                f"the name of the object ({meta.get('name')}) does not match the name on the URL ({name})",
+            )
+        if meta.get("uid") != old_meta["uid"]:
+            message = (
+                f'Operation cannot be fulfilled on pods "{name}": Precondition failed: UID in precondition: '
+                f"{meta.get('uid')}, UID in object meta: {old_meta['uid']}"
+            )
+            return _answer(409, "Conflict", message)
+        if meta.get("resourceVersion") != old_meta["resourceVersion"]:
+            message = (
+                f'Operation cannot be fulfilled on pods "{name}": the object has been modified; '
+                "please apply your changes to the latest version and try again"
+            )
+            return _answer(409, "Conflict", message)
+        invalid = _metadata_problems(meta)
+        if invalid:
+            return _answer(422, "Invalid", f'Pod "{name}" is invalid: {invalid}')
+        # The status subresource keeps the spec (and who owns the pod) as they were.
+        patched["spec"] = copy.deepcopy(pod.get("spec"))
+        for kept in ("deletionTimestamp", "ownerReferences"):
+            if kept in old_meta:
+                meta[kept] = copy.deepcopy(old_meta[kept])
+            else:
+                meta.pop(kept, None)
+        if patched == pod:
+            return web.json_response(_with_kind(pod))
+        return web.json_response(_with_kind(self._store((namespace, name), patched, pod)))
+
+    async def event_create(self, request: web.Request) -> web.StreamResponse:
+        self.calls.append((request.method, request.path_qs))
+        namespace = request.match_info["ns"]
+        denied = self._denied(request, "create", "events")
+        if denied is not None:
+            return denied
+        try:
+            event = json.loads(await request.read())
+        except ValueError as err:
+            return _answer(400, "BadRequest", f"the body is not JSON: {err}")
+        if not isinstance(event, dict):
+            return _answer(400, "BadRequest", "the body is not an object")
+        if event.get("kind", "Event") != "Event" or event.get("apiVersion", "v1") != "v1":
+            return _answer(
+                400, "BadRequest", f"not a core/v1 Event: {event.get('apiVersion')}/{event.get('kind')}"
+            )
+        meta = event.setdefault("metadata", {})
+        if meta.get("namespace", namespace) != namespace:
+            return _answer(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on the request",
+            )
+        meta["namespace"] = namespace
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
+        name = meta.get("name") or ""
+        problems = []
+        if not name:
+            problems.append("metadata.name: Required value: name or generateName is required")
+        elif dns_subdomain_problem(name):
+            problems.append(f'metadata.name: Invalid value: "{name}": {dns_subdomain_problem(name)}')
+        involved = event.get("involvedObject") or {}
+        if involved.get("namespace", "") not in ("", namespace):
+            problems.append(
+                f'involvedObject.namespace: Invalid value: "{involved.get("namespace")}": does not match event.namespace'
+            )
+        if event.get("type") not in (None, "", "Normal", "Warning"):
+            problems.append(
+                f'type: Unsupported value: "{event.get("type")}": supported values: "Normal", "Warning"'
+            )
+        if problems:
+            return _answer(422, "Invalid", f'Event "{name}" is invalid: {", ".join(problems)}')
+        if (namespace, name) in self.events:
+            return _answer(409, "AlreadyExists", f'events "{name}" already exists')
+        self.version += 1
+        meta.update(uid=str(uuid.uuid4()), resourceVersion=str(self.version), creationTimestamp=now_rfc3339())
+        self.events[(namespace, name)] = event
+        return web.json_response(event, status=201)
+
+    async def event_patch(self, request: web.Request) -> web.StreamResponse:
+        self.calls.append((request.method, request.path_qs))
+        namespace, name = request.match_info["ns"], request.match_info["name"]
+        denied = self._denied(request, "patch", "events", name)
+        if denied is not None:
+            return denied
+        patch, problem = await _patch_body(request)
+        if problem is not None:
+            return problem
+        event = self.events.get((namespace, name))
+        if event is None:
+            return _answer(404, "NotFound", f'events "{name}" not found')
+        patched = _merge_patch(event, patch)
+        self.version += 1
+        patched["metadata"]["resourceVersion"] = str(self.version)
+        self.events[(namespace, name)] = patched
+        return web.json_response(patched)
+
+
+async def _patch_body(request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+    """The patch document, or the answer refusing it (media type, not JSON, not an object)."""
+    media = request.content_type
+    if media in (JSON_PATCH, APPLY_PATCH):
+        return {}, _answer(500, "InternalError", f"the FAKE API server does not implement {media}")
+    if media not in (MERGE_PATCH, STRATEGIC_MERGE_PATCH):
+        message = (
+            "the body of the request was in an unknown format - accepted media types include: "
+            f"{JSON_PATCH}, {MERGE_PATCH}, {APPLY_PATCH}, {STRATEGIC_MERGE_PATCH}"
+        )
+        return {}, _answer(415, "UnsupportedMediaType", message)
+    try:
+        patch = json.loads(await request.read())
+    except ValueError as err:
+        return {}, _answer(400, "BadRequest", f"error decoding patch: {err}")
+    if not isinstance(patch, dict):
+        return {}, _answer(400, "BadRequest", "error decoding patch: not a JSON object")
+    return patch, None
+
+
+def _metadata_problems(meta: dict[str, Any]) -> str:
+    """The validation errors of labels and annotations, as the API server lists them ("" when valid)."""
+    problems = []
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+    if not isinstance(labels, dict) or not isinstance(annotations, dict):
+        return "metadata: Invalid value: labels and annotations must be maps of strings"
+    for key, value in labels.items():
+        if qualified_name_problem(key):
+            problems.append(f'metadata.labels: Invalid value: "{key}": {qualified_name_problem(key)}')
+        if not isinstance(value, str):
+            problems.append(f'metadata.labels: Invalid value: "{value}": must be a string')
+        elif label_value_problem(value):
+            problems.append(f'metadata.labels: Invalid value: "{value}": {label_value_problem(value)}')
+    for key, value in annotations.items():
+        if qualified_name_problem(key):
+            problems.append(f'metadata.annotations: Invalid value: "{key}": {qualified_name_problem(key)}')
+        if not isinstance(value, str):
+            problems.append(f'metadata.annotations: Invalid value: "{value}": must be a string')
+    return ", ".join(problems)
 
 
 async def start_fake_kube(state_dir: Path) -> tuple[FakeKube, web.AppRunner]:
@@ -94,6 +603,12 @@ async def start_fake_kube(state_dir: Path) -> tuple[FakeKube, web.AppRunner]:
     fake = FakeKube(ca_pem=ca.root_pem)
     app = web.Application()
     app.router.add_get("/api/v1/namespaces/{ns}/pods/{name}", fake.handle)
+    app.router.add_delete("/api/v1/namespaces/{ns}/pods/{name}", fake.pod_delete)
+    app.router.add_patch("/api/v1/namespaces/{ns}/pods/{name}/status", fake.pod_status_patch)
+    app.router.add_get("/api/v1/pods", fake.pods_collection)
+    app.router.add_get("/api/v1/namespaces/{ns}/pods", fake.pods_collection)
+    app.router.add_post("/api/v1/namespaces/{ns}/events", fake.event_create)
+    app.router.add_patch("/api/v1/namespaces/{ns}/events/{name}", fake.event_patch)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
@@ -114,6 +629,7 @@ def sidecar_pod(
     init_containers: list[dict[str, Any]] | None = None,
     proxy_args: list[str] | None = None,
     proxy: bool = True,
+    node_name: str | None = None,
 ) -> dict[str, Any]:
     """A pod as the injector leaves it for a CNI-enabled mesh (istio-validation, no istio-init)."""
     proxy_container: dict[str, Any] = {
@@ -126,6 +642,12 @@ def sidecar_pod(
     containers = [{"name": "app"}, *(extra_containers or [])]
     if proxy:
         containers.append(proxy_container)
+    spec: dict[str, Any] = {
+        "initContainers": init_containers if init_containers is not None else [{"name": "istio-validation"}],
+        "containers": containers,
+    }
+    if node_name is not None:
+        spec["nodeName"] = node_name
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -138,10 +660,88 @@ def sidecar_pod(
                 **(annotations or {}),
             },
         },
-        "spec": {
-            "initContainers": init_containers
-            if init_containers is not None
-            else [{"name": "istio-validation"}],
-            "containers": containers,
-        },
+        "spec": spec,
+    }
+
+
+def validation_crashlooping(pod_ip: str, *, exit_code: int = 126, message: str = "") -> dict[str, Any]:
+    """The status the kubelet reports for a pod whose ``istio-validation`` init container exited
+    ``exit_code`` and is waiting to be restarted (CrashLoopBackOff); the app waits to initialize."""
+    terminated = {
+        "exitCode": exit_code,
+        "reason": "Error",
+        "startedAt": now_rfc3339(-6),
+        "finishedAt": now_rfc3339(-1),
+        "containerID": "containerd://" + "a" * 64,
+    }
+    if message:
+        terminated["message"] = message
+    return {
+        "phase": "Pending",
+        "podIP": pod_ip,
+        "podIPs": [{"ip": pod_ip}],
+        "initContainerStatuses": [
+            {
+                "name": "istio-validation",
+                "state": {
+                    "waiting": {
+                        "reason": "CrashLoopBackOff",
+                        "message": "back-off 10s restarting failed container=istio-validation",
+                    }
+                },
+                "lastState": {"terminated": terminated},
+                "ready": False,
+                "restartCount": 1,
+                "image": "docker.io/istio/proxyv2:1.28.0",
+                "imageID": "",
+                "started": False,
+            }
+        ],
+        "containerStatuses": [
+            {
+                "name": name,
+                "state": {"waiting": {"reason": "PodInitializing"}},
+                "lastState": {},
+                "ready": False,
+                "restartCount": 0,
+                "image": "",
+                "imageID": "",
+                "started": False,
+            }
+            for name in ("app", "istio-proxy")
+        ],
+    }
+
+
+def validation_passed(pod_ip: str) -> dict[str, Any]:
+    """The status of a healthy pod: istio-validation completed, the containers running."""
+    return {
+        "phase": "Running",
+        "podIP": pod_ip,
+        "podIPs": [{"ip": pod_ip}],
+        "initContainerStatuses": [
+            {
+                "name": "istio-validation",
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed"}},
+                "lastState": {},
+                "ready": True,
+                "restartCount": 0,
+                "image": "docker.io/istio/proxyv2:1.28.0",
+                "imageID": "",
+                "started": False,
+            }
+        ],
+        "containerStatuses": [
+            {
+                "name": name,
+                "state": {"running": {"startedAt": now_rfc3339(-5)}},
+                "lastState": {},
+                "ready": True,
+                "restartCount": 0,
+                "image": "",
+                "imageID": "",
+                "started": True,
+            }
+            for name in ("app", "istio-proxy")
+        ],
     }

@@ -51,14 +51,24 @@ class KubeError(Exception):
     """A Kubernetes API call failed; ``retryable`` when the same call may succeed later.
 
     ``status`` is the HTTP status (or a watch ERROR event's ``code``), None when there was no answer;
-    ``reason`` the Status object's ``reason`` (``NotFound``, ``Conflict``, ``Expired``...).
+    ``reason`` the Status object's ``reason`` (``NotFound``, ``Conflict``, ``Expired``...); ``detail``
+    the API server's own message (what client-go's error says), else the whole message.
     """
 
-    def __init__(self, message: str, *, retryable: bool, status: int | None = None, reason: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool,
+        status: int | None = None,
+        reason: str = "",
+        detail: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.retryable = retryable
         self.status = status
         self.reason = reason
+        self.detail = message if detail is None else detail
 
     @property
     def gone(self) -> bool:
@@ -397,11 +407,13 @@ def _decoded(response: Fetched, action: str) -> dict[str, Any]:
 
 def _status_error(action: str, status: int, reason: str, body: bytes) -> KubeError:
     retryable = status >= 500 or status in _RETRYABLE_STATUS
+    detail = _status_message(body)
     return KubeError(
-        f"{action}: {status} {reason}: {_status_message(body)}",
+        f"{action}: {status} {reason}: {detail}",
         retryable=retryable,
         status=status,
         reason=_status_reason(body),
+        detail=detail,
     )
 
 
@@ -436,11 +448,13 @@ def _watch_event(line: bytes, action: str) -> WatchEvent:
         status = code if isinstance(code, int) and not isinstance(code, bool) else None
         message = body.get("message")
         reason = body.get("reason")
+        detail = message if isinstance(message, str) else json.dumps(body)[:200]
         raise KubeError(
-            f"{action}: error event {status}: {message if isinstance(message, str) else body}",
+            f"{action}: error event {status}: {detail}",
             retryable=True,
             status=status,
             reason=reason if isinstance(reason, str) else "",
+            detail=detail,
         )
     if kind not in WATCH_TYPES:
         raise KubeError(f"{action}: an event of unknown type {kind!r}", retryable=True)
