@@ -163,6 +163,8 @@ class FakeKube:
     """The paths of the pod GETs."""
     calls: list[tuple[str, str]] = field(default_factory=list)
     """Every request but the pod GET: (method, path and query)."""
+    delete_options: list[dict[str, Any]] = field(default_factory=list)
+    """The DeleteOptions of every pod DELETE, as sent."""
     events: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     forbidden: set[tuple[str, str]] = field(default_factory=set)
     """(verb, resource) pairs RBAC denies: verbs get/list/watch/create/patch/delete, resources
@@ -409,6 +411,7 @@ class FakeKube:
             return _answer(400, "BadRequest", f"invalid DeleteOptions: {err}")
         if not isinstance(options, dict) or options.get("kind", "DeleteOptions") != "DeleteOptions":
             return _answer(400, "BadRequest", "the body is not a DeleteOptions object")
+        self.delete_options.append(options)
         pod = self.pods.get((namespace, name))
         if pod is None:
             return _answer(404, "NotFound", f'pods "{name}" not found')

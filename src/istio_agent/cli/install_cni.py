@@ -3,7 +3,8 @@
 Flags are Istio's, each also read from its environment variable (``--cni-conf-name`` or
 ``CNI_CONF_NAME``); see docs/cni.md. SIGTERM or SIGINT ends the watch loop, the install is cleaned
 up (our entry out of the CNI config, the kubeconfig and the plugin binary removed) and the process
-exits 0. A failed install pass exits 1, as Istio's does, so kubelet restarts the pod.
+exits 0. A failed install pass exits 1, as Istio's does, so kubelet restarts the pod. The repair
+controller (``cni/repair``), when a repair mode is set, runs beside the installer until then.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ async def serve(settings: Any) -> int:
     from istio_agent.cni.install.add_server import AddServer
     from istio_agent.cni.install.installer import Installer, InstallError
     from istio_agent.cni.install.servers import health_endpoint, metrics_endpoint
+    from istio_agent.cni.repair.controller import RepairSetupError
+    from istio_agent.cni.repair.controller import build as build_repair
     from istio_agent.log import scope
     from istio_agent.metrics import Registry
 
@@ -88,14 +91,18 @@ async def serve(settings: Any) -> int:
     stop = runtime.install_signal_handlers()
     registry = Registry(prefix="istio_")
     installer = Installer(settings, registry)
-    if settings.repair_enabled:
-        log.info("the repair controller is not part of this install-cni: repair-* settings are ignored")
+    try:
+        repair = build_repair(settings, registry)
+    except RepairSetupError as err:  # Istio's StartRepair: fatal
+        log.error("%s", err)
+        return EXIT_ERROR
     endpoints = [health_endpoint("", settings.health_port, lambda: (installer.ready, installer.reason))]
     if settings.monitoring_port > 0:
         endpoints.append(metrics_endpoint("", settings.monitoring_port, registry))
     add_server = AddServer(settings.cni_agent_run_dir)
     code = 0
     started = []
+    repairing: asyncio.Task[None] | None = None
     try:
         for endpoint in endpoints:
             await endpoint.start()
@@ -103,8 +110,13 @@ async def serve(settings: Any) -> int:
         await add_server.start()
         work = asyncio.create_task(installer.run())
         stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if repair is not None:
+            repairing = asyncio.create_task(repair.run(), name="repair-controller")
+        await asyncio.wait({work, stopping, *filter(None, [repairing])}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
+        if repairing is not None and repairing.done():  # it runs until cancelled: this is a bug
+            log.error("the repair controller stopped", exc_info=repairing.exception())
+            code = EXIT_ERROR
         if work.done():
             error = work.exception()
             if isinstance(error, InstallError):
@@ -119,6 +131,9 @@ async def serve(settings: Any) -> int:
         log.error("%s", err)
         code = EXIT_ERROR
     finally:
+        if repairing is not None:
+            repairing.cancel()
+            await asyncio.gather(repairing, return_exceptions=True)
         await add_server.stop()
         installer.cleanup()
         for endpoint in started:

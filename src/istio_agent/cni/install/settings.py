@@ -4,8 +4,9 @@ Istio (``cni/pkg/cmd/root.go``, cobra + viper) takes a flag when given, else the
 like it (upper case, ``-`` as ``_``), else the default. So does this module, with one difference: a
 value that does not parse is an error naming the flag or variable, never silently the default.
 Settings Istio registers but never reads (``cni-network-config``, ``log-level``...) are accepted and
-ignored; ambient mode and the repair controller are not part of this install-cni (their settings
-are parsed so Istio's DaemonSet runs unchanged, and ``ambient-enabled`` is refused).
+ignored; ambient mode is not part of this install-cni (its settings are parsed so Istio's DaemonSet
+runs unchanged, and ``ambient-enabled`` is refused). The ``repair-*`` settings are Istio's
+``RepairConfig`` (``cni/pkg/config/config.go``), read as ``cni/pkg/cmd/root.go`` reads them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ BIN_TARGET_DIR = Path("/host/opt/cni/bin")
 DEFAULT_OWNED_FILENAME = "02-istio-cni.conflist"
 HEALTH_PORT = 8000
 """Istio's readiness port for the istio-cni-node DaemonSet (``/healthz``, ``/readyz``)."""
+HOST_PROC_DIR = Path("/host/proc")
+"""Where Istio's DaemonSet mounts the host's /proc (``cni-host-procfs``) for the repair controller."""
+REPAIR_LABEL_KEY = "cni.istio.io/uninitialized"
 _OCTAL = re.compile(r"0[0-7]+")
+_LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ OPTIONS = (
     Option("repair-enabled", "bool", True),
     Option("repair-delete-pods", "bool", False),
     Option("repair-label-pods", "bool", False),
-    Option("repair-broken-pod-label-key", "str", "cni.istio.io/uninitialized"),
+    Option("repair-broken-pod-label-key", "str", REPAIR_LABEL_KEY),
     Option("repair-broken-pod-label-value", "str", "true"),
     Option("repair-node-name", "str", ""),
     Option("repair-sidecar-annotation", "str", "sidecar.istio.io/status"),
@@ -78,6 +84,7 @@ OPTIONS = (
     Option("cni-network-config-file", "str", ""),
     Option("log-level", "str", ""),
     # Env-only in Istio.
+    Option("repair-repair-pods", "bool", False, env_only=True),  # read by viper, never registered as a flag
     Option("exclude-namespaces", "list", (), env_only=True),
     Option("pod-namespace", "str", "", env_only=True),
     Option("native-nftables", "bool", False, env_only=True),
@@ -87,8 +94,44 @@ OPTIONS = (
     Option("cni-bin-target-dirs", "list", (str(BIN_TARGET_DIR),), ours=True),
     Option("service-account-dir", "str", str(SERVICE_ACCOUNT_DIR), ours=True),
     Option("health-port", "int", HEALTH_PORT, ours=True),
+    Option("host-proc-dir", "str", str(HOST_PROC_DIR), ours=True),
 )
 FLAGS = tuple(option for option in OPTIONS if not option.env_only)
+
+
+@dataclass(frozen=True)
+class RepairSettings:
+    """The repair controller's settings: Istio's ``RepairConfig``, defaults as its flags' (the chart
+    turns ``repair_pods`` on with ``REPAIR_REPAIR_PODS=true`` and sets ``REPAIR_NODE_NAME``)."""
+
+    enabled: bool = True
+    repair_pods: bool = False
+    """Program the pod's redirect in place (needs the host's /proc and CAP_SYS_ADMIN, no RBAC)."""
+    delete_pods: bool = False
+    label_pods: bool = False
+    label_key: str = REPAIR_LABEL_KEY
+    label_value: str = "true"
+    node_name: str = ""
+    sidecar_annotation: str = "sidecar.istio.io/status"
+    init_container_name: str = "istio-validation"
+    init_termination_message: str = ""
+    init_exit_code: int = 126
+    label_selectors: str = ""
+    field_selectors: str = ""
+    native_nftables: bool = False
+    host_proc_dir: Path = HOST_PROC_DIR
+    """Ours: Istio reads ``/host/proc`` always; tests point this at the real ``/proc``."""
+
+    @property
+    def mode(self) -> str | None:
+        """What a broken pod gets, in Istio's order of precedence: repair, delete, label; None: nothing."""
+        if self.repair_pods:
+            return "repair"
+        if self.delete_pods:
+            return "delete"
+        if self.label_pods:
+            return "label"
+        return None
 
 
 @dataclass(frozen=True)
@@ -110,7 +153,7 @@ class InstallSettings:
     cni_bin_source_dir: Path = BIN_SOURCE_DIR
     cni_bin_target_dirs: tuple[Path, ...] = (BIN_TARGET_DIR,)
     service_account_dir: Path = SERVICE_ACCOUNT_DIR
-    repair_enabled: bool = True
+    repair: RepairSettings = field(default_factory=RepairSettings)
     kubernetes_service_protocol: str = "https"
     kubernetes_service_host: str = ""
     kubernetes_service_port: str = ""
@@ -185,12 +228,56 @@ def load_settings(
         cni_bin_source_dir=Path(values["cni-bin-source-dir"]),
         cni_bin_target_dirs=tuple(Path(d) for d in values["cni-bin-target-dirs"]),
         service_account_dir=Path(values["service-account-dir"]),
-        repair_enabled=values["repair-enabled"],
+        repair=_repair(values),
         kubernetes_service_protocol=env.text("KUBERNETES_SERVICE_PROTOCOL") or "https",
         kubernetes_service_host=env.text("KUBERNETES_SERVICE_HOST"),
         kubernetes_service_port=env.text("KUBERNETES_SERVICE_PORT"),
         plugin=plugin,
     )
+
+
+def _repair(values: Mapping[str, Any]) -> RepairSettings:
+    """The repair settings; a label the API server would refuse is an error now, not on every pod."""
+    repair = RepairSettings(
+        enabled=values["repair-enabled"],
+        repair_pods=values["repair-repair-pods"],
+        delete_pods=values["repair-delete-pods"],
+        label_pods=values["repair-label-pods"],
+        label_key=values["repair-broken-pod-label-key"],
+        label_value=values["repair-broken-pod-label-value"],
+        node_name=values["repair-node-name"],
+        sidecar_annotation=values["repair-sidecar-annotation"],
+        init_container_name=values["repair-init-container-name"],
+        init_termination_message=values["repair-init-container-termination-message"],
+        init_exit_code=values["repair-init-container-exit-code"],
+        label_selectors=values["repair-label-selectors"],
+        field_selectors=values["repair-field-selectors"],
+        native_nftables=values["native-nftables"],
+        host_proc_dir=Path(values["host-proc-dir"]),
+    )
+    if repair.enabled and repair.mode == "label":
+        problem = _label_key_problem(repair.label_key)
+        if problem:
+            raise ConfigError(
+                f"invalid value for --repair-broken-pod-label-key={repair.label_key!r}: {problem}"
+            )
+        value = repair.label_value
+        if value and (len(value) > 63 or not _LABEL_NAME.fullmatch(value)):
+            raise ConfigError(
+                f"invalid value for --repair-broken-pod-label-value={value!r}: a label value is at most 63 "
+                "letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+            )
+    return repair
+
+
+def _label_key_problem(key: str) -> str | None:
+    """Why ``key`` is not a label key (``[DNS subdomain/]name``), as the API server would refuse it."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+        return "the prefix before '/' must be a lowercase DNS subdomain"
+    if not name or len(name) > 63 or not _LABEL_NAME.fullmatch(name):
+        return "the name must be 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+    return None
 
 
 def _read(option: Option, flag_text: str | None, env: Env) -> Any:
