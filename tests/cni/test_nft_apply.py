@@ -295,3 +295,9 @@ def test_applying_needs_no_host_tool_but_nft(
         assert apply_nft_capture(SIDECAR, netns=pod.path, cleanup_only=True).action == "cleaned"
     assert ruleset(pod) == ""
     assert netns_module.addresses(pod.path)[:1] == ["127.0.0.1"]
+
+
+def test_only_ipv6_dns_servers_in_an_ipv4_pod_apply(pod: Netns) -> None:
+    config = dataclasses.replace(SIDECAR, redirect_dns=True, dns_servers=("fd00::10",))
+    assert apply_nft_capture(config, netns=pod.path).action == "applied"
+    assert RAW not in tables(pod)

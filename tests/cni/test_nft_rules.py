@@ -141,3 +141,14 @@ def test_a_value_nft_would_misread_is_refused_naming_it(change: dict[str, object
     with pytest.raises(ConfigError, match="invalid") as caught:
         build(dataclasses.replace(CaptureConfig(), **change))  # type: ignore[arg-type]
     assert named in str(caught.value)
+
+
+def test_dns_servers_of_a_family_that_is_off_do_not_turn_dns_capture_on() -> None:
+    """Only IPv6 servers in an IPv4 pod: Istio's run.go jumps to istio-output-dns and raw
+    istio-inbound although their only rules would be IPv6 ones it leaves out, and ``nft`` refuses the
+    jumps to chains that were never declared. Here, as with no server at all, DNS capture is off."""
+    only_v6 = dataclasses.replace(CaptureConfig(), redirect_dns=True, dns_servers=("fd00::10",))
+    assert render(build(only_v6)) == (GOLDEN / "empty.golden").read_text()
+    both = dataclasses.replace(only_v6, dns_servers=("fd00::10", "10.0.0.10"))
+    assert "ip daddr 10.0.0.10/32 udp dport 53 counter redirect to :15053" in render(build(both))
+    assert "fd00::10" not in render(build(both))

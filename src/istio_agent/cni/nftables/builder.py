@@ -185,7 +185,10 @@ def build(config: CaptureConfig) -> NftRuleSet:
             raise ConfigError(f"invalid DNS server {server!r}: not an IP address") from None
     v4, v6 = _families(config)
     values = _settings(config)
-    dns = config.redirect_dns and (config.capture_all_dns or bool(config.dns_servers))
+    # Unlike run.go, IPv6 servers of an IPv4 pod do not count: their rules are left out, and the
+    # jumps to the then empty DNS chains would make nft refuse the whole transaction.
+    servers = (*v4.dns_servers, *(v6.dns_servers if config.enable_ipv6 else ()))
+    dns = config.redirect_dns and (config.capture_all_dns or bool(servers))
     rules = NftRuleSet(ipv6=config.enable_ipv6)
     _exclude_interfaces(rules, config, values)
     for name in values.reroute_interfaces:
@@ -310,7 +313,7 @@ def _dns(rules: NftRuleSet, config: CaptureConfig, values: _Settings, v4: _Famil
     """DNS to the agent's proxy on 15053, in its own conntrack zones (``SetupDNSRedir``)."""
     to_agent = (COUNTER, "redirect", "to", ":" + DNS_PORT)
     rules.append(RAW, OUTPUT, COUNTER, "jump", OUTPUT_DNS)
-    rules.append(NAT, OUTPUT_CHAIN, COUNTER, "jump", OUTPUT_DNS)  # dns implies servers or capture-all
+    rules.append(NAT, OUTPUT_CHAIN, COUNTER, "jump", OUTPUT_DNS)  # a usable server, or capture-all
     for proto in ("tcp", "udp"):
         if config.capture_all_dns:
             l4 = ("meta l4proto tcp",) if proto == "tcp" else ()
