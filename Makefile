@@ -4,13 +4,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint protos bench soak demo clean bytecode
+.PHONY: test test-fast lint protos bench soak demo clean bytecode cni-plugin
 
 # Debian tools the tests and benchmarks run against: dnsmasq (upstream resolver and peer), dig, dnsperf for
 # DNS; iptables (legacy and nft), nft, conntrack, ip and the reference CNI plugins (bridge, host-local…
-# in /usr/lib/cni) for the CNI tests in network namespaces; curl, the app of the CNI pod end-to-end test.
-DEB_TOOLS := dnsmasq dig dnsperf iptables-legacy iptables-nft nft conntrack ip /usr/lib/cni/bridge curl
-DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf iptables nftables conntrack iproute2 containernetworking-plugins curl
+# in /usr/lib/cni) for the CNI tests in network namespaces; curl, the app of the CNI pod end-to-end test;
+# a static busybox, the only program of the node root the self-contained plugin is tested in, and strip,
+# which takes the debug sections out of the libraries that plugin carries.
+DEB_TOOLS := dnsmasq dig dnsperf iptables-legacy iptables-nft nft conntrack ip /usr/lib/cni/bridge curl \
+	busybox strip
+DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf iptables nftables conntrack iproute2 containernetworking-plugins curl \
+	busybox-static binutils
 
 $(STAMP): pyproject.toml
 	@missing=""; for t in $(DEB_TOOLS); do command -v $$t >/dev/null || [ -x /usr/sbin/$$t ] || missing=yes; done; \
@@ -33,14 +37,25 @@ $(STAMP): pyproject.toml
 bytecode: $(STAMP)
 	$(BIN)/python -m compileall -q src bench
 
+# The self-contained istio-cni plugin (packaging/cni-plugin/build.py, docs/cni.md "Packaging the plugin"):
+# build/cni/bin is what install-cni's image holds in /opt/cni/bin. Rebuilt (~3 s) only when the code it
+# bundles, its recipe or the venv changed: the launcher is rewritten by every build, so it is the stamp.
+CNI_PLUGIN_DIR := build/cni/bin
+CNI_PLUGIN_INPUTS := $(STAMP) $(wildcard packaging/cni-plugin/*) $(shell find src/istio_agent -name '*.py')
+
+cni-plugin: $(CNI_PLUGIN_DIR)/istio-cni
+
+$(CNI_PLUGIN_DIR)/istio-cni: $(CNI_PLUGIN_INPUTS)
+	$(BIN)/python packaging/cni-plugin/build.py --out $(CNI_PLUGIN_DIR)
+
 # Two pytest workers (pytest-xdist): most tests wait on processes and sockets, so two halve the wall time
 # even on two cores. Tests therefore never bind a fixed host port (port 0, or their own network namespace).
 TEST_WORKERS ?= 2
 
-test: bytecode
+test: bytecode cni-plugin
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
-test-fast: bytecode
+test-fast: bytecode cni-plugin
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m 'not e2e'
 
 lint: $(STAMP)
@@ -68,4 +83,4 @@ demo: $(STAMP)
 	$(BIN)/agentctl demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build
