@@ -7,20 +7,36 @@ in the node's namespace and uses the same backend inside every pod, so a pod nev
 in the other backend than the node's (istio#57827).
 
 Writes inside a pod's namespace never take the node's xtables lock (``/run/xtables.lock``): the lock
-file is the namespace itself (``XTABLES_LOCKFILE``, iptables >= 1.8.6), so pods only serialise with
-their own namespace, never with kube-proxy on the host.
+file is the namespace itself, so pods only serialise with their own namespace, never with kube-proxy
+on the host. As in Istio's CNI mode (``dependencies/implementation_linux.go``), by version of legacy
+iptables (nf_tables never locks): from 1.8.6 ``XTABLES_LOCKFILE=<netns>``; from 1.6.2 to 1.8.5, which
+ignore that variable, the write runs in a private mount namespace where the netns file is
+bind-mounted over ``/run/xtables.lock``; below 1.6.2 ``iptables-restore`` neither locks nor knows
+``--wait``. A binary whose ``-save --version`` fails (1.6.1 has no such option) is taken for such an
+old legacy one.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from istio_agent.cni.netns import NO_DEADLINE, CommandError, Deadline, NamespaceError, in_new_namespace, run
+from istio_agent.cni.netns import (
+    NO_DEADLINE,
+    CommandError,
+    Deadline,
+    NamespaceError,
+    in_namespace,
+    in_new_namespace,
+    run,
+)
 from istio_agent.config.env import ConfigError
+from istio_agent.log import scope
 
 FLAVORS = ("legacy", "nft", "")
 """Binary name infixes: ``iptables-legacy-save``, ``iptables-nft-save``, ``iptables-save``."""
@@ -28,7 +44,14 @@ Tables = dict[str, dict[str, list[str]]]
 """iptables-save parsed: table -> chain -> its rules (the text after ``-A CHAIN``), chains in order."""
 LEGACY_WAIT_SECONDS = 30
 """istio-iptables' ``--wait`` for legacy writes; bounded here by the caller's deadline."""
+RESTORE_LOCKING = (1, 6, 2)
+"""From this legacy version on, iptables-restore takes the xtables lock and knows ``--wait``."""
+LOCKFILE_ENV = (1, 8, 6)
+"""From this legacy version on, ``XTABLES_LOCKFILE`` names the lock file."""
+NODE_LOCK = Path("/run/xtables.lock")
+"""The lock file of iptables before 1.8.6 (and the default after): the node's, shared with kube-proxy."""
 _VERSION = re.compile(r"v(\d+(?:\.\d+)+)")
+log = scope("cni")
 
 
 @dataclass(frozen=True)
@@ -37,6 +60,10 @@ class Version:
 
     numbers: tuple[int, ...]
     nft: bool
+
+
+UNKNOWN = Version((0, 0, 0), nft=False)
+"""A binary that does not report its version: a legacy one older than 1.6.2, as Istio assumes."""
 
 
 def parse_version(text: str) -> Version:
@@ -53,10 +80,20 @@ class Backend:
 
     flavor: str
     version: Version
+    pod_lock: bool = False
+    """Writes in the current namespace lock that namespace, not the node (``--cni-mode``); a write
+    into another namespace (``netns=``) always locks that one."""
 
     def __str__(self) -> str:
         """``iptables-nft 1.8.9``, for the log."""
+        if self.version == UNKNOWN:
+            return f"{self.binary('v4')} (version unknown)"
         return f"{self.binary('v4')} {'.'.join(map(str, self.version.numbers))}"
+
+    @property
+    def locks(self) -> bool:
+        """Whether a restore takes the xtables lock (and takes ``--wait``): legacy from 1.6.2."""
+        return not self.version.nft and self.version.numbers >= RESTORE_LOCKING
 
     def binary(self, family: str, tool: str = "") -> str:
         """``ip6tables-nft-restore`` for family v6, tool restore; tool "" is the command itself."""
@@ -75,13 +112,24 @@ class Backend:
         netns: Path | None = None,
         deadline: Deadline = NO_DEADLINE,
     ) -> None:
-        """``<family>-restore`` the text; without ``flush`` (the default) only the lines given change."""
+        """``<family>-restore`` the text; without ``flush`` (the default) only the lines given change.
+
+        The lock it takes is the module docstring's: the namespace's own when writing into ``netns``
+        (or with ``pod_lock``), else the default one, which inside a pod's container is the pod's.
+        """
         argv = [self.binary(family, "restore"), *(() if flush else ("--noflush",))]
-        if self.flavor == "legacy" or not self.version.nft:
-            left = deadline.remaining(argv)
-            wait = LEGACY_WAIT_SECONDS if left is None else max(1, min(LEGACY_WAIT_SECONDS, int(left)))
-            argv.append(f"--wait={wait}")
-        run(argv, netns=netns, stdin=text, env=lock_env(netns), deadline=deadline)
+        if not self.locks:
+            run(argv, netns=netns, stdin=text, deadline=deadline)
+            return
+        left = deadline.remaining(argv)
+        wait = LEGACY_WAIT_SECONDS if left is None else max(1, min(LEGACY_WAIT_SECONDS, int(left)))
+        argv.append(f"--wait={wait}")
+        if netns is None and not self.pod_lock:
+            run(argv, stdin=text, deadline=deadline)
+        elif self.version.numbers >= LOCKFILE_ENV:
+            run(argv, netns=netns, stdin=text, env=lock_env(netns), deadline=deadline)
+        else:
+            _run_with_namespace_lock(argv, netns, stdin=text, deadline=deadline)
 
     def canonical(self, family: str, text: str, *, deadline: Deadline = NO_DEADLINE) -> str:
         """What iptables-save prints once ``text`` is restored into an empty namespace.
@@ -103,20 +151,86 @@ class Backend:
             raise CommandError([self.binary(family, "restore")], f"not run: {err}") from None
 
 
-def lock_env(netns: Path | None) -> dict[str, str] | None:
-    """The environment of a write: inside a pod's namespace, lock that namespace, not the node."""
-    if netns is None:
-        return None
-    return {**os.environ, "XTABLES_LOCKFILE": str(netns)}
+def lock_env(netns: Path | None) -> dict[str, str]:
+    """The environment of a write (iptables >= 1.8.6) that locks its namespace, not the node:
+    ``netns``, or the writer's own (``/proc/self`` is the iptables process)."""
+    return {**os.environ, "XTABLES_LOCKFILE": str(netns or "/proc/self/ns/net")}
 
 
-def probe(flavor: str, family: str = "v4", *, deadline: Deadline = NO_DEADLINE) -> Backend:
-    """The backend if ``flavor``'s binaries run here (``<binary>-save --version``), with its version."""
-    argv = [Backend(flavor, Version((), False)).binary(family, "save"), "--version"]
+def _run_with_namespace_lock(argv: list[str], netns: Path | None, *, stdin: str, deadline: Deadline) -> None:
+    """A write by iptables 1.6.2-1.8.5 that locks its namespace: those take ``/run/xtables.lock``
+    whatever the environment says, so a thread in the namespace gets a private mount namespace with
+    the netns file mounted there (:func:`private_xtables_lock`), and starts the command.
+
+    When that mount cannot be made (no CAP_SYS_ADMIN, an LSM refusing it), the write goes on with
+    the node's lock and ``--wait``, as Istio does: slower under contention, never wrong.
+    """
+    here = Path(f"/proc/self/task/{threading.get_native_id()}/ns/net")  # this thread's namespace
+    target = netns or here
+
+    def step() -> None:
+        try:
+            private_xtables_lock(target)
+        except OSError as err:
+            log.warning("writing with the node's xtables lock: %s", err)
+        run(argv, stdin=stdin, deadline=deadline)  # on this thread: in the namespace and its mounts
+
     try:
-        return Backend(flavor, parse_version(run(argv, deadline=deadline)))
-    except ValueError as err:
-        raise CommandError(argv, str(err)) from None
+        in_namespace(target, step)
+    except NamespaceError as err:
+        raise CommandError(argv, f"not run: {err}") from None
+
+
+CLONE_NEWNS = 0x00020000
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+
+
+def private_xtables_lock(lock: Path) -> None:
+    """Give the calling thread (only it; a thread started for that, never a long-lived one) a mount
+    namespace of its own in which ``/run/xtables.lock`` is ``lock``. Commands it starts then lock
+    ``lock`` where they would lock the node. Raises OSError.
+
+    The node's lock file is created when missing (iptables would create it anyway): a bind mount
+    needs a file to cover.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"{what}: {os.strerror(code)}")
+
+    check(libc.unshare(CLONE_NEWNS), "cannot make a mount namespace")
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "cannot make / private")
+    os.close(os.open(NODE_LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    check(libc.mount(os.fsencode(lock), os.fsencode(NODE_LOCK), None, MS_BIND, None), f"cannot mount {lock}")
+
+
+def probe(
+    flavor: str, family: str = "v4", *, deadline: Deadline = NO_DEADLINE, runs: bool = False
+) -> Backend:
+    """The backend if ``flavor``'s binaries run here (``<binary>-save --version``), with its version.
+
+    A save binary that runs but reports no version (1.6.1 has no ``--version``: it warns and dumps
+    the rules) is a legacy one of unknown version, as Istio takes it (:data:`UNKNOWN`). ``runs``:
+    the caller already saw the save binary run.
+    """
+    save = Backend(flavor, UNKNOWN).binary(family, "save")
+    try:
+        text = run([save, "--version"], deadline=deadline)
+    except CommandError:
+        if not runs:
+            run([save], deadline=deadline)  # raises: the binary is missing or broken
+        text = ""
+    if _VERSION.search(text):
+        return Backend(flavor, parse_version(text))
+    log.warning(
+        "%s reports no version: taken for a legacy iptables older than 1.6.2 (no lock, no --wait)", save
+    )
+    return Backend(flavor, UNKNOWN)
 
 
 def detect(env: Mapping[str, str], *, deadline: Deadline = NO_DEADLINE) -> Backend:
@@ -136,6 +250,7 @@ def detect(env: Mapping[str, str], *, deadline: Deadline = NO_DEADLINE) -> Backe
                 saved = run(["iptables-legacy-save"], deadline=deadline)
                 if len(saved.splitlines()) < 3:
                     continue  # usable, but the node's rules live elsewhere: nft, or plain iptables
+                return probe(flavor, deadline=deadline, runs=True)
             return probe(flavor, deadline=deadline)
         except CommandError as err:
             problems.append(str(err))
