@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.cni.fake_kube import TOKEN, FakeKube, sidecar_pod, start_fake_kube
+from tests.cni.netns import needs_root, netns
 
 GOLDEN = Path(__file__).parent / "golden"
 PLUGIN = Path(sys.executable).parent / "istio-cni"
@@ -438,3 +439,26 @@ async def test_chained_after_the_bridge_plugin(node: Node, tmp_path: Path, versi
         for holder in (host, pod):
             holder.kill()
             await holder.wait()
+
+
+@needs_root
+async def test_native_nftables_programs_istios_nftables_tables(node: Node) -> None:
+    """``native_nftables`` in the plugin's config: the pod gets Istio's inet tables, no iptables rules."""
+    node.kube.add_pod(sidecar_pod())
+    with netns() as pod:
+        env = {**node.env(), "CNI_NETNS": str(pod.path)}
+        del env["DRY_RUN_FILE_PATH"]
+        run = await run_plugin(env, node.config(native_nftables=True))
+        assert run.code == 0, run.stdout + run.stderr
+        tables = pod.exec("nft", "list", "tables")
+        assert "table inet istio-proxy-nat" in tables
+        assert "ISTIO" not in pod.exec("iptables-nft-save") + pod.exec("iptables-legacy-save")
+        assert "redirect to :15001" in pod.exec("nft", "list", "table", "inet", "istio-proxy-nat")
+
+
+async def test_native_nftables_dry_run_writes_the_nft_transaction(node: Node) -> None:
+    node.kube.add_pod(sidecar_pod())
+    run = await run_plugin(node.env(), node.config(native_nftables=True))
+    assert run.code == 0, run.stdout + run.stderr
+    written = node.dry_run.read_text()
+    assert "add table inet istio-proxy-nat" in written and "iptables" not in written

@@ -64,14 +64,23 @@ class DryRunWriter:
     """Istio's dry run (``DRY_RUN_FILE_PATH``): the rule set goes to a file, nothing is applied."""
 
     path: Path
+    native_nftables: bool = False
+    """Write the nftables transaction (``native_nftables`` in the plugin's config) instead."""
 
     def __call__(self, config: CaptureConfig, netns: Path, deadline: float) -> None:
-        from istio_agent.cni.rules import render_families
         from istio_agent.files import write_atomic
 
-        v4, v6 = render_families(config)
+        if self.native_nftables:
+            from istio_agent.cni.nftables.builder import render_config
+
+            text = render_config(config)
+        else:
+            from istio_agent.cni.rules import render_families
+
+            v4, v6 = render_families(config)
+            text = v4 + (v6 or "")
         try:
-            write_atomic(self.path, v4 + (v6 or ""))
+            write_atomic(self.path, text)
         except OSError as err:
             raise PluginError(
                 f"cannot write the dry-run rules to {self.path}: {err.strerror or err}"
@@ -85,27 +94,40 @@ class NetnsApplier:
     IPv6 is decided from the pod's own addresses, as Istio's plugin does: the first address that is
     neither loopback nor link-local, or any IPv6 address when the proxy asks for dual stack (the
     redirect carries ``ISTIO_DUAL_STACK`` in ``enable_ipv6``). ``environ`` is the plugin's
-    environment (``FORCE_IPTABLES_BINARY``), also when the node agent runs the ADD.
+    environment (``FORCE_IPTABLES_BINARY``), also when the node agent runs the ADD. With
+    ``native_nftables`` (the plugin's config) the rules are Istio's nftables tables instead
+    (``cni/nftables``).
     """
 
     environ: Mapping[str, str] | None = None
+    native_nftables: bool = False
 
     def __call__(self, config: CaptureConfig, netns: Path, deadline: float) -> None:
-        from istio_agent.cni.apply import ApplyError, apply_capture
+        from istio_agent.cni.apply import ApplyError
         from istio_agent.cni.netns import CommandError, Deadline, pod_ipv6
 
         try:
             ipv6 = pod_ipv6(netns, dual_stack=config.enable_ipv6, deadline=Deadline(deadline))
             config = replace(config, enable_ipv6=ipv6)
-            apply_capture(config, netns=netns, deadline=deadline, env=self.environ, read_back=False)
+            if self.native_nftables:
+                from istio_agent.cni.nftables.apply import apply_nft_capture
+
+                apply_nft_capture(config, netns=netns, deadline=deadline, env=self.environ, read_back=False)
+            else:
+                from istio_agent.cni.apply import apply_capture
+
+                apply_capture(config, netns=netns, deadline=deadline, env=self.environ, read_back=False)
         except (ApplyError, CommandError) as err:
             raise PluginError(f"cannot set up the redirect in {netns}: {err}") from None
 
 
-def select_programmer(environ: Mapping[str, str]) -> Programmer:
-    """The dry-run writer when ``DRY_RUN_FILE_PATH`` is set, else the applier."""
+def select_programmer(environ: Mapping[str, str], *, native_nftables: bool = False) -> Programmer:
+    """The dry-run writer when ``DRY_RUN_FILE_PATH`` is set, else the applier; for iptables, or
+    nftables with the plugin config's ``native_nftables``."""
     path = environ.get(DRY_RUN_ENV, "")
-    return DryRunWriter(Path(path)) if path else NetnsApplier(environ)
+    if path:
+        return DryRunWriter(Path(path), native_nftables)
+    return NetnsApplier(environ, native_nftables)
 
 
 def _configure_logging(level: str) -> None:
@@ -269,12 +291,14 @@ def cmd_add(
     """
     env = os.environ if environ is None else environ
     try:
+        plugin = _network_config(args).plugin
         if configure_logging:
-            _configure_logging(_network_config(args).plugin.plugin_log_level)
+            _configure_logging(plugin.plugin_log_level)
         if not_handed_over is not None:
             level = logging.WARNING if not_handed_over.warning else logging.INFO
             log.log(level, "running the ADD in the plugin: %s", not_handed_over)
-        return add(args, programmer=select_programmer(env), started=started, environ=env)
+        programmer = select_programmer(env, native_nftables=plugin.native_nftables)
+        return add(args, programmer=programmer, started=started, environ=env)
     except PluginError as err:
         log.error("istio-cni cmdAdd error: %s", err)
         raise CniError(ERR_INTERNAL, str(err)) from None

@@ -98,7 +98,7 @@ class RepairController:
         self.settings = settings
         self._client = client
         self._environ = os.environ if environ is None else environ
-        self._programmer = programmer or NetnsApplier(self._environ)
+        self._programmer = programmer or NetnsApplier(self._environ, settings.native_nftables)
         self._find_netns = find_netns
         self.repaired_total = registry.counter(
             "cni_repair_pods_repaired_total",
