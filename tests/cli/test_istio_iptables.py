@@ -116,3 +116,118 @@ def test_dns_capture_from_the_agent_wide_env() -> None:
 
 def test_only_plain_addresses_from_resolv_conf_become_rules() -> None:
     assert usable_dns_servers(["10.0.0.10", "fe80::1%eth0", "::1", "dns.example"]) == ("10.0.0.10", "::1")
+
+
+# The 1.28 injection template (manifests/charts/istio-control/istio-discovery/files/injection-template.yaml)
+# renders these for istio-init with global.proxy_init.forceApplyIptables and global.nativeNftables on,
+# and for istio-validation (pilot.cni.enabled) with global.nativeNftables on.
+TEMPLATE_INIT = [*ISTIO_INIT, "--force-apply", "--native-nftables"]
+TEMPLATE_VALIDATION = [*ISTIO_INIT, "--run-validation", "--skip-rule-apply", "--native-nftables"]
+
+
+@pytest.fixture
+def runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, object]]:
+    """What the command would run with, instead of running it (it would apply in this namespace)."""
+    from istio_agent.cni import command
+
+    seen: list[tuple[object, object]] = []
+
+    def record(config: object, mode: object, env: object) -> int:
+        seen.append((config, mode))
+        return 0
+
+    monkeypatch.setattr(command, "run", record)
+    return seen
+
+
+@pytest.mark.parametrize("args", [TEMPLATE_INIT, TEMPLATE_VALIDATION], ids=["istio-init", "istio-validation"])
+def test_the_injection_templates_args_are_accepted(
+    args: list[str], runs: list[tuple[object, object]]
+) -> None:
+    """Issue 21: --force-apply and --native-nftables were refused by the parser (exit 255): no pod started."""
+    code, _, err = invoke(*args)
+    assert (code, err) == (0, "")
+    _, mode = runs[0]
+    assert mode.native_nftables  # type: ignore[attr-defined]
+    assert mode.force_apply is (args is TEMPLATE_INIT)  # type: ignore[attr-defined]
+
+
+def test_every_flag_of_istio_1_28_is_in_the_table() -> None:
+    """tools/istio-iptables/pkg/cmd/root.go @1.28.10: the long names, with their short ones."""
+    from istio_agent.cni.capture_config import FLAGS
+
+    istio = {
+        "envoy-port": "p", "inbound-capture-port": "z", "inbound-tunnel-port": "e", "proxy-uid": "u",
+        "proxy-gid": "g", "istio-inbound-interception-mode": "m", "istio-inbound-ports": "b",
+        "istio-local-exclude-ports": "d", "istio-exclude-interfaces": "c", "istio-service-cidr": "i",
+        "istio-service-exclude-cidr": "x", "istio-outbound-ports": "q", "istio-local-outbound-ports-exclude": "o",
+        "kube-virt-interfaces": "k", "istio-inbound-tproxy-mark": "t", "istio-inbound-tproxy-route-table": "r",
+        "dry-run": "n", "iptables-probe-port": "", "probe-timeout": "", "skip-rule-apply": "",
+        "run-validation": "", "redirect-dns": "", "drop-invalid": "", "dual-stack": "", "capture-all-dns": "",
+        "network-namespace": "", "cni-mode": "", "reconcile": "", "cleanup-only": "", "force-apply": "",
+        "native-nftables": "", "force-iptables-binary": "",
+    }  # fmt: skip
+    assert {flag.name: flag.short for flag in FLAGS} == istio
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "field", "value"),
+    [
+        (["--network-namespace", "/var/run/netns/pod"], {}, "network_namespace", Path("/var/run/netns/pod")),
+        ([], {"NETWORK_NAMESPACE": "/proc/42/ns/net"}, "network_namespace", Path("/proc/42/ns/net")),
+        (["--cni-mode"], {}, "cni_mode", True),
+        ([], {"CNI_MODE": "true"}, "cni_mode", True),
+        (["--reconcile"], {}, "reconcile", True),
+        ([], {"FORCE_APPLY": "1"}, "force_apply", True),
+        ([], {"NATIVE_NFTABLES": "true"}, "native_nftables", True),
+        (["--force-iptables-binary", "legacy"], {}, "iptables_binary", "legacy"),
+        ([], {"FORCE_IPTABLES_BINARY": "nft"}, "iptables_binary", "nft"),
+        (["--force-iptables-binary=nft"], {"FORCE_IPTABLES_BINARY": "legacy"}, "iptables_binary", "nft"),
+        (["--cni-mode=false"], {"CNI_MODE": "true"}, "cni_mode", False),
+        (["--force-apply=true"], {}, "force_apply", True),
+    ],
+)
+def test_the_new_flags_and_their_env(
+    args: list[str], env: dict[str, str], field: str, value: object, runs: list[tuple[object, object]]
+) -> None:
+    code, _, err = invoke(*args, **env)
+    assert (code, err) == (0, "")
+    assert getattr(runs[0][1], field) == value
+
+
+def test_a_boolean_flag_takes_go_values_and_beats_its_env() -> None:
+    """pflag takes --dry-run=false; click's flags took no value (exit 255)."""
+    code, out, err = invoke(*ISTIO_INIT, "--dry-run=true")
+    assert (code, err) == (0, "")
+    assert out == (GOLDEN / "istio-init-default.txt").read_text()
+    assert invoke(*ISTIO_INIT, "-n=false", "--skip-rule-apply", DRY_RUN="true") == (0, "", "")
+    code, _, err = invoke(*ISTIO_INIT, "--dry-run=maybe")
+    assert code == 255
+    assert "invalid value for --dry-run: invalid boolean 'maybe'" in err
+
+
+def test_force_iptables_binary_is_legacy_or_nft() -> None:
+    code, _, err = invoke(*ISTIO_INIT, "--force-iptables-binary", "nftables")
+    assert code == 255
+    assert "invalid value 'nftables' for --force-iptables-binary: must be legacy or nft" in err
+    code, _, err = invoke(*ISTIO_INIT, FORCE_IPTABLES_BINARY="iptables")
+    assert "for FORCE_IPTABLES_BINARY" in err
+
+
+def test_native_nftables_without_the_backend_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from istio_agent.cni import command
+
+    monkeypatch.setattr(command, "NFTABLES_PACKAGE", "istio_agent.cni.no_such_backend")
+    code, out, err = invoke(*ISTIO_INIT, "--native-nftables", "--dry-run")
+    assert (code, out) == (255, "")
+    assert err == (
+        "Error: --native-nftables: the nftables backend is not available in this build;"
+        " without the flag the same capture is written with iptables\n"
+    )
+
+
+def test_native_nftables_dry_run_prints_istios_nftables_transaction() -> None:
+    """Istio's tools/istio-nftables golden kube-virt-interfaces (tests/cni/golden/nftables/README.md)."""
+    code, out, err = invoke("--native-nftables", "--dry-run", "-k", "eth1,eth2", "-i", "*")
+    assert (code, err) == (0, "")
+    assert out == (GOLDEN / "nftables" / "kube-virt-interfaces.golden").read_text()

@@ -491,24 +491,63 @@ def _capture_flags(command: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
-@main.command("istio-iptables", cls=_StrictCommand)
+_EXPLICIT_BOOLEANS = "istio-iptables booleans"
+"""ctx.meta key: the boolean flags given as ``--flag=value``, by flag name, value as written."""
+
+
+class _IptablesCommand(_StrictCommand):
+    """Go's boolean flags also take ``--flag=false`` (pflag); click's flags take no value.
+
+    Such arguments are taken out before click parses and kept in ``ctx.meta``, so ``--dry-run=false``
+    can turn off what ``DRY_RUN=true`` turned on.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        from istio_agent.cni.capture_config import FLAGS
+
+        names = {}
+        for flag in FLAGS:
+            if flag.boolean:
+                names[f"--{flag.name}"] = flag.name
+                if flag.short:
+                    names[f"-{flag.short}"] = flag.name
+        explicit: dict[str, str] = {}
+        rest = []
+        for index, arg in enumerate(args):
+            if arg == "--":
+                rest += args[index:]
+                break
+            option, equals, value = arg.partition("=")
+            if equals and option in names:
+                explicit[names[option]] = value
+            else:
+                rest.append(arg)
+        ctx.meta[_EXPLICIT_BOOLEANS] = explicit
+        return super().parse_args(ctx, rest)
+
+
+@main.command("istio-iptables", cls=_IptablesCommand)
 @_capture_flags
 @_log_flags
 def istio_iptables(log_output_level: str | None, log_as_json: bool | None, **options: object) -> None:
     """Sets up the sidecar's traffic capture (Istio's istio-iptables); --dry-run prints the rules.
 
-    Applies them in the current network namespace, --cleanup-only removes them, --run-validation
-    checks that traffic is captured (exit 126 if not).
+    Applies them in the current network namespace (or --network-namespace), --cleanup-only removes
+    them, --run-validation checks that traffic is captured (exit 126 if not).
     """
     from istio_agent.cni import command
     from istio_agent.cni.apply import ApplyError
     from istio_agent.cni.capture_config import FLAGS, read_capture_config, read_run_mode
-    from istio_agent.cni.rules import render_families
 
+    ctx = click.get_current_context()
+    explicit = ctx.meta.get(_EXPLICIT_BOOLEANS, {})
     given: dict[str, str | None] = {}
     for flag in FLAGS:
         value = options[flag.name.replace("-", "_")]
-        given[flag.name] = ("true" if value else None) if flag.boolean else value  # type: ignore[assignment]
+        if flag.boolean:
+            given[flag.name] = explicit.get(flag.name, "true" if value else None)
+        else:
+            given[flag.name] = value  # type: ignore[assignment]
     env = Env()
     try:
         config = read_capture_config(given, env)
@@ -518,11 +557,9 @@ def istio_iptables(log_output_level: str | None, log_as_json: bool | None, **opt
         if mode.skip_rule_apply and not mode.run_validation:
             return
         if mode.dry_run:
-            v4, v6 = render_families(config)
-            sys.stdout.write(v4 + (v6 or ""))
+            sys.stdout.write(command.dry_run(config, mode))
             sys.stdout.flush()
             return
-        ctx = click.get_current_context()
         levels, as_json = (
             log_output_level or ctx.obj["log_output_level"],
             bool(log_as_json) or ctx.obj["log_as_json"],

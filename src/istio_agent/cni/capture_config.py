@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from istio_agent.config.env import ConfigError, Env, out_of_range, parse_go_bool, parse_go_int
 from istio_agent.config.env import parse_go_duration as go_duration
@@ -67,7 +68,15 @@ FLAGS = (
     Flag("cleanup-only", "", "false", "remove the rules and stop", boolean=True),
     Flag("iptables-probe-port", "", "15002", "port --run-validation dials to see it captured"),
     Flag("probe-timeout", "", "5s", "how long --run-validation tries (Go duration)"),
+    Flag("network-namespace", "", "", "apply in this network namespace (a path) instead of the current one"),
+    Flag("cni-mode", "", "false", "lock the namespace's own xtables lock, never the node's", boolean=True),
+    Flag("reconcile", "", "false", "accepted: a differing Istio rule set is always replaced", boolean=True),
+    Flag("force-apply", "", "false", "rewrite the rules even when they look in place", boolean=True),
+    Flag("native-nftables", "", "false", "nftables rules (nft) instead of iptables", boolean=True),
+    Flag("force-iptables-binary", "", "", "legacy or nft: use that iptables, whatever the node uses"),
 )
+IPTABLES_BINARIES = ("", "legacy", "nft")
+"""--force-iptables-binary's values ("" = detect), as Istio's ``ValidateIptablesBinary``."""
 ENV_DEFAULTS = {
     "redirect-dns": "ISTIO_META_DNS_CAPTURE",
     "drop-invalid": "INVALID_DROP",
@@ -86,6 +95,17 @@ class RunMode:
     cleanup_only: bool
     probe_port: int = 15002
     probe_timeout: float = 5.0
+    network_namespace: Path | None = None
+    """Apply inside this namespace (``--network-namespace``); None: the current one."""
+    cni_mode: bool = False
+    """Writes lock the namespace, not the node's ``/run/xtables.lock`` (Istio's CNI mode)."""
+    reconcile: bool = False
+    """Accepted for Istio's command line; replacing a differing rule set is what always happens."""
+    force_apply: bool = False
+    """Rewrite the rules even when the installed ones look identical (Istio's break-glass)."""
+    native_nftables: bool = False
+    iptables_binary: str = ""
+    """``legacy`` or ``nft`` forces that iptables; "" detects it (``FORCE_IPTABLES_BINARY``)."""
 
 
 @dataclass(frozen=True)
@@ -305,7 +325,7 @@ def usable_dns_servers(hosts: Iterable[str]) -> tuple[str, ...]:
 
 
 def read_run_mode(given: Mapping[str, str | None], env: Env) -> RunMode:
-    """--dry-run, --skip-rule-apply, --run-validation, --cleanup-only and the probe's port and timeout."""
+    """What to do and where: the flags that do not change the rules themselves."""
     read = _Reader(given, env)
     names = ("dry-run", "skip-rule-apply", "run-validation", "cleanup-only")
     port_raw, port_source = read.raw("iptables-probe-port")
@@ -315,7 +335,24 @@ def read_run_mode(given: Mapping[str, str | None], env: Env) -> RunMode:
     except ValueError as err:
         raise ConfigError(f"invalid value {timeout_raw!r} for {timeout_source}: {err}") from None
     dry_run, skip, validation, cleanup = (read.boolean(name) for name in names)
-    return RunMode(dry_run, skip, validation, cleanup, _port(port_source, port_raw.strip()), timeout)
+    binary, binary_source = read.raw("force-iptables-binary")
+    if binary.strip() not in IPTABLES_BINARIES:
+        raise ConfigError(f"invalid value {binary!r} for {binary_source}: must be legacy or nft")
+    netns = read.raw("network-namespace")[0].strip()
+    return RunMode(
+        dry_run,
+        skip,
+        validation,
+        cleanup,
+        _port(port_source, port_raw.strip()),
+        timeout,
+        network_namespace=Path(netns) if netns else None,
+        cni_mode=read.boolean("cni-mode"),
+        reconcile=read.boolean("reconcile"),
+        force_apply=read.boolean("force-apply"),
+        native_nftables=read.boolean("native-nftables"),
+        iptables_binary=binary.strip(),
+    )
 
 
 def _loopback_cidr(raw: str) -> str:
