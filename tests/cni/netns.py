@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cni.as_user import as_user
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,
     reason="needs root and iproute2 to create network namespaces (CI runs as root)",
@@ -150,8 +152,8 @@ class Peer:
 @contextmanager
 def peer(space: Netns, uid: int, *args: str) -> Iterator[Peer]:
     """traffic_peer.py inside ``space`` as ``uid``; a listener has printed "ready" when this yields."""
-    argv = ["ip", "netns", "exec", space.name, "setpriv", f"--reuid={uid}", f"--regid={uid}"]
-    argv += ["--clear-groups", SYSTEM_PYTHON, "-I", "-S", str(PEER_SCRIPT), *args]
+    argv = ["ip", "netns", "exec", space.name, *as_user(uid, (Path(SYSTEM_PYTHON), PEER_SCRIPT))]
+    argv += [SYSTEM_PYTHON, "-I", "-S", str(PEER_SCRIPT), *args]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     running = Peer(process)
     try:

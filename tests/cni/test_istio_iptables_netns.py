@@ -1,10 +1,9 @@
 """``pilot-agent istio-iptables`` for real, inside a pod namespace, as the istio-init and
-istio-validation containers run it (the latter as uid 1337, with the system interpreter)."""
+istio-validation containers run it (the latter as uid 1337)."""
 
 from __future__ import annotations
 
 import os
-import site
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cni.netns import SYSTEM_PYTHON, Netns, needs_root, netns, pod_and_peer
+from tests.cni.as_user import as_user
+from tests.cni.netns import Netns, needs_root, netns, pod_and_peer
 
 pytestmark = [needs_root, pytest.mark.e2e]
 ISTIO_INIT = ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*"]
@@ -21,20 +21,13 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def istio_iptables(pod: Netns, *args: str, uid: int = 0) -> subprocess.CompletedProcess[str]:
-    """The command in ``pod``: as root with this interpreter, or as ``uid`` with the system one
-    (a uid without access to a 0700 home cannot exec a virtualenv's interpreter living there)."""
+    """The command in ``pod`` with this interpreter: as root, or as ``uid`` as its container runs it
+    (``as_user``: the interpreter, venv and sources within its reach, wherever the checkout is)."""
     command = [sys.executable, "-m", "istio_agent.cli.pilot_agent", "istio-iptables", *args]
     env = {"PATH": os.environ["PATH"]}
     if uid:
-        command = [
-            "setpriv",
-            f"--reuid={uid}",
-            f"--regid={uid}",
-            "--clear-groups",
-            SYSTEM_PYTHON,
-            *command[1:],
-        ]
-        env["PYTHONPATH"] = os.pathsep.join([str(SRC), *site.getsitepackages()])
+        needs = (Path(sys.executable), Path(sys.prefix), Path(sys.base_prefix), SRC)
+        command = [*as_user(uid, needs), *command]
     return subprocess.run(
         ["ip", "netns", "exec", pod.name, *command],
         capture_output=True,
