@@ -68,7 +68,7 @@ def test_skip_rule_apply_does_nothing() -> None:
         (["--bogus"], {}, "No such option '--bogus'"),
         (["--probe-timeout", "5"], {}, "invalid value '5' for --probe-timeout"),
         (["--iptables-probe-port", "0"], {}, "invalid value '0' for --iptables-probe-port"),
-        ([], {"ENVOY_PORT": "0"}, "invalid value '0' for ENVOY_PORT"),
+        ([], {"INBOUND_CAPTURE_PORT": "0"}, "invalid value '0' for INBOUND_CAPTURE_PORT"),
         ([], {"DUAL_STACK": "yes"}, "invalid value for DUAL_STACK"),
         ([], {"ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR": "10.0.0.1/32"}, "not an IPv4 loopback CIDR"),
         (
@@ -86,8 +86,18 @@ def test_bad_flags_and_env_exit_255(args: list[str], env: dict[str, str], messag
 
 
 def test_gid_defaults_to_the_uid_and_flags_beat_env() -> None:
-    config = read_capture_config({"proxy-uid": "3,4", "envoy-port": "16001"}, Env({"ENVOY_PORT": "17001"}))
-    assert (config.proxy_uid, config.proxy_gid, config.proxy_port) == (("3", "4"), ("3", "4"), 16001)
+    env = Env({"INBOUND_CAPTURE_PORT": "17006"})
+    config = read_capture_config({"proxy-uid": "3,4", "inbound-capture-port": "16006"}, env)
+    assert (config.proxy_uid, config.proxy_gid, config.inbound_capture_port) == (
+        ("3", "4"),
+        ("3", "4"),
+        16006,
+    )
+
+
+def test_envoy_port_has_no_env_var() -> None:
+    """root.go binds --envoy-port with flag.Bind, not BindEnv: ENVOY_PORT never moves the redirect."""
+    assert read_capture_config({}, Env({"ENVOY_PORT": "17001"})).proxy_port == 15001
 
 
 def test_agent_wide_env_turns_on_dns_capture() -> None:

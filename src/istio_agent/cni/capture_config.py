@@ -1,7 +1,8 @@
 """The sidecar capture settings, read from istio-iptables' flags and their env equivalents.
 
-Istio binds each flag to the env var named like it (upper-cased, ``-`` -> ``_``): the env var sets the
-default and the flag wins (``tools/istio-iptables/pkg/cmd/root.go``). A few settings are env only.
+Istio binds each flag but ``--envoy-port`` to the env var named like it (upper-cased, ``-`` -> ``_``):
+the env var sets the default and the flag wins (``tools/istio-iptables/pkg/cmd/root.go``). A few
+settings are env only.
 Unlike Istio, which passes bad ports through to iptables-restore, every value is checked here so a
 typo fails the init container with a message naming the flag, before any rule is written.
 """
@@ -29,6 +30,8 @@ class Flag:
     default: str
     help: str
     boolean: bool = False
+    from_env: bool = True
+    """Whether the env var sets the default: Istio binds every flag but ``envoy-port`` to one."""
 
     @property
     def env(self) -> str:
@@ -36,7 +39,7 @@ class Flag:
 
 
 FLAGS = (
-    Flag("envoy-port", "p", "15001", "port outbound traffic is redirected to"),
+    Flag("envoy-port", "p", "15001", "port outbound traffic is redirected to", from_env=False),
     Flag("inbound-capture-port", "z", "15006", "port inbound traffic is redirected to"),
     Flag("inbound-tunnel-port", "e", "15008", "HBONE tunnel port, never captured"),
     Flag("proxy-uid", "u", "", "uid(s) of the proxy, comma separated (default 1337)"),
@@ -220,7 +223,7 @@ class _Reader:
         value = self._given.get(name)
         if value is not None:
             return value, f"--{name}"
-        if flag.env in self._env:
+        if flag.from_env and flag.env in self._env:
             return self._env.text(flag.env), flag.env
         second = ENV_DEFAULTS.get(name)
         if second is not None and second in self._env:
