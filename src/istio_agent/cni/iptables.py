@@ -129,7 +129,41 @@ class Backend:
         elif self.version.numbers >= LOCKFILE_ENV:
             run(argv, netns=netns, stdin=text, env=lock_env(netns), deadline=deadline)
         else:
-            _run_with_namespace_lock(argv, netns, stdin=text, deadline=deadline)
+            self._run_with_namespace_lock(argv, netns, stdin=text, deadline=deadline)
+
+    def thread_lock(self) -> dict[str, str] | None:
+        """For a short-lived thread inside a namespace: the environment of the writes it starts
+        (None: this process's), so that they lock that namespace, never the node.
+
+        From 1.8.6 that is ``XTABLES_LOCKFILE``. Before (the variable is ignored) the thread gets a
+        private mount namespace with its netns file over ``/run/xtables.lock``
+        (:func:`private_xtables_lock`); when that is refused (no CAP_SYS_ADMIN, an LSM), the writes
+        take the node's lock, as Istio falls back: slower under contention, never wrong.
+        """
+        if not self.locks:
+            return None
+        if self.version.numbers >= LOCKFILE_ENV:
+            return lock_env(None)
+        try:
+            private_xtables_lock(Path("/proc/thread-self/ns/net"))
+        except OSError as err:
+            log.warning("writing with the node's xtables lock: %s", err)
+        return None
+
+    def _run_with_namespace_lock(
+        self, argv: list[str], netns: Path | None, *, stdin: str, deadline: Deadline
+    ) -> None:
+        """A write that must lock ``netns`` (None: the calling thread's namespace) from a thread of
+        its own in that namespace (:meth:`thread_lock` changes that thread for good)."""
+        here = Path(f"/proc/self/task/{threading.get_native_id()}/ns/net")
+
+        def step() -> None:
+            run(argv, stdin=stdin, env=self.thread_lock(), deadline=deadline)  # on this thread
+
+        try:
+            in_namespace(netns or here, step)
+        except NamespaceError as err:
+            raise CommandError(argv, f"not run: {err}") from None
 
     def canonical(self, family: str, text: str, *, deadline: Deadline = NO_DEADLINE) -> str:
         """What iptables-save prints once ``text`` is restored into an empty namespace.
@@ -155,30 +189,6 @@ def lock_env(netns: Path | None) -> dict[str, str]:
     """The environment of a write (iptables >= 1.8.6) that locks its namespace, not the node:
     ``netns``, or the writer's own (``/proc/self`` is the iptables process)."""
     return {**os.environ, "XTABLES_LOCKFILE": str(netns or "/proc/self/ns/net")}
-
-
-def _run_with_namespace_lock(argv: list[str], netns: Path | None, *, stdin: str, deadline: Deadline) -> None:
-    """A write by iptables 1.6.2-1.8.5 that locks its namespace: those take ``/run/xtables.lock``
-    whatever the environment says, so a thread in the namespace gets a private mount namespace with
-    the netns file mounted there (:func:`private_xtables_lock`), and starts the command.
-
-    When that mount cannot be made (no CAP_SYS_ADMIN, an LSM refusing it), the write goes on with
-    the node's lock and ``--wait``, as Istio does: slower under contention, never wrong.
-    """
-    here = Path(f"/proc/self/task/{threading.get_native_id()}/ns/net")  # this thread's namespace
-    target = netns or here
-
-    def step() -> None:
-        try:
-            private_xtables_lock(target)
-        except OSError as err:
-            log.warning("writing with the node's xtables lock: %s", err)
-        run(argv, stdin=stdin, deadline=deadline)  # on this thread: in the namespace and its mounts
-
-    try:
-        in_namespace(target, step)
-    except NamespaceError as err:
-        raise CommandError(argv, f"not run: {err}") from None
 
 
 CLONE_NEWNS = 0x00020000
