@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from istio_agent.cli.runtime import prepare_process
+from tests.ci_skips import fail_unmet_want
 
 prepare_process()  # as every entry point does, before anything loads grpc
 
@@ -37,3 +38,17 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
         factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    """Under CI=true a skip for want of root, a Debian tool or overlayfs fails (tests/ci_skips.py)."""
+    outcome = yield
+    fail_unmet_want(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
+    """The same for a whole module skipped while it is collected."""
+    outcome = yield
+    fail_unmet_want(outcome.get_result())
