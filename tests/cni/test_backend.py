@@ -3,10 +3,14 @@ what counts as Istio's rule, and the IPv6 decision from a namespace's addresses.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+
 import pytest
 
+from istio_agent.cni import iptables
 from istio_agent.cni.apply import istio_portion, jumps_to_istio
-from istio_agent.cni.iptables import Backend, Version, detect, parse_save, parse_version
+from istio_agent.cni.iptables import UNKNOWN, Backend, Version, detect, parse_save, parse_version
 from istio_agent.cni.netns import ipv6_enabled
 from istio_agent.config.env import ConfigError
 
@@ -101,3 +105,60 @@ def test_only_a_jump_to_an_istio_chain_makes_a_rule_istios_whatever_the_config()
 )
 def test_ipv6_decision(addrs: list[str], dual: bool, result: bool) -> None:
     assert ipv6_enabled(addrs, dual_stack=dual) is result
+
+
+@pytest.mark.parametrize(
+    ("version", "locks"),
+    [
+        (Version((1, 8, 9), True), False),  # nf_tables never locks
+        (Version((1, 8, 9), False), True),
+        (Version((1, 6, 2), False), True),  # iptables-restore locks (and knows --wait) from 1.6.2
+        (Version((1, 6, 1), False), False),
+        (UNKNOWN, False),  # no --version: older than 1.6.2, as Istio assumes
+    ],
+)
+def test_which_versions_lock(version: Version, locks: bool) -> None:
+    assert Backend("legacy", version).locks is locks
+
+
+def test_an_unknown_version_says_so() -> None:
+    assert str(Backend("legacy", UNKNOWN)) == "iptables-legacy (version unknown)"
+    assert str(Backend("nft", Version((1, 8, 9), True))) == "iptables-nft 1.8.9"
+
+
+@pytest.mark.parametrize(
+    ("backend", "netns", "extra", "lockfile"),
+    [
+        (Backend("nft", Version((1, 8, 9), True)), Path("/run/netns/p"), [], None),
+        (Backend("legacy", Version((1, 8, 9), False)), Path("/run/netns/p"), ["--wait=30"], "/run/netns/p"),
+        (Backend("legacy", Version((1, 8, 9), False)), None, ["--wait=30"], None),  # istio-init
+        (
+            Backend("legacy", Version((1, 8, 9), False), pod_lock=True),
+            None,
+            ["--wait=30"],
+            "/proc/self/ns/net",
+        ),
+        (Backend("legacy", Version((1, 6, 1), False)), Path("/run/netns/p"), [], None),
+        (Backend("legacy", UNKNOWN), None, [], None),
+    ],
+)
+def test_restore_arguments_and_lock_by_version(
+    backend: Backend,
+    netns: Path | None,
+    extra: list[str],
+    lockfile: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What Istio's executeXTables passes (its tests: implementation_linux_test.go), minus the mount
+    of 1.6.2-1.8.5, which tests/cni/test_old_iptables.py checks as root."""
+    seen: list[tuple[list[str], Mapping[str, str] | None]] = []
+
+    def record(argv: list[str], *, env: Mapping[str, str] | None = None, **_: object) -> str:
+        seen.append((list(argv), env))
+        return ""
+
+    monkeypatch.setattr(iptables, "run", record)
+    backend.restore("v4", "*nat\nCOMMIT\n", netns=netns)
+    [(argv, env)] = seen
+    assert argv == [backend.binary("v4", "restore"), "--noflush", *extra]
+    assert (env or {}).get("XTABLES_LOCKFILE") == lockfile
