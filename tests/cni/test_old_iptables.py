@@ -211,11 +211,6 @@ def test_cni_mode_before_1_8_6_mounts_the_current_namespace(stubs_for: StubsFor,
     assert restore.lock_file == identity(pod.path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Backend.canonical restores into its throwaway namespace with XTABLES_LOCKFILE only, which"
-    " 1.6.2-1.8.5 ignore: it waits for the node's lock. Fix: env = self.thread_lock() in its thread",
-)
 def test_an_identical_rerun_on_1_8_4_does_not_wait_for_the_nodes_lock(
     stubs_for: StubsFor, pod: Netns
 ) -> None:

@@ -173,9 +173,9 @@ class Backend:
         form. A throwaway namespace (``unshare(2)`` on a thread, ~3 ms with the two commands) gives it
         exactly, for any version.
         """
-        env = {**os.environ, "XTABLES_LOCKFILE": "/proc/self/ns/net"}  # that namespace's own lock
 
         def restore_then_save() -> str:
+            env = self.thread_lock()  # that namespace's own lock, never the node's (any version)
             run([self.binary(family, "restore"), "--noflush"], stdin=text, env=env, deadline=deadline)
             return run([self.binary(family, "save")], env=env, deadline=deadline)
 
