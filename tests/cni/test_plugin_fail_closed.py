@@ -5,7 +5,8 @@ The real ``istio-cni`` executable, for an injected pod (from the FAKE Kubernetes
 rules there, the runtime must get a CNI error result and a non-zero exit, or it would start the pod
 without capture; and the namespace must hold none of Istio's rules, not even those of a family that
 was written before the other one failed. Both where the ADD runs: in the plugin, and in install-cni
-when the plugin hands it over.
+when the plugin hands it over; the plugin exec'd is the venv's console script and the bundle
+``make cni-plugin`` builds (what install-cni's image ships, ``build/cni/bin``).
 
 The refusal comes from STUBs of ``iptables-restore`` put first on ``PATH`` (``refusing_restores``):
 they refuse each write (``--noflush``) as the real binary refuses a table it cannot commit, a
@@ -25,16 +26,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.cni import test_handoff
 from tests.cni.fake_kube import FakeKube, sidecar_pod, start_fake_kube
 from tests.cni.install.layout import Node as InstallNode
 from tests.cni.netns import Netns, needs_root, netns, pod_and_peer
 from tests.cni.test_handoff import REDIRECT_LOG, InstallCni, run_plugin
+from tests.cni.test_plugin_exec import PLUGIN as VENV_PLUGIN
 
 pytestmark = needs_root
 FLAVORS = ("", "-nft", "-legacy")
 FAILED_ADD = "istio-cni cmdAdd error"
 """The plugin's error log line (in its stderr, or install-cni's log when handed over)."""
 DUAL_STACK = {"ISTIO_DUAL_STACK": "true"}
+BUNDLE = Path(__file__).resolve().parents[2] / "build" / "cni" / "bin" / "istio-cni"
 
 
 def refusing_restores(directory: Path, families: Sequence[str]) -> str:
@@ -91,6 +95,17 @@ async def kube(tmp_path: Path) -> AsyncIterator[FakeKube]:
         await runner.cleanup()
 
 
+@pytest.fixture(params=["venv-script", "bundle"])
+def plugin(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The istio-cni that ``run_plugin`` execs (``test_handoff.PLUGIN``): the venv's console script,
+    or the bundle (a missing one fails, as in ``test_plugin_bundle.py``: ``make test`` builds it)."""
+    executable: Path = VENV_PLUGIN if request.param == "venv-script" else BUNDLE
+    if not executable.exists():
+        pytest.fail(f"{executable} is missing: build it with `make cni-plugin` (`make test` does)")
+    monkeypatch.setattr(test_handoff, "PLUGIN", executable)
+    return executable
+
+
 @pytest.fixture
 def pod() -> Iterator[Netns]:
     with netns("failclosed") as space:
@@ -115,7 +130,7 @@ def assert_failed_closed(code: int, result: dict[str, object], netns_path: Path,
 
 
 async def test_a_refused_restore_fails_the_add_in_the_plugin(
-    tmp_path: Path, kube: FakeKube, pod: Netns, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, kube: FakeKube, pod: Netns, plugin: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PATH", refusing_restores(tmp_path / "stubs", ("iptables", "ip6tables")))
     run = await asyncio.to_thread(run_plugin, plugin_run_dir(tmp_path, kube), pod.path)
@@ -145,7 +160,7 @@ async def test_a_refused_restore_fails_the_add_handed_to_install_cni(
 
 
 async def test_an_ipv6_refusal_takes_the_ipv4_rules_back_and_fails_the_add(
-    tmp_path: Path, kube: FakeKube, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, kube: FakeKube, plugin: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A dual-stack pod: IPv4's rules are written, IPv6's refused; the ADD fails and IPv4's are gone."""
     monkeypatch.setenv("PATH", refusing_restores(tmp_path / "stubs", ("ip6tables",)))
@@ -157,7 +172,9 @@ async def test_an_ipv6_refusal_takes_the_ipv4_rules_back_and_fails_the_add(
         assert istio_rules(dual) == []
 
 
-async def test_without_the_stubs_the_same_adds_succeed(tmp_path: Path, kube: FakeKube, pod: Netns) -> None:
+async def test_without_the_stubs_the_same_adds_succeed(
+    tmp_path: Path, kube: FakeKube, pod: Netns, plugin: Path
+) -> None:
     """The control: the pods and namespaces above get their rules when nothing refuses them."""
     run_dir = plugin_run_dir(tmp_path, kube)
     run = await asyncio.to_thread(run_plugin, run_dir, pod.path)
