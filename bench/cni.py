@@ -1,6 +1,6 @@
 """CNI benchmark: the istio-cni plugin's ADD latency (exec to result), next to the bridge plugin's.
 
-    python -m bench.cni [--pods 50]
+    python -m bench.cni [--pods 50] [--plugin-dir build/cni/bin]
 
 Root only (network namespaces). The bench process moves into a "node" namespace it creates, so the
 plugins run there as a container runtime runs them on a host, and the pod network's bridge never
@@ -10,20 +10,21 @@ a kubeconfig written as install-cni writes it. For each of ``--pods`` pod sandbo
 named namespace each), as the test runtime (``tests/cni/libcni.py``) runs the network list:
 
 * **(a) bridge**: Debian's ``bridge`` + ``host-local`` ADD, exec to result (veth, address, routes);
-* **(b) istio-cni, in process**: istio-cni's ADD chained after it with (a)'s result as
+* **(b) istio-cni, a mesh pod**: istio-cni's ADD chained after it with (a)'s result as
   ``prevResult``, exec to result: the pod GET and Istio's sidecar rules really applied in the
-  sandbox (checked after each ADD, outside the timing), with no node agent to hand the ADD to;
-* **(c) istio-cni, handed over**: the same for a second sandbox, with a real ``install-cni``
-  process serving ``plugin-add.sock`` in its run dir (``cni/handoff.py``): the plugin sends the
-  invocation and prints install-cni's answer; install-cni's kubeconfig (written from the test's
-  "service account") points at the same fake API server.
+  sandbox (checked after each ADD, outside the timing);
+* **(c) istio-cni, a pod without injection**: the pod GET, and the previous result handed on.
+
+The istio-cni exec'd is the one in ``--plugin-dir``: by default the self-contained bundle ``make
+cni-plugin`` builds (``build/cni/bin``: what ships to nodes), else the venv's console script.
 
 Each sandbox then gets the list's DEL and its namespace deleted.
 
 The floor is each plugin's VERSION (exec, interpreter start, nothing else), measured in the same
 run, as is everything else, so the ratios hold on a loaded machine. The plugins get the bench's own
 environment (``PYTHONDONTWRITEBYTECODE`` included: it is printed, as it decides whether the
-plugin's modules are compiled on every exec). Goal (the CNI issue): istio-cni ADD p50 <= 150 ms.
+venv script's modules are compiled on every exec; the bundle carries them compiled). Goals (issue
+21): istio-cni ADD p50 <= 150 ms for a mesh pod, <= 50 ms for a pod it leaves alone.
 """
 
 from __future__ import annotations
@@ -43,23 +44,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from istio_agent.cni.handoff import SOCKET_NAME
 from istio_agent.cni.kube import KUBECONFIG_NAME
-from tests.cni.fake_kube import TOKEN, FakeKube, sidecar_pod, start_fake_kube
-from tests.cni.install.layout import INSTALL_CNI, start_install_cni
-from tests.cni.install.layout import Node as InstallLayout
+from tests.cni.fake_kube import FakeKube, sidecar_pod, start_fake_kube
 from tests.cni.libcni import DEBIAN_PLUGINS, Attachment, NetworkList, Runtime
 from tests.cni.netns import enter, netns
 from tests.cni.node import bridge_network
 
-PLUGIN_DIR = Path(sys.executable).parent
-"""Where the package's ``istio-cni`` executable is (the venv's bin)."""
+VENV_BIN = Path(sys.executable).parent
+"""The venv's ``istio-cni`` console script."""
+BUNDLE_DIR = Path(__file__).resolve().parents[1] / "build" / "cni" / "bin"
+"""The self-contained plugin (``make cni-plugin``)."""
 GOAL_P50_MS = 150.0
 GOAL_SKIPPED_P50_MS = 50.0
 """Issue 21: a pod the plugin leaves alone (no injection) must cost little: every pod on the node pays."""
-SERVING_TIMEOUT = 30.0
-HANDED_OVER_LOG = "redirect set up in"
-"""The plugin code's line per pod: in install-cni's log only when it ran the ADD (the bench checks)."""
 ISTIO_CHAIN = "ISTIO_OUTPUT"
 
 
@@ -119,67 +116,33 @@ def rules_applied(pod_netns: str) -> bool:
     return False
 
 
-@contextmanager
-def install_cni(base: Path, kube: FakeKube) -> Iterator[tuple[Path, Path]]:
-    """A real install-cni process (temp directories, its kubeconfig pointing at the fake API server),
-    serving the ADD hand-over; yields its run dir and its log once the socket is there."""
-    base.mkdir()
-    layout = InstallLayout(base)
-    log = base / "install-cni.log"
-    with log.open("wb") as output:
-        process = start_install_cni(layout, kube.port, kube.ca_pem, TOKEN, output)
-    try:
-        deadline = time.monotonic() + SERVING_TIMEOUT
-        while not ((layout.run / SOCKET_NAME).exists() and (layout.run / KUBECONFIG_NAME).exists()):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"install-cni did not start serving the ADD: {log.read_text()}")
-            time.sleep(0.02)
-        yield layout.run, log
-    finally:
-        process.terminate()
-        process.wait()
-
-
-def run(base: Path, pods: int) -> list[Row]:
+def run(base: Path, pods: int, plugin_dir: Path) -> list[Row]:
     """Measure; the caller has moved the process into the node's namespace."""
     (base / "ca").mkdir()
     run_dir = base / "run"
     run_dir.mkdir()
-    bridge, alone, handed, skipped, bridge_version, istio_version = (
+    bridge, mesh, skipped, bridge_version, istio_version = (
         Row("(a) bridge + host-local ADD"),
-        Row("(b) istio-cni ADD, in process (sidecar pod, rules applied)"),
-        Row("(c) istio-cni ADD, handed to install-cni (same)"),
-        Row("(d) istio-cni ADD, in process, pod without injection (pod GET, no rules)"),
+        Row("(b) istio-cni ADD (sidecar pod, rules applied)"),
+        Row("(c) istio-cni ADD, pod without injection (pod GET, no rules)"),
         Row("bridge VERSION (floor)"),
         Row("istio-cni VERSION (floor)"),
     )
-    runtime = Runtime((PLUGIN_DIR, DEBIAN_PLUGINS))
-    with fake_api(base / "ca") as kube, install_cni(base / "install-cni", kube) as (agent_run_dir, agent_log):
+    runtime = Runtime((plugin_dir, DEBIAN_PLUGINS))
+    with fake_api(base / "ca") as kube:
         (run_dir / KUBECONFIG_NAME).write_text(kube.kubeconfig())
         entry = {"type": "istio-cni", "pod_namespace": "istio-system", "exclude_namespaces": ["istio-system"]}
-        networks = {
-            "a": (alone, bridge_network(base / "host-local", [{**entry, "cni_agent_run_dir": str(run_dir)}])),
-            "h": (
-                handed,
-                bridge_network(base / "host-local", [{**entry, "cni_agent_run_dir": str(agent_run_dir)}]),
-            ),
-        }
+        network = bridge_network(base / "host-local", [{**entry, "cni_agent_run_dir": str(run_dir)}])
         for index in range(pods):
             bridge_version.time(runtime.version, "bridge")
             istio_version.time(runtime.version, "istio-cni")
-            for suffix, (row, network) in networks.items():
-                name = f"bench-{index}-{suffix}"
-                kube.add_pod(sidecar_pod(name, "bench"))
-                attach(runtime, network, name, bridge, row)
+            name = f"bench-{index}-m"
+            kube.add_pod(sidecar_pod(name, "bench"))
+            attach(runtime, network, name, bridge, mesh)
             name = f"bench-{index}-s"
             kube.add_pod(plain_pod(name, "bench"))
-            attach(runtime, networks["a"][1], name, bridge, skipped, expect_rules=False)
-        served = agent_log.read_text().count(HANDED_OVER_LOG)
-        if served != pods:
-            raise SystemExit(
-                f"install-cni ran {served} of the {pods} handed-over ADDs: {agent_log.read_text()}"
-            )
-    return [bridge, alone, handed, skipped, bridge_version, istio_version]
+            attach(runtime, network, name, bridge, skipped, expect_rules=False)
+    return [bridge, mesh, skipped, bridge_version, istio_version]
 
 
 def plain_pod(name: str, namespace: str) -> dict[str, Any]:
@@ -209,7 +172,7 @@ def attach(
 
 
 def report(rows: list[Row]) -> None:
-    bridge, alone, handed, skipped = rows[0], rows[1], rows[2], rows[3]
+    bridge, mesh, skipped = rows[0], rows[1], rows[2]
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     bytecode = os.environ.get("PYTHONDONTWRITEBYTECODE", "")
     print(f"\nCNI plugin ADD latency, exec to result ({when}, load average {os.getloadavg()[0]:.2f},")
@@ -221,7 +184,7 @@ def report(rows: list[Row]) -> None:
     for row in rows:
         print(row.line())
     print()
-    for row, goal in ((alone, GOAL_P50_MS), (handed, GOAL_P50_MS), (skipped, GOAL_SKIPPED_P50_MS)):
+    for row, goal in ((mesh, GOAL_P50_MS), (skipped, GOAL_SKIPPED_P50_MS)):
         verdict = "MET" if row.p50_ms() <= goal else "NOT MET"
         ratio = row.p50_ms() / bridge.p50_ms()
         print(
@@ -234,6 +197,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--pods", type=int, default=50, help="pod sandboxes to attach (one ADD each)")
+    default_dir = BUNDLE_DIR if (BUNDLE_DIR / "istio-cni").exists() else VENV_BIN
+    parser.add_argument(
+        "--plugin-dir", type=Path, default=default_dir, help=f"where istio-cni is (default {default_dir})"
+    )
     args = parser.parse_args()
     if args.pods < 1:
         parser.error("--pods must be positive")
@@ -243,13 +210,12 @@ def main() -> None:
         sys.exit(
             f"bench.cni needs Debian's containernetworking-plugins in {DEBIAN_PLUGINS} (`make` installs them)"
         )
-    if not (PLUGIN_DIR / "istio-cni").exists() or not INSTALL_CNI.exists():
-        sys.exit(
-            f"no istio-cni or install-cni executable in {PLUGIN_DIR}: install the package (pip install -e .)"
-        )
+    if not (args.plugin_dir / "istio-cni").exists():
+        sys.exit(f"no istio-cni in {args.plugin_dir}: `make cni-plugin`, or install the package")
     with tempfile.TemporaryDirectory(prefix="bench-cni-") as tmp, netns("node") as node:
         enter(node.path)  # the whole process (one thread so far): plugins and the fake API live here
-        rows = run(Path(tmp), args.pods)
+        rows = run(Path(tmp), args.pods, args.plugin_dir)
+    print(f"\nistio-cni: {args.plugin_dir / 'istio-cni'}")
     report(rows)
 
 

@@ -15,7 +15,6 @@ import aiohttp
 from click.testing import CliRunner
 
 from istio_agent.cli.install_cni import _plugin_log_level, main
-from istio_agent.cni.handoff import SOCKET_NAME
 from istio_agent.cni.install import conffiles
 from tests.cni.install.layout import TOKEN, Node, install_cni_args
 
@@ -71,7 +70,6 @@ async def test_runs_is_ready_and_cleans_up_on_sigterm(tmp_path: Path) -> None:
         assert ours["type"] == "istio-cni" and ours["plugin_log_level"] == "debug"
         assert ours["exclude_namespaces"] == ["kube-system"]
         assert (node.bin / "istio-cni").exists()
-        assert (node.run / SOCKET_NAME).is_socket()  # the ADD hand-over (tests/cni/test_handoff.py)
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=10)
     finally:
@@ -83,7 +81,6 @@ async def test_runs_is_ready_and_cleans_up_on_sigterm(tmp_path: Path) -> None:
     assert conffiles.parse(calico.read_bytes()) == conffiles.parse(before)
     assert not (node.bin / "istio-cni").exists()
     assert not (node.run / "istio-cni-kubeconfig").exists()
-    assert not (node.run / SOCKET_NAME).exists()
     assert "\tinfo\tcni-agent\tCopied istio-cni to " in log and '"token": "<redacted>"' in log
     assert TOKEN not in log
 
@@ -158,7 +155,7 @@ async def test_a_second_instance_leaves_the_first_ones_files_alone(tmp_path: Pat
         second = launch(node, free_port())
         output, _ = second.communicate(timeout=20)
         assert second.returncode == 1, output.decode()
-        assert "another process serves the ADD hand-over" in output.decode()
+        assert "another install-cni is running on this node" in output.decode()
         for path, data in installed.items():
             assert path.exists() and path.read_bytes() == data, f"the second instance changed {path}"
         assert await readyz(first_port) == 200

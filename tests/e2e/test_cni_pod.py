@@ -3,7 +3,7 @@
 What runs, as on a Kubernetes node (tests/cni/node.py, tests/e2e/pod.py, tests/e2e/injector.py):
 
 - the node: a network namespace of its own where the real ``install-cni`` chains the ``istio-cni``
-  executable into the node's bridge conflist and serves the plugin's ADD, where the runtime runs
+  executable into the node's bridge conflist, where the runtime runs
   that conflist (Debian's ``bridge`` + ``host-local``, then ``istio-cni``) and where the local control
   plane listens on the bridge's gateway address as ``istiod.istio-system.svc``, as a cluster Service
   outside the pod. The plugin reads the pods from a FAKE Kubernetes API server
@@ -37,7 +37,6 @@ from typing import Any
 
 import pytest
 
-from istio_agent.cni.handoff import SOCKET_NAME as HANDOFF_SOCKET
 from istio_agent.ctl.local import wait_until
 from tests.cni.fake_kube import TOKEN as FAKE_TOKEN
 from tests.cni.fake_kube import FakeKube, sidecar_pod, start_fake_kube
@@ -252,7 +251,7 @@ def _cluster(base: Path) -> Iterator[Cluster]:
 def install_cni_on(node: Node, layout: InstallLayout, kube: FakeKube, log: Path) -> Iterator[None]:
     """The real install-cni in the node's namespace, as the istio-cni-node DaemonSet runs it: it copies
     the istio-cni executable into the node's CNI bin dir, writes the plugin's kubeconfig, chains the
-    plugin into the node's bridge conflist and serves the plugin's ADD. The runtime reads that
+    plugin into the node's bridge conflist. The runtime reads that
     conflist from then on. SIGTERM at the end (it restores the conflist and removes the plugin)."""
     shutil.copy2(Path(sys.executable).parent / "istio-cni", layout.source / "istio-cni")
     conflist = layout.conf / "10-k8s-pod-network.conflist"
@@ -264,7 +263,7 @@ def install_cni_on(node: Node, layout: InstallLayout, kube: FakeKube, log: Path)
         def chained() -> bool:
             assert process.poll() is None, f"install-cni exited: {log.read_text()}"
             plugins = json.loads(conflist.read_text())["plugins"]
-            return plugins[-1]["type"] == "istio-cni" and (layout.run / HANDOFF_SOCKET).exists()
+            return plugins[-1]["type"] == "istio-cni" and (layout.run / "istio-cni-kubeconfig").exists()
 
         wait_until(chained, 20, "install-cni chaining istio-cni into the node's conflist")
         node.conf_file = conflist
@@ -286,8 +285,7 @@ def _pods(base: Path, node: Node, api: ApiServerOnNode, layout: InstallLayout) -
     hosts = {"istiod.istio-system.svc": node.gateway}
     server = pod_on(base, server_net, hosts, stats="listener")
     client = pod_on(base, client_net, hosts, stats="cluster.outbound,cluster.PassthroughCluster,listener")
-    for pod in (server_net, client_net):  # the ADD was handed to install-cni, which ran the plugin's code
-        assert f"pod default/{pod.attachment.args['K8S_POD_NAME']}" in (base / "install-cni.log").read_text()
+    assert "ISTIO_OUTPUT" in client_net.netns.exec("iptables-save")  # the plugin's ADD programmed it
     istiod = Istiod(node, mesh(server, client), address=node.gateway)
     try:
         istiod.start()

@@ -79,8 +79,8 @@ def main(log_output_level: str, log_as_json: bool, **flags: str | None) -> None:
 
 async def serve(settings: Any) -> int:
     """Run the servers and the installer until a signal (exit 0, cleaned up) or a failed pass (exit 1)."""
-    from istio_agent.cni.install.add_server import AddServer
     from istio_agent.cni.install.installer import Installer, InstallError
+    from istio_agent.cni.install.instance import InstanceLock
     from istio_agent.cni.install.servers import health_endpoint, metrics_endpoint
     from istio_agent.cni.repair.controller import RepairSetupError
     from istio_agent.cni.repair.controller import build as build_repair
@@ -99,7 +99,12 @@ async def serve(settings: Any) -> int:
     endpoints = [health_endpoint("", settings.health_port, lambda: (installer.ready, installer.reason))]
     if settings.monitoring_port > 0:
         endpoints.append(metrics_endpoint("", settings.monitoring_port, registry))
-    add_server = AddServer(settings.cni_agent_run_dir)
+    instance = InstanceLock(settings.cni_agent_run_dir)
+    try:
+        instance.acquire()  # before anything is installed: a second instance must touch nothing
+    except OSError as err:
+        log.error("%s", err)
+        return EXIT_ERROR
     code = 0
     started = []
     repairing: asyncio.Task[None] | None = None
@@ -107,7 +112,6 @@ async def serve(settings: Any) -> int:
         for endpoint in endpoints:
             await endpoint.start()
             started.append(endpoint)
-        await add_server.start()
         work = asyncio.create_task(installer.run())
         stopping = asyncio.create_task(stop.wait())
         if repair is not None:
@@ -134,9 +138,9 @@ async def serve(settings: Any) -> int:
         if repairing is not None:
             repairing.cancel()
             await asyncio.gather(repairing, return_exceptions=True)
-        await add_server.stop()
         installer.cleanup()
         for endpoint in started:
             await endpoint.stop()
+        instance.release()
     log.info("install-cni exiting")
     return code

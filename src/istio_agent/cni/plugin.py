@@ -28,12 +28,11 @@ from typing import Any, Protocol
 from istio_agent.cni import result
 from istio_agent.cni.args import ArgsError, K8sArgs, is_agent_pod, parse_k8s_args
 from istio_agent.cni.capture_config import CaptureConfig
-from istio_agent.cni.handoff import DEFAULT_ADD_SECONDS, Fallback
 from istio_agent.cni.plugin_config import NetworkConfig, parse_network_config
 from istio_agent.cni.skel import ERR_INTERNAL, CmdArgs, CniError
 from istio_agent.config.env import ConfigError
 
-DEFAULT_ADD_TIMEOUT = timedelta(seconds=DEFAULT_ADD_SECONDS)
+DEFAULT_ADD_TIMEOUT = timedelta(seconds=30)
 """Istio retries the pod GET 30 times a second apart; the same bound here, for everything."""
 RETRY_INTERVAL = 1.0
 ATTEMPT_TIMEOUT = 5.0
@@ -94,7 +93,7 @@ class NetnsApplier:
     IPv6 is decided from the pod's own addresses, as Istio's plugin does: the first address that is
     neither loopback nor link-local, or any IPv6 address when the proxy asks for dual stack (the
     redirect carries ``ISTIO_DUAL_STACK`` in ``enable_ipv6``). ``environ`` is the plugin's
-    environment (``FORCE_IPTABLES_BINARY``), also when the node agent runs the ADD. With
+    environment (``FORCE_IPTABLES_BINARY``; the repair controller passes install-cni's). With
     ``native_nftables`` (the plugin's config) the rules are Istio's nftables tables instead
     (``cni/nftables``).
     """
@@ -175,7 +174,7 @@ def plan(
     k8s: K8sArgs, config: NetworkConfig, get: PodGetter, deadline: float, environ: Mapping[str, str]
 ) -> CaptureConfig | None:
     """The capture the pod needs, or None when the plugin leaves it alone (logged with the reason).
-    ``environ`` is the plugin's environment (the runtime's, also when the node agent runs the ADD)."""
+    ``environ`` is the plugin's environment (the runtime's; install-cni's for the repair controller)."""
     from istio_agent.cni.redirect import capture_config, skip_reason
 
     pod_id = f"{k8s.pod_namespace}/{k8s.pod_name}"
@@ -206,7 +205,7 @@ def add(
 
     ``get_pod`` replaces the API client built from the kubeconfig (tests); ``started`` is when the
     deadline started counting (default: now); ``environ`` is the invocation's environment (default:
-    this process's; the node agent passes the plugin's).
+    this process's).
     """
     begin = time.monotonic() if started is None else started
     config = _network_config(args)
@@ -274,31 +273,14 @@ def _api_getter(config: NetworkConfig) -> PodGetter:
     return get
 
 
-def cmd_add(
-    args: CmdArgs,
-    *,
-    started: float | None = None,
-    environ: Mapping[str, str] | None = None,
-    configure_logging: bool = True,
-    not_handed_over: Fallback | None = None,
-) -> dict[str, Any]:
-    """The ADD handler: PluginError becomes the CNI error result (code 999).
-
-    The executable runs it with its own environment and sets up its logging; the node agent
-    (``install/add_server.py``) passes the plugin's environment and keeps its own logging.
-    ``not_handed_over`` is why the node agent is not running this ADD (``cni/handoff.py``): logged
-    here, where the plugin's logging is set up, so the operator sees which process ran it and why.
-    """
-    env = os.environ if environ is None else environ
+def cmd_add(args: CmdArgs, *, started: float | None = None) -> dict[str, Any]:
+    """The executable's ADD handler: logging set up from the config, the programmer chosen from the
+    environment and the config; PluginError becomes the CNI error result (code 999)."""
     try:
         plugin = _network_config(args).plugin
-        if configure_logging:
-            _configure_logging(plugin.plugin_log_level)
-        if not_handed_over is not None:
-            level = logging.WARNING if not_handed_over.warning else logging.INFO
-            log.log(level, "running the ADD in the plugin: %s", not_handed_over)
-        programmer = select_programmer(env, native_nftables=plugin.native_nftables)
-        return add(args, programmer=programmer, started=started, environ=env)
+        _configure_logging(plugin.plugin_log_level)
+        programmer = select_programmer(os.environ, native_nftables=plugin.native_nftables)
+        return add(args, programmer=programmer, started=started)
     except PluginError as err:
         log.error("istio-cni cmdAdd error: %s", err)
         raise CniError(ERR_INTERNAL, str(err)) from None

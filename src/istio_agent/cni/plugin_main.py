@@ -2,15 +2,11 @@
 
 It lives here rather than in ``istio_agent.cli``, whose package start-up prepares a process for
 grpc and loads asyncio: a CNI plugin pays its start-up on every pod sandbox, so only what a command
-needs is imported, when it needs it (VERSION needs nothing beyond ``skel``). ADD goes to the node
-agent first (:mod:`istio_agent.cni.handoff`), which has everything imported already; without one
-the ADD runs here.
+needs is imported, when it needs it (VERSION needs nothing beyond ``skel``; an ADD no event loop).
 """
 
 from __future__ import annotations
 
-import io
-import os
 import sys
 import time
 
@@ -21,42 +17,24 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from istio_agent.cni import handoff
 
-
-def _add(args: skel.CmdArgs, not_handed_over: handoff.Fallback | None = None) -> dict[str, Any]:
+def _add(args: skel.CmdArgs) -> dict[str, Any]:
     from istio_agent.cni.plugin import cmd_add
 
-    return cmd_add(args, started=_STARTED, not_handed_over=not_handed_over)
+    return cmd_add(args, started=_STARTED)
 
 
 def _nothing(args: skel.CmdArgs) -> None:
-    """CHECK and DEL: the rules live in the pod's netns and go with it; nothing to verify or undo."""
-    return None
+    """CHECK and DEL: nothing to verify or undo (the rules go with the pod's network namespace)."""
 
 
 _STARTED = time.monotonic()
+"""The ADD deadline counts from the start of the process (the runtime's clock has been running)."""
 HANDLERS: dict[str, skel.Handler] = {"ADD": _add, "CHECK": _nothing, "DEL": _nothing}
 
 
 def main() -> None:
-    stdin = None
-    handlers = HANDLERS
-    if os.environ.get("CNI_COMMAND") == "ADD":
-        from istio_agent.cni import handoff
-
-        data = sys.stdin.buffer.read()
-        try:
-            status, stdout = handoff.hand_over(os.environ, data, _STARTED)
-        except handoff.Fallback as why:
-            stdin = io.BytesIO(data)  # the ADD runs here, on the bytes already read
-            reason = why  # ``why`` is unbound when the except block ends
-            handlers = {**HANDLERS, "ADD": lambda args: _add(args, not_handed_over=reason)}
-        else:
-            sys.stdout.write(stdout)
-            sys.stdout.flush()
-            sys.exit(status)
-    sys.exit(skel.main(handlers, about=f"CNI plugin istio-cni {__version__}", stdin=stdin))
+    sys.exit(skel.main(HANDLERS, about=f"CNI plugin istio-cni {__version__}"))
 
 
 if __name__ == "__main__":
