@@ -19,7 +19,8 @@ from istio_agent.cni import plugin
 from istio_agent.cni.capture_config import CaptureConfig
 from istio_agent.cni.kube import KubeError
 from istio_agent.cni.plugin import PluginError, add, fetch_pod
-from istio_agent.cni.redirect import capture_config, skip_reason
+from istio_agent.cni.pod import skip_reason
+from istio_agent.cni.redirect import capture_config
 from istio_agent.cni.skel import CmdArgs
 from istio_agent.config.env import ConfigError
 from tests.cni.fake_kube import sidecar_pod

@@ -26,12 +26,15 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 from istio_agent.config.document import DocumentSyntaxError, Keys, Node, config_errors, load_document
 from istio_agent.config.env import ConfigError
-from istio_agent.http.exchange import URL, Fetched, HTTPError
+from istio_agent.http.url import URL, HTTPError
+
+if TYPE_CHECKING:  # the stack itself (h11, ssl) is imported only for a request
+    from istio_agent.http.exchange import Fetched
 
 KUBECONFIG_NAME = "istio-cni-kubeconfig"
 MAX_POD_BYTES = 8 * 2**20

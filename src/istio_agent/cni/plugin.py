@@ -23,14 +23,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from istio_agent.cni import result
 from istio_agent.cni.args import ArgsError, K8sArgs, is_agent_pod, parse_k8s_args
-from istio_agent.cni.capture_config import CaptureConfig
 from istio_agent.cni.plugin_config import NetworkConfig, parse_network_config
 from istio_agent.cni.skel import ERR_INTERNAL, CmdArgs, CniError
 from istio_agent.config.env import ConfigError
+
+if TYPE_CHECKING:
+    from istio_agent.cni.capture_config import CaptureConfig
 
 DEFAULT_ADD_TIMEOUT = timedelta(seconds=30)
 """Istio retries the pod GET 30 times a second apart; the same bound here, for everything."""
@@ -175,7 +177,7 @@ def plan(
 ) -> CaptureConfig | None:
     """The capture the pod needs, or None when the plugin leaves it alone (logged with the reason).
     ``environ`` is the plugin's environment (the runtime's; install-cni's for the repair controller)."""
-    from istio_agent.cni.redirect import capture_config, skip_reason
+    from istio_agent.cni.pod import skip_reason
 
     pod_id = f"{k8s.pod_namespace}/{k8s.pod_name}"
     pod = fetch_pod(get, k8s.pod_namespace, k8s.pod_name, deadline)
@@ -183,6 +185,8 @@ def plan(
     if reason is not None:
         log.info("pod %s: no redirect: %s", pod_id, reason)
         return None
+    from istio_agent.cni.redirect import capture_config  # only a pod that needs rules pays for it
+
     try:
         return capture_config(pod, environ)
     except ConfigError as err:

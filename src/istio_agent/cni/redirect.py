@@ -1,6 +1,7 @@
-"""From a pod object to the capture it needs: whether to redirect, and the rule set's settings.
+"""From a pod object to the capture it needs: the rule set's settings (whether it needs any is
+:func:`istio_agent.cni.pod.skip_reason`).
 
-The skip rules, the annotations, their defaults and their checks are Istio's plugin
+The annotations, their defaults and their checks are Istio's plugin
 (``cni/pkg/plugin/kube.go``, ``cni/pkg/plugin/redirect.go``), so a pod gets the same rules whether
 istio-init or istio-cni sets them up. One difference: a bad annotation is an error naming it (the
 pod's sandbox fails), where Istio also fails but some values pass unchecked into iptables.
@@ -9,18 +10,14 @@ pod's sandbox fails), where Istio also fails but some values pass unchecked into
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from istio_agent.cni.capture_config import WILDCARD, CaptureConfig, parse_cidr, read_capture_config, split
-from istio_agent.config.env import ConfigError, Env, parse_go_bool
+from istio_agent.cni.pod import PROXY_CONTAINER, env_flag, metadata, proxy_container
+from istio_agent.config.env import ConfigError, Env
 
-PROXY_CONTAINER = "istio-proxy"
-INIT_CONTAINER = "istio-init"
-STATUS_ANNOTATION = "sidecar.istio.io/status"
-INJECT = "sidecar.istio.io/inject"
 MODE = "sidecar.istio.io/interceptionMode"
 INCLUDE_CIDRS = "traffic.sidecar.istio.io/includeOutboundIPRanges"
 EXCLUDE_CIDRS = "traffic.sidecar.istio.io/excludeOutboundIPRanges"
@@ -42,83 +39,6 @@ PROXY_ENV_FILL_IN = (
 """What the plugin's own environment still decides, as in Istio (the rest comes from the pod)."""
 _INTERFACE = re.compile(r"[a-zA-Z][a-zA-Z0-9_.\-]*")
 _MAX_INTERFACE = 15
-
-log = logging.getLogger("istio.cni-plugin")
-
-
-def _containers(pod: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
-    spec = pod.get("spec") or {}
-    return [c for c in spec.get(key) or () if isinstance(c, dict)]
-
-
-def metadata(pod: Mapping[str, Any], key: str) -> Mapping[str, str]:
-    """The pod's ``labels`` or ``annotations`` ({} when absent or not a map)."""
-    values = (pod.get("metadata") or {}).get(key) or {}
-    return values if isinstance(values, dict) else {}
-
-
-def proxy_container(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The istio-proxy container: a regular one, or a native sidecar among the init containers."""
-    for container in (*_containers(pod, "initContainers"), *_containers(pod, "containers")):
-        if container.get("name") == PROXY_CONTAINER:
-            return container
-    return None
-
-
-def _env(container: Mapping[str, Any], name: str) -> str | None:
-    """An env value given literally (``valueFrom`` reads as ""); of duplicates the last wins, as in Istio."""
-    found = None
-    for item in container.get("env") or ():
-        if isinstance(item, dict) and item.get("name") == name:
-            value = item.get("value")
-            found = value if isinstance(value, str) else ""
-    return found
-
-
-def _env_flag(container: Mapping[str, Any], name: str) -> bool:
-    """A boolean env of istio-proxy; a bad value counts as false with a warning, as in Istio."""
-    raw = _env(container, name)
-    if raw is None or raw == "":
-        return False
-    try:
-        return parse_go_bool(raw)
-    except ValueError:
-        log.warning("ignoring %s=%r of container %s: not a boolean", name, raw, PROXY_CONTAINER)
-        return False
-
-
-def has_init_container(pod: Mapping[str, Any]) -> bool:
-    """Whether the pod has an istio-init container (init or regular, as Istio looks), which writes
-    the pod's rules itself."""
-    containers = (*_containers(pod, "initContainers"), *_containers(pod, "containers"))
-    return any(c.get("name") == INIT_CONTAINER for c in containers)
-
-
-def skip_reason(pod: Mapping[str, Any]) -> str | None:
-    """Why the pod gets no rules from the plugin (Istio's order), or None when it needs them."""
-    if has_init_container(pod):
-        return f"the pod has an {INIT_CONTAINER} container, which sets up its rules itself"
-    proxy = proxy_container(pod)
-    if proxy is not None and _env_flag(proxy, "DISABLE_ENVOY"):
-        return f"{PROXY_CONTAINER} has DISABLE_ENVOY set"
-    if proxy is None:
-        return f"the pod has no {PROXY_CONTAINER} container"
-    args = proxy.get("args") or []
-    if len(args) >= 2 and args[0] == "proxy" and args[1] != "sidecar":
-        return f"{PROXY_CONTAINER} runs as {args[1]!r}, not as a sidecar"
-    inject = metadata(pod, "labels").get(INJECT)
-    if inject is None:
-        inject = metadata(pod, "annotations").get(INJECT)
-    if isinstance(inject, str):
-        try:
-            if not parse_go_bool(inject):
-                return f"{INJECT} is {inject!r}"
-        except ValueError:
-            pass  # an unparseable value is ignored, as in Istio
-    if STATUS_ANNOTATION not in metadata(pod, "annotations"):
-        return f"the pod has no {STATUS_ANNOTATION} annotation (not injected)"
-    return None
-
 
 def annotation_ports(name: str, value: str) -> tuple[int, ...]:
     """A comma list of ports from annotation ``name``; ConfigError naming it for anything else."""
@@ -197,7 +117,7 @@ def capture_config(pod: Mapping[str, Any], env: Mapping[str, str]) -> CaptureCon
     )
     reroute_name = REROUTE_INTERFACES if REROUTE_INTERFACES in annotations else KUBEVIRT_INTERFACES
     uid, gid = _proxy_id(proxy, "runAsUser"), _proxy_id(proxy, "runAsGroup")
-    dns = _env_flag(proxy, "ISTIO_META_DNS_CAPTURE")
+    dns = env_flag(proxy, "ISTIO_META_DNS_CAPTURE")
     filled = read_capture_config({}, Env({k: v for k, v in env.items() if k in PROXY_ENV_FILL_IN}))
     return dataclasses.replace(
         filled,
@@ -214,6 +134,6 @@ def capture_config(pod: Mapping[str, Any], env: Mapping[str, str]) -> CaptureCon
         reroute_interfaces=_interfaces(reroute_name, annotation(reroute_name, "")),
         redirect_dns=dns,
         capture_all_dns=dns,
-        drop_invalid=_env_flag(proxy, "INVALID_DROP"),
-        enable_ipv6=_env_flag(proxy, "ISTIO_DUAL_STACK"),
+        drop_invalid=env_flag(proxy, "INVALID_DROP"),
+        enable_ipv6=env_flag(proxy, "ISTIO_DUAL_STACK"),
     )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from istio_agent.cni import pod as pod_object
 from istio_agent.cni import redirect
 from istio_agent.cni.capture_config import CaptureConfig, split
 from istio_agent.cni.check import CheckError, CheckReport, check_capture, pod_netns
@@ -21,8 +22,8 @@ from istio_agent.config.document import DocumentSyntaxError, load_document
 from istio_agent.config.env import ConfigError
 
 DEFAULT_POD: dict[str, Any] = {
-    "metadata": {"annotations": {redirect.STATUS_ANNOTATION: "{}"}},
-    "spec": {"containers": [{"name": redirect.PROXY_CONTAINER}]},
+    "metadata": {"annotations": {pod_object.STATUS_ANNOTATION: "{}"}},
+    "spec": {"containers": [{"name": pod_object.PROXY_CONTAINER}]},
 }
 """An injected pod with no annotations of its own: the rules every default sidecar gets."""
 TIMEOUT = 10.0
@@ -65,11 +66,11 @@ def fetch_pod(kubeconfig: Path, name: str) -> dict[str, Any]:
 
 def expected_config(pod: Mapping[str, Any], env: Mapping[str, str]) -> tuple[CaptureConfig | None, str]:
     """The capture the pod should have (None: no rules at all), and why, in words."""
-    reason = redirect.skip_reason(pod)
+    reason = pod_object.skip_reason(pod)
     try:
         if reason is None:
             return redirect.capture_config(pod, env), "the pod is injected: the plugin sets up its capture"
-        if redirect.has_init_container(pod):  # istio-init writes the same rules from the same annotations
+        if pod_object.has_init_container(pod):  # istio-init writes the same rules from the same annotations
             config = redirect.capture_config(pod, env)
             config = dataclasses.replace(
                 config,
@@ -87,7 +88,7 @@ def istio_init_exclusions(pod: Mapping[str, Any]) -> tuple[int, ...]:
     ``15090,15021,`` then the pod's ``excludeInboundPorts`` with the status port appended when it is
     not listed: ``excludeInboundPort``). The plugin orders the same ports its own way (annotation
     first, then 15020,15021,15090), so only the order differs."""
-    annotations = redirect.metadata(pod, "annotations")
+    annotations = pod_object.metadata(pod, "annotations")
     status_port = str(annotations.get(STATUS_PORT_ANNOTATION, "15020")).strip()
     listed = list(split(str(annotations.get(redirect.EXCLUDE_INBOUND, ""))))
     if status_port not in listed:
@@ -102,7 +103,7 @@ def istio_init_exclusions(pod: Mapping[str, Any]) -> tuple[int, ...]:
 def istio_init_outbound_exclusions(pod: Mapping[str, Any]) -> tuple[int, ...]:
     """The outbound ports istio-init excludes: the injector passes ``-o`` only when the pod has the
     ``excludeOutboundPorts`` annotation (the plugin's default of 15020 is its own)."""
-    listed = str(redirect.metadata(pod, "annotations").get(redirect.EXCLUDE_OUTBOUND, ""))
+    listed = str(pod_object.metadata(pod, "annotations").get(redirect.EXCLUDE_OUTBOUND, ""))
     return redirect.annotation_ports(redirect.EXCLUDE_OUTBOUND, listed)
 
 

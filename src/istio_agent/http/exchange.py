@@ -1,4 +1,4 @@
-"""The HTTP/1.1 client's I/O-free part: URLs, whole responses, errors, and one h11 exchange.
+"""The HTTP/1.1 client's I/O-free part: whole responses, errors, and one h11 exchange (URLs: url.py).
 
 h11 is sans-I/O, so one request/response engine serves both clients: the asyncio client
 (:mod:`istio_agent.http.client`, the agent's) and the blocking one (:mod:`istio_agent.http.blocking`,
@@ -11,21 +11,16 @@ from __future__ import annotations
 import os
 import ssl
 from dataclasses import dataclass
-from urllib.parse import urljoin, urlsplit
 
 import h11
 
 from istio_agent.http.headers import Fields, Headers
+from istio_agent.http.url import URL, HTTPError
 
 MAX_HEAD = 64 * 1024
 DEFAULT_MAX_BODY = 16 * 2**20
-DEFAULT_PORTS = {"http": 80, "https": 443}
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-
-
-class HTTPError(Exception):
-    """An HTTP exchange failed; the message says how (never with the body or credentials)."""
 
 
 class ConnectError(HTTPError):
@@ -43,49 +38,6 @@ class ProtocolError(HTTPError):
 
 class BodyTooLarge(HTTPError):
     """The response body is larger than the caller's cap."""
-
-
-@dataclass(frozen=True)
-class URL:
-    """An absolute http(s) URL, its target kept exactly as given (nothing is re-encoded)."""
-
-    scheme: str
-    host: str
-    port: int
-    target: str
-
-    @classmethod
-    def parse(cls, url: str) -> URL:
-        try:
-            parts = urlsplit(url)
-            port = parts.port
-        except ValueError as err:
-            raise HTTPError(f"invalid URL {url!r}: {err}") from None
-        scheme = parts.scheme.lower()
-        if scheme not in DEFAULT_PORTS or not parts.hostname:
-            raise HTTPError(f"invalid URL {url!r}: expected http(s)://host[:port]/path")
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        return cls(scheme, parts.hostname, port or DEFAULT_PORTS[scheme], target)
-
-    @property
-    def authority(self) -> str:
-        """``host[:port]`` as the Host header carries it (no port when it is the scheme's default)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return host if self.port == DEFAULT_PORTS[self.scheme] else f"{host}:{self.port}"
-
-    @property
-    def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    def join(self, location: str) -> URL:
-        """A redirect's ``Location`` resolved against this URL."""
-        return URL.parse(urljoin(str(self), location))
-
-    def __str__(self) -> str:
-        return f"{self.scheme}://{self.authority}{self.target}"
 
 
 @dataclass(frozen=True)
