@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -17,12 +18,13 @@ import pytest
 
 from istio_agent.cni.install import conffiles
 from istio_agent.cni.install.guard import ConflictGuard, GuardSettings, Throttle
-from istio_agent.cni.install.installer import Installer, InstallError
+from istio_agent.cni.install.installer import RECHECK_SECONDS, Installer, InstallError
 from istio_agent.cni.install.servers import health_endpoint, metrics_endpoint
 from istio_agent.metrics import Registry
 from tests.cni.install.layout import DATA, TOKEN, Node, golden
 
 TIMEOUT = 5.0
+RUNTIME = "istio-cni-runtime"
 
 
 async def eventually(condition: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> float:
@@ -38,12 +40,22 @@ async def eventually(condition: Callable[[], bool], what: str, timeout: float = 
 class Running:
     """An installer running as a task; ``stop()`` cancels it and cleans up, as SIGTERM does."""
 
-    def __init__(self, node: Node, guard: GuardSettings | None = None, **changes: object) -> None:
+    def __init__(
+        self,
+        node: Node,
+        guard: GuardSettings | None = None,
+        recheck: float = RECHECK_SECONDS,
+        **changes: object,
+    ) -> None:
         self.node = node
         self.registry = Registry(prefix="istio_")
         self.guard = ConflictGuard(guard or GuardSettings())
         self.installer = Installer(
-            node.settings(**changes), self.registry, throttle=Throttle(interval=0.0), guard=self.guard
+            node.settings(**changes),
+            self.registry,
+            throttle=Throttle(interval=0.0),
+            guard=self.guard,
+            recheck_seconds=recheck,
         )
         self.task = asyncio.create_task(self.installer.run())
 
@@ -86,11 +98,27 @@ async def stoppers() -> AsyncIterator[list[Running]]:
 
 
 def start(
-    stoppers: list[Running], node: Node, guard: GuardSettings | None = None, **changes: object
+    stoppers: list[Running],
+    node: Node,
+    guard: GuardSettings | None = None,
+    recheck: float = RECHECK_SECONDS,
+    **changes: object,
 ) -> Running:
-    running = Running(node, guard, **changes)
+    running = Running(node, guard, recheck, **changes)
     stoppers.append(running)
     return running
+
+
+def add_runtime(node: Node) -> Path:
+    """The plugin's runtime directory in the source, beside the launcher, as make cni-plugin lays it out."""
+    runtime = node.source / RUNTIME
+    (runtime / "lib").mkdir(parents=True)
+    (runtime / "lib" / "libc.so.6").write_bytes(b"libc")
+    (runtime / "lib" / "libc.so").symlink_to("libc.so.6")
+    (runtime / "bin").mkdir()
+    (runtime / "bin" / "python3").write_bytes(b"python")
+    (runtime / "bin" / "python3").chmod(0o755)
+    return runtime
 
 
 def without_istio(path: Path) -> None:
@@ -330,6 +358,7 @@ async def test_cleanup_keeps_the_plugin_when_its_entry_cannot_be_removed(
     """A list that may still chain istio-cni must not be left chaining a missing binary (Istio's
     Cleanup returns before removing anything when it cannot take its entry out)."""
     path = node.put("calico.conflist", "10-calico.conflist")
+    add_runtime(node)
     running = start(stoppers, node)
     await running.ready()
     path.write_text(broken)
@@ -337,6 +366,7 @@ async def test_cleanup_keeps_the_plugin_when_its_entry_cannot_be_removed(
     await running.stop()
     assert path.read_text() == broken
     assert (node.bin / "istio-cni").read_bytes() == (node.source / "istio-cni").read_bytes()
+    assert (node.bin / RUNTIME / "bin" / "python3").read_bytes() == b"python"
     assert TOKEN in (node.run / "istio-cni-kubeconfig").read_text()
     kept = [r for r in caplog.records if "keeping the kubeconfig" in r.getMessage()]
     assert kept and kept[0].levelno >= logging.WARNING, [r.getMessage() for r in caplog.records]
@@ -367,3 +397,43 @@ async def test_not_ready_while_the_plugin_binary_is_missing(node: Node, stoppers
         await running.ready()
     finally:
         await health.stop()
+
+
+async def test_the_runtime_is_copied_repaired_and_removed_with_the_launcher(
+    node: Node, stoppers: list[Running]
+) -> None:
+    node.put("calico.conflist", "10-calico.conflist")
+    add_runtime(node)
+    running = start(stoppers, node, recheck=0.2)
+    await running.ready()
+    assert (node.bin / RUNTIME / "lib" / "libc.so").readlink() == Path("libc.so.6")
+    assert (node.bin / RUNTIME / "bin" / "python3").read_bytes() == b"python"
+    shutil.rmtree(node.bin / RUNTIME)  # the directory removed from the host: seen at once
+    took = await eventually(
+        lambda: (node.bin / RUNTIME / "bin" / "python3").exists() and running.installer.ready,
+        "the runtime to be copied again",
+    )
+    assert took < 3
+    (node.bin / RUNTIME / "lib" / "libc.so.6").unlink()  # inside it: not watched, found by the recheck
+    await eventually(
+        lambda: (node.bin / RUNTIME / "lib" / "libc.so.6").exists() and running.installer.ready,
+        "the runtime to be repaired",
+    )
+    await running.stop()
+    assert [p.name for p in node.bin.iterdir()] == []
+
+
+def test_the_plugin_is_missing_while_its_runtime_is(node: Node) -> None:
+    """A launcher without its runtime cannot run: every pod sandbox on the node would fail."""
+    add_runtime(node)
+    installer = Installer(node.settings(), Registry(prefix="istio_"))
+    (node.bin / "istio-cni").write_text("#!/bin/sh\n")
+    reason = installer.missing_plugin()
+    assert reason.startswith(f"the plugin istio-cni in {node.bin} cannot run: its runtime"), reason
+    assert f"{node.bin / RUNTIME} is missing" in reason
+    shutil.copytree(node.source / RUNTIME, node.bin / RUNTIME, symlinks=True)
+    assert installer.missing_plugin() == ""
+    (node.bin / RUNTIME / "bin" / "python3").unlink()
+    assert "is incomplete: bin/python3 is missing" in installer.missing_plugin()
+    (node.bin / "istio-cni").unlink()
+    assert "the plugin binary istio-cni is missing from" in installer.missing_plugin()

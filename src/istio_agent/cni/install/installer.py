@@ -9,8 +9,9 @@ Beyond Istio (see docs/compatibility.md): the file we chained into is checked as
 it is corrupt, left alone with readiness false and the reason; another component that keeps removing
 our entry gets a back-off (:mod:`.guard`) instead of an endless rewrite loop; a changed entry of ours
 (other settings after an upgrade) is rewritten, not only a missing one; install-cni is not ready while
-the plugin binary is on none of the host's CNI bin directories. Cleanup removes only what this
-process wrote, and keeps the kubeconfig and the binary when our entry cannot be taken out.
+the plugin (its launcher and, beside it, its whole runtime directory) is on none of the host's CNI
+bin directories. Cleanup removes only what this process installed, and keeps the kubeconfig and the
+plugin when our entry cannot be taken out.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from istio_agent import goformat
 from istio_agent.cni.install import conffiles, kubeconfig
-from istio_agent.cni.install.binaries import CopyError, copy_binaries, remove_binary
+from istio_agent.cni.install.binaries import CopyError, copy_binaries, plugin_problem, remove_plugin
 from istio_agent.cni.install.conffiles import CniConfigError, NoNetworksError
 from istio_agent.cni.install.guard import ConflictGuard, Throttle
 from istio_agent.cni.install.settings import InstallSettings
@@ -139,7 +140,7 @@ class Installer:
         """The config file holding our entry (written by us); cleanup restores or removes it."""
         self._binaries: set[str] | None = None
         self._copied: set[Path] = set()
-        """Binaries this process copied: the only ones cleanup may remove."""
+        """Binaries (files and the runtime directory) this process installed: the only ones cleanup may remove."""
         self._kubeconfig_written = False
         self._ready = False
         self.reason = "installing"
@@ -306,12 +307,20 @@ class Installer:
     def missing_plugin(self) -> str:
         """Why the runtime could not exec the plugin our entry names ("" when it could).
 
-        Its binary must be in one of the host's CNI bin directories; without it every pod sandbox on
-        the node fails, so install-cni is not ready (Istio stays ready).
+        Its launcher must be in one of the host's CNI bin directories with its whole runtime beside
+        it (the source's directories); without them every pod sandbox on the node fails, so
+        install-cni is not ready (Istio stays ready).
         """
         settings = self.settings
-        if any((target / PLUGIN_TYPE).is_file() for target in settings.cni_bin_target_dirs):
+        problems = {
+            target: plugin_problem(settings.cni_bin_source_dir, target, PLUGIN_TYPE)
+            for target in settings.cni_bin_target_dirs
+        }
+        if not all(problems.values()):
             return ""
+        for target, problem in problems.items():
+            if (target / PLUGIN_TYPE).is_file():
+                return f"the plugin {PLUGIN_TYPE} in {target} cannot run: {problem}"
         where = ", ".join(str(target) for target in settings.cni_bin_target_dirs)
         reason = f"the plugin binary {PLUGIN_TYPE} is missing from {where}"
         if not (settings.cni_bin_source_dir / PLUGIN_TYPE).is_file():
@@ -446,17 +455,18 @@ class Installer:
     # -- on exit -----------------------------------------------------------------------------------
 
     def cleanup(self) -> None:
-        """Undo what this process installed: our entry (or standalone file), the kubeconfig, the plugin binary.
+        """Undo what this process installed: our entry (or standalone file), the kubeconfig, the plugin.
 
         Files this process did not write are not touched (another install-cni may be serving the node).
-        When our entry cannot be taken out, the kubeconfig and the binary stay, as in Istio's Cleanup
+        The plugin is its launcher, then the runtime directory beside it. When our entry cannot be
+        taken out, the kubeconfig and the plugin stay, as in Istio's Cleanup
         (``cni/pkg/install/install.go``): a config chaining a missing plugin fails every pod sandbox.
         """
         settings = self.settings
         log.info("cleaning up")
         if not self._remove_config():
             log.error(
-                "keeping the kubeconfig %s and the %s binary: the CNI config %s may still chain istio-cni, "
+                "keeping the kubeconfig %s and the %s plugin: the CNI config %s may still chain istio-cni, "
                 "and without them every pod sandbox on this node would fail",
                 settings.kubeconfig_path,
                 PLUGIN_TYPE,
@@ -469,8 +479,7 @@ class Installer:
                 log.info("removed kubeconfig %s", settings.kubeconfig_path)
             except OSError as err:
                 log.warning("cannot remove the kubeconfig %s: %s", settings.kubeconfig_path, err.strerror)
-        copied_to = tuple(sorted(p.parent for p in self._copied if p.name == PLUGIN_TYPE))
-        remove_binary(copied_to, PLUGIN_TYPE)
+        remove_plugin(self._copied, PLUGIN_TYPE)
 
     def _remove_config(self) -> bool:
         """Take our entry out of the config we wrote; False when it may still be there."""
