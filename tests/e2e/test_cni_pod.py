@@ -48,6 +48,8 @@ from tests.cni.node import AttachedPod, Node, running_node
 from tests.e2e.injector import Istiod, istio_proxy, proxy_image
 from tests.e2e.pod import CLUSTER_DOMAIN, Container, Image, Pod, unsupported
 
+PLUGIN_BUILD = Path(__file__).resolve().parents[2] / "build" / "cni" / "bin"
+"""``make cni-plugin``'s output: what install-cni's image holds in /opt/cni/bin and copies to nodes."""
 EXCLUDED_PORT = 9090
 """An outbound port the sleep pod's rules exclude (``traffic.sidecar.istio.io/excludeOutboundPorts``)."""
 PLAIN_PORT = 9091
@@ -253,7 +255,13 @@ def install_cni_on(node: Node, layout: InstallLayout, kube: FakeKube, log: Path)
     the istio-cni executable into the node's CNI bin dir, writes the plugin's kubeconfig, chains the
     plugin into the node's bridge conflist. The runtime reads that
     conflist from then on. SIGTERM at the end (it restores the conflist and removes the plugin)."""
-    shutil.copy2(Path(sys.executable).parent / "istio-cni", layout.source / "istio-cni")
+    if not (PLUGIN_BUILD / "istio-cni").exists():
+        pytest.fail(f"{PLUGIN_BUILD} is not built: `make cni-plugin` (`make test` does)")
+    for item in PLUGIN_BUILD.iterdir():  # the self-contained plugin, as the install-cni image holds it
+        if item.is_dir():
+            shutil.copytree(item, layout.source / item.name, symlinks=True)
+        else:
+            shutil.copy2(item, layout.source / item.name)
     conflist = layout.conf / "10-k8s-pod-network.conflist"
     conflist.write_text(json.dumps(node.network().document(), indent=2))
     with log.open("ab") as output:
