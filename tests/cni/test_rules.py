@@ -1,32 +1,43 @@
-"""Golden tests of the sidecar rule set, one per case Istio pins.
+"""Golden tests of the sidecar rule set: every case Istio 1.28 pins, against Istio's own files.
 
-Each golden file is laid out as Istio's ``tools/istio-iptables/pkg/capture/run_test.go`` records a
-run (the saves, the restore input per family, the saves), and the ``cni-*`` cases as
-``cni/pkg/plugin/plugin_dryrun_test.go`` compares them (the restore input alone); the case values are
-those tests' configs. ``golden/istio/`` keeps Istio's own file for a case, verbatim, named
-``<case>@<istio commit>.golden``; ``test_istio_file_is_our_golden`` brings it to the current layout
-(``istio_layout``, one rewrite per later Istio change) and requires our golden to equal it line for
-line. The goldens with no usable Istio file are listed in ``NOT_FROM_ISTIO`` with the reason.
+``golden/`` holds Istio's goldens byte for byte (``ISTIO_SOURCES`` there names each one's path and
+git blob id at tag 1.28.10): ``<case>.txt`` is ``tools/istio-iptables/pkg/capture/testdata/<case>.golden``,
+``cni-<case>.txt`` is ``cni/pkg/plugin/testdata/<case>.txt.golden``. The configs are those of
+``tools/istio-iptables/pkg/capture/run_test.go`` (on ``constructTestConfig``, which is
+``CaptureConfig()``) and, for the plugin, the pods of ``cni/pkg/plugin/plugin_dryrun_test.go`` put
+through the plugin's own decision (``redirect.capture_config``). Our output is compared byte for byte,
+stricter than Istio's helpers (``testutil.CompareContent`` trims surrounding blanks, the plugin test
+compares table by table); nothing is rewritten on either side.
+
+Cases Istio has no golden for are behaviour tests below that assert specific rules.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from istio_agent.cni.capture_config import CaptureConfig
+from istio_agent.cni.redirect import capture_config
 from istio_agent.cni.rules import build, render, render_families
 from istio_agent.config.env import ConfigError
-from tests.cni.istio_layout import to_current_layout
+from tests.cni.istio_sources import drifted, manifest
 
 GOLDEN = Path(__file__).parent / "golden"
-ISTIO = GOLDEN / "istio"
 BASE = CaptureConfig()
-"""run_test.go's base: 15001/15006/15008, uid=gid=1337, mark 1337, table 133, no inbound ports."""
+"""run_test.go's constructTestConfig: 15001/15006/15008, uid=gid=1337, mark 1337, table 133, no inbound ports."""
 UID_GID = {"proxy_uid": ("3", "4"), "proxy_gid": ("1", "2")}
 V6_NETS = {"ip_ranges_include": ("2001:db8::/32",), "ip_ranges_exclude": ("2001:db8::/32",)}
+NOT_ISTIOS = {
+    "istio-init-default.txt": "tests/cli/test_istio_iptables.py's expected --dry-run output for the "
+    "injector's istio-init arguments; Istio has no such golden (test_istio_init_rules below checks "
+    "the case against Istio's basic golden). To be dropped once that test stops reading it.",
+}
+"""Files in golden/ that are not Istio's, and why they are still there."""
 
 CASES: dict[str, dict[str, object]] = {
     "empty": {},
@@ -89,9 +100,6 @@ CASES: dict[str, dict[str, object]] = {
         "enable_ipv6": True,
         "owner_groups_exclude": ("888", "ftp"),
     },
-    "inbound-wildcard-exclude": {"inbound_ports": ("*",), "inbound_ports_exclude": (22, 80, 443)},
-    "outbound-ports-exclude": {"outbound_ports_exclude": (22, 80, 443)},
-    "outbound-ports-exclude-single": {"outbound_ports_exclude": (22,)},
     "inbound-ports-tproxy": {"mode": "TPROXY", "inbound_ports": ("32000", "31000")},
     "dns-uid-gid": {
         "redirect_dns": True,
@@ -114,54 +122,71 @@ CASES: dict[str, dict[str, object]] = {
     "host-ipv4-loopback-cidr": {"loopback_cidr": "127.0.0.1/8"},
 }
 
-CNI_BASIC: dict[str, object] = {
+ISTIO_INIT: dict[str, object] = {
     "inbound_ports": ("*",),
-    "inbound_ports_exclude": (15020, 15021, 15090),
-    "outbound_ports_exclude": (15020,),
+    "inbound_ports_exclude": (15090, 15021, 15020),
     "ip_ranges_include": ("*",),
 }
-"""What the istio-cni plugin computes for a plain injected pod (it sorts and adds the agent's ports)."""
-CUSTOM_UID = {"proxy_uid": ("1000670000",), "proxy_gid": ("1000670001",)}
-CNI_CASES: dict[str, dict[str, object]] = {
-    "cni-basic": CNI_BASIC,
-    "cni-tproxy": {**CNI_BASIC, "mode": "TPROXY"},
-    "cni-dns": {**CNI_BASIC, "redirect_dns": True, "capture_all_dns": True},
-    "cni-include-exclude-ip": {
-        **CNI_BASIC,
-        "ip_ranges_include": ("127.0.0.0/8",),
-        "ip_ranges_exclude": ("10.0.0.0/8",),
-    },
-    "cni-custom-uid": {**CNI_BASIC, **CUSTOM_UID},
-    "cni-custom-uid-tproxy": {**CNI_BASIC, **CUSTOM_UID, "mode": "TPROXY"},
-    "cni-include-exclude-ports": {
-        "inbound_ports": ("1111", "2222"),
-        "inbound_ports_exclude": (3333, 4444),
-        "outbound_ports_exclude": (5555, 6666),
-        "ip_ranges_include": ("*",),
-    },
-    "cni-invalid-drop": {**CNI_BASIC, "drop_invalid": True},
+"""The injector's istio-init arguments: ``-i '*' -x "" -b '*' -d 15090,15021,15020`` (no ``-o``)."""
+
+CUSTOM_UID = {"runAsUser": 1000670000, "runAsGroup": 1000670001}
+STATUS = {"sidecar.istio.io/status": "true"}
+CNI_CASES: dict[str, tuple[dict[str, str], dict[str, str], dict[str, int], str]] = {
+    "basic": ({}, {}, {}, "basic"),
+    "include-exclude-ip": (
+        {
+            "traffic.sidecar.istio.io/includeOutboundIPRanges": "127.0.0.0/8",
+            "traffic.sidecar.istio.io/excludeOutboundIPRanges": "10.0.0.0/8",
+        },
+        {},
+        {},
+        "include-exclude-ip",
+    ),
+    "include-exclude-ports": (
+        {
+            "traffic.sidecar.istio.io/includeInboundPorts": "1111,2222",
+            "traffic.sidecar.istio.io/excludeInboundPorts": "3333,4444",
+            "traffic.sidecar.istio.io/excludeOutboundPorts": "5555,6666",
+        },
+        {},
+        {},
+        "include-exclude-ports",
+    ),
+    "tproxy": ({"sidecar.istio.io/interceptionMode": "TPROXY"}, {}, {}, "tproxy"),
+    "DNS": ({}, {"ISTIO_META_DNS_CAPTURE": "true"}, {}, "dns"),
+    "invalid-drop": ({}, {"INVALID_DROP": "true"}, {}, "invalid-drop"),
+    "custom-uid": ({}, {}, CUSTOM_UID, "custom-uid"),
+    "custom-uid-zero": ({}, {}, {"runAsUser": 0}, "basic"),
+    "custom-uid-tproxy": (
+        {"sidecar.istio.io/interceptionMode": "TPROXY"},
+        {},
+        CUSTOM_UID,
+        "custom-uid-tproxy",
+    ),
 }
+"""plugin_dryrun_test.go's TestIPTablesRuleGeneration: case -> (annotations besides the sidecar status,
+istio-proxy's env, istio-proxy's securityContext, golden ``cni/pkg/plugin/testdata/<golden>.txt.golden``)."""
 
 
-NOT_FROM_ISTIO = {
-    "ip-range": "Istio's stored versions put the DNS rules in OUTPUT/ISTIO_OUTPUT (before the "
-    "ISTIO_OUTPUT_DNS chain); reviewed against them and against dns-uid-gid's v4 half",
-    "ipv6-dns-uid-gid": "Istio's stored versions predate 'no DNS server and no capture-all turns DNS "
-    "capture off' (run.go); ours has no DNS rule, the rest equals ipv6-uid-gid's owner rules",
-    "ipv6-dns-outbound-owner-groups": "as ipv6-dns-uid-gid: DNS off without servers; the v4 half "
-    "equals outbound-owner-groups",
-    "ipv6-dns-outbound-owner-groups-exclude": "as ipv6-dns-uid-gid: DNS off without servers; the v4 "
-    "half equals outbound-owner-groups-exclude",
-    "drop-invalid": "Istio's stored versions jump straight to DROP; run.go now uses the ISTIO_DROP chain",
-    "cni-invalid-drop": "as drop-invalid (the plugin's invalid-drop.txt.golden is of the same age)",
-    "istio-init-default": "tests/cli's --dry-run output for the injector's istio-init arguments; "
-    "Istio has no golden for it: cni-basic's rules with -d kept in the given order, no -o",
-}
-"""Goldens not compared with an Istio file, and why (each reviewed by hand against run.go)."""
+def dry_run_pod(annotations: dict[str, str], env: dict[str, str], security: dict[str, int]) -> dict[str, Any]:
+    """buildFakeDryRunPod: containers test, istio-proxy (env, securityContext), istio-validate."""
+    proxy = {
+        "name": "istio-proxy",
+        "env": [{"name": name, "value": value} for name, value in env.items()],
+        "securityContext": security,
+    }
+    return {
+        "metadata": {
+            "name": "testPodName",
+            "namespace": "testNSName",
+            "annotations": {**STATUS, **annotations},
+        },
+        "spec": {"containers": [{"name": "test"}, proxy, {"name": "istio-validate"}]},
+    }
 
 
 def run_lines(config: CaptureConfig) -> str:
-    """What run_test.go records: the saves before, the restore input per family, the saves after."""
+    """What run_test.go records (the stub's ExecutedAll): the saves, the restore input per family, the saves."""
     v4, v6 = render_families(config)
     lines = ["iptables-save", "ip6tables-save", *v4.splitlines()]
     if v6 is not None:
@@ -172,6 +197,11 @@ def run_lines(config: CaptureConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rules_of(config: CaptureConfig, table: str, chain: str) -> list[str]:
+    """The rendered IPv4 rules of one chain, in order."""
+    return [rule.render() for rule in build(config).v4 if (rule.table, rule.chain) == (table, chain)]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_capture_golden(name: str) -> None:
     config = dataclasses.replace(BASE, **CASES[name])  # type: ignore[arg-type]
@@ -180,22 +210,74 @@ def test_capture_golden(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(CNI_CASES))
 def test_cni_golden(name: str) -> None:
-    config = dataclasses.replace(BASE, **CNI_CASES[name])  # type: ignore[arg-type]
-    assert render(build(config).v4) == (GOLDEN / f"{name}.txt").read_text()
+    annotations, env, security, golden = CNI_CASES[name]
+    config = capture_config(dry_run_pod(annotations, env, security), {})
+    assert render(build(config).v4) == (GOLDEN / f"cni-{golden}.txt").read_text()
 
 
-@pytest.mark.parametrize("path", sorted(ISTIO.glob("*.golden")), ids=lambda path: path.stem)
-def test_istio_file_is_our_golden(path: Path) -> None:
-    name = path.stem.split("@")[0]
-    assert to_current_layout(path.read_text()) == (GOLDEN / f"{name}.txt").read_text()
+def test_every_golden_is_istios_file() -> None:
+    """Each golden is Istio's file byte for byte, and each of Istio 1.28's cases has its golden."""
+    sources = manifest(GOLDEN)
+    assert drifted(GOLDEN) == {}
+    assert {path.name for path in GOLDEN.glob("*.txt")} == set(sources) | set(NOT_ISTIOS)
+    expected = {f"{name}.txt": f"tools/istio-iptables/pkg/capture/testdata/{name}.golden" for name in CASES}
+    for *_, golden in CNI_CASES.values():
+        expected[f"cni-{golden}.txt"] = f"cni/pkg/plugin/testdata/{golden}.txt.golden"
+    assert {name: source.istio_path for name, source in sources.items()} == expected
 
 
-def test_every_golden_is_compared_or_excused() -> None:
-    goldens = {path.stem for path in GOLDEN.glob("*.txt")}
-    compared = {path.stem.split("@")[0] for path in ISTIO.glob("*.golden")}
-    assert goldens == set(CASES) | set(CNI_CASES) | {"istio-init-default"}
-    assert compared.isdisjoint(NOT_FROM_ISTIO)
-    assert goldens == compared | set(NOT_FROM_ISTIO)
+# -- cases Istio has no golden for: specific rules ------------------------------------------------
+
+
+@pytest.mark.parametrize("ports", [(22,), (22, 80, 443)])
+def test_excluded_outbound_ports_return_tcp_then_udp_each_before_the_rest(ports: tuple[int, ...]) -> None:
+    """run.go (1.28): one tcp and one udp RETURN per excluded port, in the order given, first in
+    ISTIO_OUTPUT; no ``-m multiport`` (Istio pull request 59544 grouped them; closed unmerged)."""
+    output = rules_of(dataclasses.replace(BASE, outbound_ports_exclude=ports), "nat", "ISTIO_OUTPUT")
+    expected = [
+        f"-A ISTIO_OUTPUT -p {proto} --dport {port} -j RETURN" for port in ports for proto in ("tcp", "udp")
+    ]
+    assert output[: len(expected)] == expected
+    assert output[len(expected)] == "-A ISTIO_OUTPUT -o lo -s 127.0.0.6/32 -j RETURN"
+    assert not any("multiport" in rule for rule in output)
+
+
+def test_excluded_inbound_ports_with_a_wildcard_return_in_the_order_given() -> None:
+    """run.go (1.28): after the tunnel port, one tcp RETURN per excluded port, then the redirect."""
+    config = dataclasses.replace(BASE, inbound_ports=("*",), inbound_ports_exclude=(443, 22, 80))
+    assert rules_of(config, "nat", "ISTIO_INBOUND") == [
+        "-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 443 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 22 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 80 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT",
+    ]
+
+
+def test_istio_init_rules() -> None:
+    """The injector's istio-init arguments give Istio's basic plugin rules but for the port
+    exclusions: inbound in the order the injector passes them (the plugin puts the pod's first, then
+    15020,15021,15090), and no excluded outbound port (the plugin excludes 15020 by default)."""
+    exclusion = re.compile(
+        r"-A ISTIO_INBOUND -p tcp --dport (15020|15021|15090) -j RETURN|-A ISTIO_OUTPUT -p (tcp|udp) --dport"
+    )
+    ours = render(build(dataclasses.replace(BASE, **ISTIO_INIT)).v4).splitlines()  # type: ignore[arg-type]
+    istio = (GOLDEN / "cni-basic.txt").read_text().splitlines()
+    assert [line for line in ours if not exclusion.match(line)] == [
+        line for line in istio if not exclusion.match(line)
+    ]
+    assert [line for line in ours if exclusion.match(line)] == [
+        "-A ISTIO_INBOUND -p tcp --dport 15090 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 15021 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 15020 -j RETURN",
+    ]
+    assert [line for line in istio if exclusion.match(line)] == [
+        "-A ISTIO_INBOUND -p tcp --dport 15020 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 15021 -j RETURN",
+        "-A ISTIO_INBOUND -p tcp --dport 15090 -j RETURN",
+        "-A ISTIO_OUTPUT -p tcp --dport 15020 -j RETURN",
+        "-A ISTIO_OUTPUT -p udp --dport 15020 -j RETURN",
+    ]
 
 
 def test_excluding_every_destination_is_refused() -> None:
