@@ -32,12 +32,8 @@ BASE = CaptureConfig()
 """run_test.go's constructTestConfig: 15001/15006/15008, uid=gid=1337, mark 1337, table 133, no inbound ports."""
 UID_GID = {"proxy_uid": ("3", "4"), "proxy_gid": ("1", "2")}
 V6_NETS = {"ip_ranges_include": ("2001:db8::/32",), "ip_ranges_exclude": ("2001:db8::/32",)}
-NOT_ISTIOS = {
-    "istio-init-default.txt": "tests/cli/test_istio_iptables.py's expected --dry-run output for the "
-    "injector's istio-init arguments; Istio has no such golden (test_istio_init_rules below checks "
-    "the case against Istio's basic golden). To be dropped once that test stops reading it.",
-}
-"""Files in golden/ that are not Istio's, and why they are still there."""
+NOT_ISTIOS: dict[str, str] = {}
+"""Files in golden/ that are not Istio's, and why they are still there (none: keep it so)."""
 
 CASES: dict[str, dict[str, object]] = {
     "empty": {},

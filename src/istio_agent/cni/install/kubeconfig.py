@@ -47,7 +47,6 @@ def build(settings: InstallSettings) -> dict[str, Any]:
         "contexts": [{"context": {"cluster": CLUSTER, "user": USER}, "name": CONTEXT}],
         "current-context": CONTEXT,
         "kind": "Config",
-        "preferences": {},
         "users": [{"name": USER, "user": {"token": token}}],
     }
 
