@@ -4,17 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint protos bench soak demo clean bytecode cni-plugin
+.PHONY: test test-fast lint protos bench soak demo clean bytecode cni-plugin cri-protos
 
 # Debian tools the tests and benchmarks run against: dnsmasq (upstream resolver and peer), dig, dnsperf for
 # DNS; iptables (legacy and nft), nft, conntrack, ip and the reference CNI plugins (bridge, host-local…
 # in /usr/lib/cni) for the CNI tests in network namespaces; curl, the app of the CNI pod end-to-end test;
 # a static busybox, the only program of the node root the self-contained plugin is tested in, and strip,
-# which takes the debug sections out of the libraries that plugin carries.
+# which takes the debug sections out of the libraries that plugin carries; containerd and runc, the container
+# runtime the CRI tests (tests/cri) drive.
 DEB_TOOLS := dnsmasq dig dnsperf iptables-legacy iptables-nft nft conntrack ip /usr/lib/cni/bridge curl \
-	busybox strip
+	busybox strip containerd runc
 DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf iptables nftables conntrack iproute2 containernetworking-plugins curl \
-	busybox-static binutils
+	busybox-static binutils containerd runc
 
 $(STAMP): pyproject.toml
 	@missing=""; for t in $(DEB_TOOLS); do command -v $$t >/dev/null || [ -x /usr/sbin/$$t ] || missing=yes; done; \
@@ -52,10 +53,10 @@ $(CNI_PLUGIN_DIR)/istio-cni: $(CNI_PLUGIN_INPUTS)
 # even on two cores. Tests therefore never bind a fixed host port (port 0, or their own network namespace).
 TEST_WORKERS ?= 2
 
-test: bytecode cni-plugin
+test: bytecode cni-plugin cri-protos
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
-test-fast: bytecode cni-plugin
+test-fast: bytecode cni-plugin cri-protos
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m 'not e2e'
 
 lint: $(STAMP)
@@ -65,6 +66,12 @@ lint: $(STAMP)
 
 protos: $(STAMP)
 	$(BIN)/python -m istio_agent.protos.generate
+
+# The CRI subset the containerd tests speak (tests/cri/cri_runtime.proto), generated into build/cri, not committed.
+cri-protos: build/cri/cri_runtime_pb2_grpc.py
+
+build/cri/cri_runtime_pb2_grpc.py: tests/cri/cri_runtime.proto tests/cri/protos.py $(STAMP)
+	$(BIN)/python -m tests.cri.protos
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.sds

@@ -1,0 +1,294 @@
+"""A Kubernetes node as the containerd tests run it: containerd's CRI, Debian's CNI plugins, install-cni.
+
+- **The node**: a network namespace of its own (``tests/cni/node.py``) standing for the host's.
+  containerd runs there (``containerd.py``), so the bridge ``cni0`` and its gateway live there; its
+  CNI config directory holds the node's pod network, Debian's ``bridge`` + ``host-local`` +
+  ``portmap``, and its CNI bin directory Debian's plugins (and ``loopback``, which containerd runs
+  for every sandbox's ``lo``).
+- **install-cni**, the real one, in the node's namespace as Istio's DaemonSet runs it in the host's
+  (``hostNetwork``), with the variables of Istio 1.28's chart (:data:`CHART_ENV`); its host paths,
+  which the DaemonSet mounts at ``/host/etc/cni/net.d``, ``/host/opt/cni/bin`` and
+  ``/var/run/istio-cni``, are the test's directories, and its own ``/opt/cni/bin`` (the image's) is
+  ``build/cni/bin``, the self-contained plugin ``make cni-plugin`` builds. It copies the plugin into
+  the node's bin directory and chains it into the node's conflist; containerd picks that up by
+  itself, as it does on a node.
+- **The API server** is the FAKE one of the plugin tests (``tests/cni/fake_kube.py``: no real one
+  runs here), on the node's loopback, where the plugin reaches it through the kubeconfig install-cni
+  writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from istio_agent.ctl.local import wait_until
+from tests.cni.fake_kube import TOKEN as FAKE_TOKEN
+from tests.cni.fake_kube import FakeKube
+from tests.cni.install.layout import Node as InstallLayout
+from tests.cni.install.layout import install_cni_args
+from tests.cni.libcni import DEBIAN_PLUGINS
+from tests.cni.netns import in_netns, netns, sh
+from tests.cni.node import Node, bridge_network, running_node
+from tests.cri.containerd import NODE_PATH, Containerd, running_containerd
+from tests.e2e.test_cni_pod import ApiServerOnNode
+
+REPO = Path(__file__).resolve().parents[2]
+BUNDLE_DIR = REPO / "build" / "cni" / "bin"
+"""What install-cni's image holds in /opt/cni/bin (``make cni-plugin``)."""
+TESTDATA = Path(__file__).with_name("testdata")
+NODE_PLUGINS = ("bridge", "host-local", "portmap", "loopback")
+CONFLIST = "10-k8s-pod-network.conflist"
+NODE_NAME = "node-1"
+CHART_ENV = {
+    # the istio-cni chart's ConfigMap with its default values (manifests/charts/istio-cni,
+    # templates/configmap-cni.yaml and values.yaml of 1.28)
+    "AMBIENT_ENABLED": "false",
+    "CHAINED_CNI_PLUGIN": "true",
+    "EXCLUDE_NAMESPACES": "kube-system",
+    "REPAIR_ENABLED": "true",
+    "REPAIR_LABEL_PODS": "false",
+    "REPAIR_DELETE_PODS": "false",
+    "REPAIR_REPAIR_PODS": "true",
+    "REPAIR_INIT_CONTAINER_NAME": "istio-validation",
+    "REPAIR_BROKEN_POD_LABEL_KEY": "cni.istio.io/uninitialized",
+    "REPAIR_BROKEN_POD_LABEL_VALUE": "true",
+    "NATIVE_NFTABLES": "false",
+    # the DaemonSet's own env (templates/daemonset.yaml)
+    "REPAIR_NODE_NAME": NODE_NAME,
+    "REPAIR_RUN_AS_DAEMON": "true",
+    "REPAIR_SIDECAR_ANNOTATION": "sidecar.istio.io/status",
+    "ALLOW_SWITCH_TO_HOST_NS": "true",
+    "NODE_NAME": NODE_NAME,
+    "POD_NAME": "istio-cni-node-x7k2p",
+    "POD_NAMESPACE": "istio-system",
+}
+
+
+def injected_pod(name: str, namespace: str = "default") -> dict[str, Any]:
+    """Istio's injector output for a CNI node (``testdata/hello.yaml.cni.injected``) as a pod."""
+    deployment = next(yaml.safe_load_all((TESTDATA / "hello.yaml.cni.injected").read_text()))
+    template = deployment["spec"]["template"]
+    metadata = {**template["metadata"], "name": name, "namespace": namespace}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {**template["spec"], "nodeName": NODE_NAME},
+    }
+
+
+def plain_pod(name: str, namespace: str = "default") -> dict[str, Any]:
+    """The same workload without injection (no sidecar, no status annotation)."""
+    metadata = {"name": name, "namespace": namespace, "labels": {"app": "hello"}}
+    container = {"name": "hello", "image": "fake.docker.io/google-samples/hello-go-gke:1.0"}
+    spec = {"containers": [container], "nodeName": NODE_NAME}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+@dataclass
+class CriNode:
+    """The node's parts the tests use."""
+
+    base: Path
+    node: Node
+    api: ApiServerOnNode
+    layout: InstallLayout
+    containerd: Containerd
+
+    api_stopped: bool = False
+
+    @property
+    def kube(self) -> FakeKube:
+        assert self.api.kube is not None
+        return self.api.kube
+
+    @property
+    def ipam_dir(self) -> Path:
+        return self.node.ipam_dir
+
+    def stop_api_server(self) -> None:
+        """The API server goes down (for good: the node's fixture does not start it again)."""
+        self.api.stop()
+        self.api_stopped = True
+
+    def veths(self) -> list[str]:
+        """The host ends of the pods' veths in the node's namespace."""
+        links = json.loads(self.node.netns.ip("-j", "link", "show", "type", "veth") or "[]")
+        return [link["ifname"] for link in links]
+
+    def allocations(self) -> list[str]:
+        """The pod IPs host-local holds (one file per address in its network's directory)."""
+        network = self.ipam_dir / "k8s-pod-network"
+        if not network.is_dir():
+            return []
+        return sorted(
+            p.name for p in network.iterdir() if p.name[0].isdigit() and not p.name.startswith("last_")
+        )
+
+
+def node_conflist(ipam_dir: Path) -> dict[str, Any]:
+    """The node's pod network before install-cni: bridge + host-local, then portmap (as kubeadm nodes)."""
+    portmap = {"type": "portmap", "capabilities": {"portMappings": True}}
+    return bridge_network(ipam_dir, [portmap]).document()
+
+
+def start_install_cni(
+    layout: InstallLayout, node: Node, api_port: int, ca_pem: bytes, log: Path
+) -> subprocess.Popen[bytes]:
+    """install-cni as the DaemonSet runs it (its env, the host's network), its paths the test's."""
+    (layout.sa / "ca.crt").write_bytes(ca_pem)
+    (layout.sa / "token").write_text(FAKE_TOKEN)
+    env = {
+        "PATH": NODE_PATH,
+        "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+        "KUBERNETES_SERVICE_PORT": str(api_port),
+        **CHART_ENV,
+    }
+    args = [*install_cni_args(layout), "--host-proc-dir=/proc"]
+    with log.open("ab") as output:
+        return subprocess.Popen(
+            ["nsenter", f"--net={node.netns.path}", "--", *args],
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+
+
+@contextlib.contextmanager
+def cri_node(base: Path, *, path_prefix: Sequence[Path] = ()) -> Iterator[CriNode]:
+    """The started node; on exit every sandbox is removed and every process, mount and namespace ended.
+
+    ``path_prefix``: directories put first on containerd's PATH (the plugins it execs inherit it)."""
+    if not (BUNDLE_DIR / "istio-cni").exists():
+        raise AssertionError(
+            f"{BUNDLE_DIR}/istio-cni is missing: build it with `make cni-plugin` (`make test` does)"
+        )
+    conf_dir, bin_dir, install_root = base / "etc-cni-net.d", base / "opt-cni-bin", base / "install"
+    for directory in (conf_dir, bin_dir, install_root):
+        directory.mkdir(parents=True)
+    for plugin in NODE_PLUGINS:
+        shutil.copy2(DEBIAN_PLUGINS / plugin, bin_dir / plugin)
+    layout = InstallLayout(install_root)  # its run dir and service account; the node's conf and bin dirs
+    layout.conf, layout.bin, layout.source = conf_dir, bin_dir, BUNDLE_DIR
+    prefix = os.pathsep.join(str(p) for p in path_prefix)
+    with running_node(base / "node") as node:
+        conflist = conf_dir / CONFLIST
+        conflist.write_text(json.dumps(node_conflist(node.ipam_dir), indent=2))
+        with running_containerd(
+            base / "containerd", node.netns.path, conf_dir, bin_dir, path_prefix=prefix
+        ) as runtime:
+            cri = CriNode(base, node, ApiServerOnNode(node, base / "kube"), layout, runtime)
+            try:
+                log = base / "install-cni.log"
+                process = start_install_cni(layout, node, cri.kube.port, cri.kube.ca_pem, log)
+                try:
+                    wait_for_chaining(runtime, conflist, process, log)
+                    yield cri
+                finally:
+                    process.terminate()
+                    process.wait(15)
+            finally:
+                if not cri.api_stopped:
+                    cri.api.stop()
+
+
+def wait_for_chaining(
+    runtime: Containerd, conflist: Path, process: subprocess.Popen[bytes], log: Path
+) -> None:
+    """Until install-cni has chained istio-cni into the conflist and containerd has loaded it."""
+
+    def chained() -> bool:
+        assert process.poll() is None, f"install-cni exited: {log.read_text()}"
+        plugins = json.loads(conflist.read_text())["plugins"]
+        return plugins[-1]["type"] == "istio-cni" and (runtime.cni_bin_dir / "istio-cni").exists()
+
+    wait_until(chained, 30, "install-cni chaining istio-cni into the node's conflist")
+
+    def loaded() -> bool:
+        ready, config = runtime.network_status()
+        networks = [n["Config"] for n in config.get("Networks", [])]
+        types = [
+            p["Network"]["type"] for n in networks if n["Name"] == "k8s-pod-network" for p in n["Plugins"]
+        ]
+        return ready and types[-1:] == ["istio-cni"]
+
+    wait_until(loaded, 30, "containerd loading the conflist with istio-cni")
+
+
+# -- what the tests check in a sandbox and on the node ---------------------------------------------
+
+ISTIO_GOLDEN = TESTDATA / "basic.txt.golden"
+"""Istio's rules for the injected pod (Istio's plugin dry run for its basic case)."""
+BACKENDS = ("nft", "legacy")
+
+
+def saved_rules(netns: Path) -> dict[str, str]:
+    """``iptables-save`` and ``ip6tables-save`` of each backend in a namespace, comments dropped and
+    counters zeroed, for those that hold any of Istio's chains."""
+    saved = {}
+    for family in ("iptables", "ip6tables"):
+        for backend in BACKENDS:
+            command = f"{family}-{backend}-save"
+            text = sh(*in_netns(netns, [command]))
+            lines = [
+                re.sub(r"\[\d+:\d+\]", "[0:0]", line)
+                for line in text.splitlines()
+                if not line.startswith("#")
+            ]
+            if any("ISTIO" in line for line in lines):
+                saved[command] = "\n".join(lines)
+    return saved
+
+
+def istio_reference(save_command: str) -> str:
+    """Istio's golden rules as ``save_command``'s backend holds them: restored in a fresh namespace, saved."""
+    with netns("reference") as reference:
+        sh(
+            *in_netns(reference.path, [save_command.replace("-save", "-restore")]),
+            input=ISTIO_GOLDEN.read_text() + "\n",
+        )
+        return saved_rules(reference.path)[save_command]
+
+
+def processes_from(directory: Path) -> list[str]:
+    """Processes running a program from ``directory`` (a plugin the runtime exec'd from the bin dir: its
+    path is an argument of the shell or the loader that runs it)."""
+    prefix = f"{directory}/".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if any(arg.startswith(prefix) for arg in argv):
+                    found.append(f"{entry.name}: {b' '.join(argv).decode(errors='replace')}")
+    return found
+
+
+def leftovers(cri: CriNode) -> dict[str, list[str]]:
+    """What sandboxes may leave on the node, by kind: every list is empty once they are all removed."""
+    runtime = cri.containerd
+    netns_dir = runtime.netns_dir
+    return {
+        "sandboxes": runtime.sandbox_ids(),
+        "network namespaces": sorted(os.listdir(netns_dir)) if netns_dir.is_dir() else [],
+        "shims": [str(pid) for pid in runtime.shims()],
+        "plugin processes": processes_from(runtime.cni_bin_dir),
+        "pod IPs": cri.allocations(),
+        "veths": cri.veths(),
+    }
+
+
+NOTHING_LEFT = {
+    kind: [] for kind in ("sandboxes", "network namespaces", "shims", "plugin processes", "pod IPs", "veths")
+}
