@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -251,6 +252,7 @@ def saved_rules(netns: Path) -> dict[str, str]:
     return saved
 
 
+@functools.cache
 def istio_reference(save_command: str) -> str:
     """Istio's golden rules as ``save_command``'s backend holds them: restored in a fresh namespace, saved."""
     with netns("reference") as reference:
@@ -289,6 +291,6 @@ def leftovers(cri: CriNode) -> dict[str, list[str]]:
     }
 
 
-NOTHING_LEFT = {
+NOTHING_LEFT: dict[str, list[str]] = {
     kind: [] for kind in ("sandboxes", "network namespaces", "shims", "plugin processes", "pod IPs", "veths")
 }

@@ -12,6 +12,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,7 @@ def test_wire_names_and_numbers_match_kubernetes() -> None:
         "Status",
     }  # fmt: skip
 
-    def numbers(message: type) -> dict[str, int]:
+    def numbers(message: Any) -> dict[str, int]:
         return {f.name: f.number for f in message.DESCRIPTOR.fields}
 
     assert numbers(pb.RunPodSandboxRequest) == {"config": 1, "runtime_handler": 2}
