@@ -12,10 +12,16 @@ its containers, and how this harness gives it (Istio's side, the injected ``isti
   namespace (:meth:`Pod.socket`). Or, as on a node with a CNI network (``tests/cni/node.py``), the
   namespace the runtime prepared with the CNI chain, the pod IP from its result; the cluster is then
   on the node's side of the bridge.
-- **File system**: each container has a private mount namespace whose root is the host's, remounted
-  read-only (``readOnlyRootFilesystem: true``): the venv and the Envoy binary stay readable and nothing
-  else is writable. The image's files (``/usr/local/bin/pilot-agent``, ``/usr/local/bin/envoy``) are
-  bind-mounted where the image has them. Mount points the host lacks (``/etc/istio``,
+- **File system**: each container has a private mount namespace. With an image root
+  (:meth:`Image.of_built`: ``make images``' image, unpacked from its archive by tests/images/built.py)
+  the container's root is that image, as a runtime gives it: an overlay with the image as its lower
+  layer (the mount points it lacks are made in the upper one, in the test's temporary directory),
+  remounted read-only (``readOnlyRootFilesystem: true``), with its own ``/proc``, a ``/dev`` of the
+  usual devices and a read-only ``/sys``; the container is ``chroot``-ed into it, and its last step,
+  dropping to the image's user, runs the image's own ``setpriv`` and ``env``. Without one (a test's
+  app, or the image laid out from this checkout), the root is the host's, remounted read-only: the
+  venv and the Envoy binary stay readable and nothing else is writable; the image's files are
+  bind-mounted where the image has them, and mount points the host lacks (``/etc/istio``,
   ``/var/lib/istio``, ``/var/run/secrets``) are made in overlays whose upper layers are in the test's
   temporary directory: nothing changes on the host.
 - **Volumes** at their real paths, from per-test directories: emptyDirs writable (0777, as the kubelet
@@ -47,13 +53,14 @@ import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import dns.message
 import dns.query
 
 from tests.cni.netns import socket_in
+from tests.images import built
 
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 POD_IP = "127.0.0.1"
@@ -111,7 +118,7 @@ def expand_kubelet_vars(text: str, env: Mapping[str, str]) -> str:
 
 @dataclass(frozen=True)
 class Image:
-    """What an image contributes: files at their paths, its ENV, its USER."""
+    """What an image contributes: its root (or files at their paths on the host's), its ENV, its USER."""
 
     files: Mapping[str, Path]
     env: Mapping[str, str]
@@ -120,6 +127,14 @@ class Image:
     needs: tuple[Path, ...] = ()
     """Host paths the files use at run time (an interpreter, a venv): an image would have them where
     any user can read them, so the container is given a way through to them."""
+    root: Path | None = None
+    """The image's root file system: the container runs in it instead of the host's root."""
+
+    @classmethod
+    def of_built(cls, name: str, *, uid: int, gid: int) -> Image:
+        """``make images``' image ``name`` (tests/images/built.py): its unpacked root and its config's ENV;
+        ``uid``/``gid`` are the pod's ``runAsUser``/``runAsGroup``."""
+        return cls(files={}, env=built.image(name).env(), uid=uid, gid=gid, root=built.image_root(name))
 
 
 @dataclass(frozen=True)
@@ -452,6 +467,8 @@ class Pod:
 
     def _exec(self, running: Running, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         enter = ["nsenter", f"--target={running.pid}", "--mount", "--net", "--pid", "--"]
+        if running.spec.image.root is not None:  # the container's root, mounted before it started
+            enter += ["chroot", str(running.output("root"))]
         return subprocess.Popen(
             [*enter, *self._as_user(running.spec), *args], env={"PATH": HOST_PATH}, **kwargs
         )
@@ -484,6 +501,10 @@ class Pod:
         for mount in spec.mounts:
             source, read_only = self.volumes[mount.volume]
             binds.append((source, mount.path, read_only or mount.read_only))
+        if spec.image.root is not None:
+            script = _image_root_script(spec.image.root, binds, workdir, ready_fd)
+            (workdir / "setup.sh").write_text(script)
+            return script
         targets = [os.path.realpath(target) for _, target, _ in binds]
         closed = _closed_directories(spec.image.needs, spec.image.uid)
         overlays = _outermost([*_missing_mount_roots(targets), *closed])
@@ -517,6 +538,78 @@ class Pod:
         script = "\n".join(lines) + "\n"
         (workdir / "setup.sh").write_text(script)
         return script
+
+
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+"""The device nodes a runtime gives every container (runc's defaults)."""
+
+
+def _image_root_script(
+    image_root: Path, binds: Sequence[tuple[Path, str, bool]], workdir: Path, ready_fd: int
+) -> str:
+    """The setup script for a container that runs in its image's root (see :meth:`Pod._setup_script`).
+
+    The image is the lower layer of an overlay whose upper layer is in ``workdir`` (where the mount
+    points the image lacks are made), mounted at ``workdir/root``; the kernel file systems and the
+    volumes go on it, the overlay is remounted read-only, and the entrypoint runs ``chroot``-ed there.
+    """
+    q = shlex.quote
+    root, upper, work = workdir / "root", workdir / "rootfs" / "upper", workdir / "rootfs" / "work"
+    for directory in (root, upper, work):
+        directory.mkdir(parents=True)
+    r = q(str(root))
+    layers = f"lowerdir={image_root},upperdir={upper},workdir={work}"
+    lines = ["set -eu", f"mount -t overlay overlay -o {q(layers)} {r}"]
+    lines += [f"mkdir -p {r}/proc {r}/dev {r}/sys", f"mount -t proc proc {r}/proc"]
+    lines += [f"mount -t tmpfs -o nosuid,mode=755 tmpfs {r}/dev"]
+    for device in DEVICES:
+        lines += [f"touch {r}/dev/{device}", f"mount --bind /dev/{device} {r}/dev/{device}"]
+    lines += [f"mkdir {r}/dev/shm", f"mount -t tmpfs -o nosuid,nodev,mode=1777 shm {r}/dev/shm"]
+    lines += [f"ln -s /proc/self/fd {r}/dev/fd"]
+    lines += [
+        f"ln -s /proc/self/fd/{fd} {r}/dev/{name}" for fd, name in enumerate(("stdin", "stdout", "stderr"))
+    ]
+    lines += [f"mount -t sysfs -o ro,nosuid,nodev,noexec sysfs {r}/sys"]
+    for source, path, read_only in binds:
+        target = q(str(root / in_root(image_root, path)))
+        if source.is_dir():
+            lines.append(f"[ -d {target} ] || mkdir -p {target}")
+        else:
+            lines.append(f"[ -e {target} ] || {{ mkdir -p $(dirname {target}); touch {target}; }}")
+        lines.append(f"mount --bind {q(str(source))} {target}")
+        if read_only:
+            lines.append(f"mount -o remount,bind,ro {target}")
+    lines += [f"mount -o remount,bind,ro {r}"]
+    lines += [f"echo ready >&{ready_fd}", f'exec chroot {r} "$@" 2>&1 {ready_fd}>&-']
+    return "\n".join(lines) + "\n"
+
+
+def in_root(root: Path, path: str) -> PurePosixPath:
+    """Where ``path`` of a container is in its image ``root``, relative to it: its links followed as the
+    container would see them, an absolute link target taken from ``root`` (``/var/run`` -> ``/run``),
+    never leaving it (as runtimes resolve mount points). The part that does not exist is kept as is."""
+    pending = list(PurePosixPath(path).parts[1:])
+    resolved = PurePosixPath()
+    links = 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            resolved = resolved.parent
+            continue
+        candidate = root / resolved / part
+        if not candidate.is_symlink():
+            resolved /= part
+            continue
+        links += 1
+        if links > 40:
+            raise ValueError(f"{path}: too many links in {root}")
+        target = PurePosixPath(os.readlink(candidate))
+        if target.is_absolute():
+            resolved = PurePosixPath()
+        pending[:0] = [p for p in target.parts if p != "/"]
+    return resolved
 
 
 class _PodHTTPConnection(http.client.HTTPConnection):

@@ -1,8 +1,9 @@
 """End to end: ``pilot-agent`` as Istio's ``grpc-agent`` template runs it next to a proxyless gRPC app.
 
-uid 1337, read-only root, only the template's volumes writable (tests/e2e/pod.py); no Envoy and no
-SDS server; the certificates and the gRPC bootstrap on the volumes the app shares; the app's grpcio
-xDS client reaches the local control plane through the agent's socket.
+The agent runs in the proxy image ``make images`` builds (tests/e2e/test_pod_sidecar.py), uid 1337,
+read-only root, only the template's volumes writable (tests/e2e/pod.py); no Envoy and no SDS server;
+the certificates and the gRPC bootstrap on the volumes the app shares; the app's grpcio xDS client
+reaches the local control plane through the agent's socket.
 """
 
 from __future__ import annotations
@@ -10,15 +11,22 @@ from __future__ import annotations
 import json
 import stat
 import sys
+from dataclasses import replace
 
 import pytest
 
 from istio_agent.ctl.local import wait_until
 from tests.e2e.injector import Istiod, grpc_agent, grpc_app, log_problems, mesh_for
 from tests.e2e.pod import Pod, children, unsupported
-from tests.e2e.test_pod_sidecar import assert_runs_as_the_proxy_user, written_files
+from tests.e2e.test_pod_sidecar import (
+    assert_runs_as_the_proxy_user,
+    assert_runs_in_the_image,
+    proxy_image,
+    written_files,
+)
+from tests.images.built import unavailable
 
-CANNOT_RUN = unsupported()
+CANNOT_RUN = unsupported() or unavailable("proxyv2")
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(120),
@@ -46,12 +54,12 @@ def istiod(pod: Pod) -> Istiod:
 
 def test_the_grpc_agent_writes_certs_and_bootstrap_and_relays_the_apps_xds(pod: Pod, istiod: Istiod) -> None:
     # a short SECRET_TTL: the local CA's certificates are rotated while the test runs
-    running = pod.start_container(
-        grpc_agent(pod, istiod, proxy_metadata={"SECRET_TTL": "4s"}, grace_period=10)
-    )
+    agent = grpc_agent(pod, istiod, proxy_metadata={"SECRET_TTL": "4s"}, grace_period=10)
+    running = pod.start_container(replace(agent, image=proxy_image()))
     pod.wait_ready("istio-proxy")  # postStart: pilot-agent wait on 15020's /healthz/ready
     assert pod.http("GET", 15020, "/healthz/ready")[0] == 200
 
+    assert_runs_in_the_image(running)
     assert_runs_as_the_proxy_user(running.pid)
     assert children(running.pid) == []  # no Envoy
     # every file the agent writes is on the template's volumes (the root refuses any other): no SDS socket

@@ -1,26 +1,30 @@
 """End to end: ``pilot-agent`` as the ``istio-proxy`` container Istio's injector adds to a pod.
 
-uid 1337 with no capabilities, a read-only root, only the injector's volumes writable, the injector's
-args and env, cwd ``/``, the image layout (``/usr/local/bin/pilot-agent``, ``/usr/local/bin/envoy``) and
-the hooks run as the kubelet runs them; the local control plane is ``istiod.istio-system.svc`` on
-15010/15012 (see tests/e2e/pod.py and tests/e2e/injector.py).
+The container runs in the proxy image ``make images`` builds (its root unpacked from the archive, its
+ENV: what ships), as uid 1337 with no capabilities, on a read-only root, only the injector's volumes
+writable, with the injector's args and env, cwd ``/`` and the hooks run as the kubelet runs them; the
+local control plane is ``istiod.istio-system.svc`` on 15010/15012 (see tests/e2e/pod.py and
+tests/e2e/injector.py).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import dns.exception
 import dns.rcode
 import pytest
 
 from istio_agent.ctl.local import wait_until
-from tests.e2e.injector import Istiod, istio_proxy, log_problems, mesh_for
-from tests.e2e.pod import Pod, Running, children, process_status, unsupported
+from tests.e2e.injector import PROXY_UID, Istiod, istio_proxy, log_problems, mesh_for
+from tests.e2e.pod import Container, Image, Pod, Running, children, process_status, unsupported
+from tests.images.built import unavailable
 
-CANNOT_RUN = unsupported()
+CANNOT_RUN = unsupported() or unavailable("proxyv2")
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(120),
@@ -37,6 +41,16 @@ def istiod(pod: Pod) -> Istiod:
     control_plane = Istiod(pod, mesh_for(pod, nameTable=NAME_TABLE))
     control_plane.start()
     return control_plane
+
+
+def proxy_image() -> Image:
+    """The proxy image as the injected container runs it (``runAsUser``/``runAsGroup`` 1337)."""
+    return Image.of_built("proxyv2", uid=PROXY_UID, gid=PROXY_UID)
+
+
+def sidecar(pod: Pod, istiod: Istiod, **kwargs: Any) -> Container:
+    """The injector's ``istio-proxy`` container (tests/e2e/injector.py), run from the proxy image."""
+    return replace(istio_proxy(pod, istiod, **kwargs), image=proxy_image())
 
 
 def addresses(pod: Pod, name: str, rdtype: str = "A", *, tcp: bool = False) -> list[str]:
@@ -68,6 +82,13 @@ def assert_runs_as_the_proxy_user(pid: int) -> None:
     assert status["NoNewPrivs"] == "1"
 
 
+def assert_runs_in_the_image(container: Running) -> None:
+    """The agent is the image's (its venv's Python, which this machine lacks), chroot-ed in its root."""
+    argv = Path(f"/proc/{container.pid}/cmdline").read_bytes().split(b"\0")
+    assert argv[:2] == [b"/opt/istio-agent/bin/python", b"/usr/local/bin/pilot-agent"], argv
+    assert os.readlink(f"/proc/{container.pid}/root") == str(container.output("root"))
+
+
 def written_files(volume: Path) -> list[str]:
     return sorted(str(path.relative_to(volume)) for path in volume.rglob("*"))
 
@@ -75,10 +96,11 @@ def written_files(volume: Path) -> list[str]:
 def test_the_injected_sidecar_starts_serves_dns_and_drains_on_a_read_only_root(
     pod: Pod, istiod: Istiod
 ) -> None:
-    running = pod.start_container(istio_proxy(pod, istiod, proxy_metadata=DNS_CAPTURE, grace_period=10))
+    running = pod.start_container(sidecar(pod, istiod, proxy_metadata=DNS_CAPTURE, grace_period=10))
     pod.wait_ready("istio-proxy")  # postStart: pilot-agent wait on 15020's /healthz/ready
     assert pod.http("GET", 15021, "/healthz/ready")[0] == 200  # the kubelet's probe, through Envoy
 
+    assert_runs_in_the_image(running)
     assert_runs_as_the_proxy_user(running.pid)
     envoy = children(running.pid)
     assert (
@@ -115,7 +137,7 @@ def test_the_injected_sidecar_starts_serves_dns_and_drains_on_a_read_only_root(
 def test_a_restarted_container_answers_from_the_table_on_its_istio_data_volume(
     pod: Pod, istiod: Istiod
 ) -> None:
-    pod.start_container(istio_proxy(pod, istiod, proxy_metadata=DNS_CAPTURE, grace_period=10))
+    pod.start_container(sidecar(pod, istiod, proxy_metadata=DNS_CAPTURE, grace_period=10))
     pod.wait_ready("istio-proxy")
     host = f"{pod.name}.{pod.namespace}.svc.cluster.local."
     assert addresses(pod, host) == [pod.ip]
@@ -164,7 +186,7 @@ def test_a_restarted_container_answers_from_the_table_on_its_istio_data_volume(
 def test_without_a_writable_volume_the_agent_exits_naming_the_path(
     pod: Pod, istiod: Istiod, volume: str, fault: str, error: str
 ) -> None:
-    spec = istio_proxy(pod, istiod)
+    spec = sidecar(pod, istiod)
     if fault == "missing":
         spec.mounts = [m for m in spec.mounts if m.volume != volume]
     elif fault == "mounted read-only":
