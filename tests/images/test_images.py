@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 import subprocess
 import tempfile
 import tomllib
@@ -48,17 +49,20 @@ def run_in_image(
     *,
     user: str = "0:0",
     env: Mapping[str, str] | None = None,
+    own_network: bool = False,
     timeout: float = 30,
 ) -> subprocess.CompletedProcess[str]:
     """``argv`` in the image's root, read-only, as ``user`` (uid:gid), with the image's ENV (or ``env``)
-    and nothing else: a private mount namespace, the root bind-mounted read-only with its own /proc."""
+    and nothing else: a private mount namespace, the root bind-mounted read-only with its own /proc;
+    with ``own_network``, a network namespace of its own too (a pod's)."""
     environment = image(name).env() if env is None else dict(env)
     script = (
         'set -e; mount --bind "$1" "$2"; mount -o remount,bind,ro "$2"; mount -t proc proc "$2/proc"; '
         'root=$2 user=$3; shift 3; exec chroot --userspec="$user" "$root" "$@"'
     )
     with tempfile.TemporaryDirectory(prefix="image-root-") as mount_point:
-        command = ["unshare", "--mount", "--propagation", "private", "--", "bash", "-c", script, "bash"]
+        command = ["unshare", "--mount", "--propagation", "private", *(["--net"] if own_network else [])]
+        command += ["--", "bash", "-c", script, "bash"]
         command += [str(image_root(name)), mount_point, user, "/usr/bin/env", "-i"]
         command += [f"{key}={value}" for key, value in environment.items()] + list(argv)
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
@@ -149,6 +153,19 @@ def test_istio_init_can_run_from_the_proxy_image() -> None:
     for tool in ("iptables-nft", "iptables-legacy", "ip6tables-nft", "nft"):
         version = run_in_image(PROXY, [tool, "--version"])
         assert version.returncode == 0, f"{tool}: {version.stderr}"
+
+
+@needs(PROXY)
+def test_istio_init_applies_the_rules_from_the_proxy_image() -> None:
+    """istio-init's command, as root in a pod's network namespace, with the image's iptables only."""
+    args = ["pilot-agent", "istio-iptables", "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT"]
+    args += ["-i", "*", "-x", "", "-b", "*", "-d", "15090,15021,15020"]
+    script = f"{shlex.join(args)} && echo SAVED: && iptables-save -t nat"
+    result = run_in_image(PROXY, ["sh", "-c", script], own_network=True)
+    assert result.returncode == 0, result.stderr
+    saved = result.stdout.partition("SAVED:\n")[2]  # what the image's iptables reads back
+    assert "-A OUTPUT -j ISTIO_OUTPUT" in saved
+    assert "-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001" in saved
 
 
 # -- the install-cni image --------------------------------------------------------------------------------
