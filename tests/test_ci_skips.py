@@ -112,6 +112,12 @@ WANTED = [
     ("a Debian tool", "dnsmasq is not installed (Debian package dnsmasq-base; `make` installs it)"),
     ("a Debian tool", "dnsperf is not installed"),
     ("a Debian tool", "dig is not installed (Debian package bind9-dnsutils; `make` installs it)"),
+    ("root", "an image's root file system needs root (its files' owners); CI runs as root"),  # tests/images
+    (
+        "a Debian tool",
+        "proxyv2.tar is missing: build it with `make images` (`make test` does as root; it needs Debian's"
+        " mmdebstrap and buildah, which `make` installs)",
+    ),
     ("overlayfs", "pod-shaped tests need overlayfs (mount points of the read-only image)"),
     ("overlayfs", "running a program as uid 1337 from here needs overlayfs: /root closed to it"),
 ]

@@ -86,6 +86,7 @@ def build(out: Path) -> None:
     """Lay out the plugin in a sibling temporary directory, check it runs, then put it in place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    work.chmod(0o755)  # mkdtemp makes it 0700; install-cni copies the modes to the node
     try:
         runtime = work / RUNTIME
         pylib = runtime / "lib" / PY
