@@ -235,18 +235,6 @@ def test_force_iptables_binary_is_legacy_or_nft() -> None:
     assert "for FORCE_IPTABLES_BINARY" in err
 
 
-def test_native_nftables_without_the_backend_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from istio_agent.cni import command
-
-    monkeypatch.setattr(command, "NFTABLES_PACKAGE", "istio_agent.cni.no_such_backend")
-    code, out, err = invoke(*ISTIO_INIT, "--native-nftables", "--dry-run")
-    assert (code, out) == (255, "")
-    assert err == (
-        "Error: --native-nftables: the nftables backend is not available in this build;"
-        " without the flag the same capture is written with iptables\n"
-    )
-
-
 def test_native_nftables_dry_run_prints_istios_nftables_transaction() -> None:
     """Istio's tools/istio-nftables golden kube-virt-interfaces (tests/cni/golden/nftables/README.md)."""
     code, out, err = invoke("--native-nftables", "--dry-run", "-k", "eth1,eth2", "-i", "*")

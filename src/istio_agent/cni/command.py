@@ -14,20 +14,16 @@ Istio's ``tools/istio-nftables``); it is imported only then.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Mapping
-from types import ModuleType
 
 from istio_agent.cni.apply import ApplyError, apply_capture
 from istio_agent.cni.capture_config import CaptureConfig, RunMode
 from istio_agent.cni.iptables import Backend, detect
 from istio_agent.cni.netns import CommandError, NamespaceError, in_namespace, pod_ipv6
 from istio_agent.cni.validation import EXIT_FAILED, Probe, validate
-from istio_agent.config.env import ConfigError
 from istio_agent.log import scope
 
 log = scope("default")
-NFTABLES_PACKAGE = "istio_agent.cni.nftables"
 
 
 def run(config: CaptureConfig, mode: RunMode, env: Mapping[str, str]) -> int:
@@ -65,7 +61,9 @@ def run(config: CaptureConfig, mode: RunMode, env: Mapping[str, str]) -> int:
 def dry_run(config: CaptureConfig, mode: RunMode) -> str:
     """The rules ``run`` would write, as the backend's input (iptables-restore or ``nft -f``)."""
     if mode.native_nftables:
-        return str(_nftables("builder").render_config(config))
+        from istio_agent.cni.nftables.builder import render_config
+
+        return render_config(config)
     from istio_agent.cni.rules import render_families
 
     v4, v6 = render_families(config)
@@ -86,11 +84,13 @@ def _apply_iptables(config: CaptureConfig, mode: RunMode, env: Mapping[str, str]
 
 
 def _apply_nftables(config: CaptureConfig, mode: RunMode, env: Mapping[str, str]) -> None:
-    netns, apply = mode.network_namespace, _nftables("apply")
+    from istio_agent.cni.nftables.apply import apply_nft_capture
+
+    netns = mode.network_namespace
     if mode.force_apply and not mode.cleanup_only:
-        removed = apply.apply_nft_capture(config, netns=netns, cleanup_only=True, read_back=False, env=env)
+        removed = apply_nft_capture(config, netns=netns, cleanup_only=True, read_back=False, env=env)
         log.info("--force-apply: the installed Istio tables were %s before writing them anew", removed.action)
-    outcome = apply.apply_nft_capture(config, netns=netns, cleanup_only=mode.cleanup_only, env=env)
+    outcome = apply_nft_capture(config, netns=netns, cleanup_only=mode.cleanup_only, env=env)
     log.info("nftables rules %s (%s, IPv6 %s)", outcome.action, outcome.nft, _on(config.enable_ipv6))
     if outcome.ruleset:
         log.info("nft list:\n%s", outcome.ruleset.rstrip("\n"))
@@ -107,17 +107,3 @@ def _backend(mode: RunMode, env: Mapping[str, str]) -> Backend:
     except CommandError as err:
         raise ApplyError(str(err)) from None
     return dataclasses.replace(backend, pod_lock=mode.cni_mode) if mode.cni_mode else backend
-
-
-def _nftables(part: str) -> ModuleType:
-    """A module of the nftables backend (``builder`` or ``apply``), imported only for --native-nftables."""
-    name = f"{NFTABLES_PACKAGE}.{part}"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name not in (NFTABLES_PACKAGE, name):
-            raise
-        raise ConfigError(
-            "--native-nftables: the nftables backend is not available in this build;"
-            " without the flag the same capture is written with iptables"
-        ) from None
