@@ -40,6 +40,7 @@ PROXY_ENV_FILL_IN = (
 _INTERFACE = re.compile(r"[a-zA-Z][a-zA-Z0-9_.\-]*")
 _MAX_INTERFACE = 15
 
+
 def annotation_ports(name: str, value: str) -> tuple[int, ...]:
     """A comma list of ports from annotation ``name``; ConfigError naming it for anything else."""
     ports = []
