@@ -8,8 +8,9 @@
 - **install-cni**, the real one, in the node's namespace as Istio's DaemonSet runs it in the host's
   (``hostNetwork``), with the variables of Istio 1.28's chart (:data:`CHART_ENV`); its host paths,
   which the DaemonSet mounts at ``/host/etc/cni/net.d``, ``/host/opt/cni/bin`` and
-  ``/var/run/istio-cni``, are the test's directories, and its own ``/opt/cni/bin`` (the image's) is
-  ``build/cni/bin``, the self-contained plugin ``make cni-plugin`` builds. It copies the plugin into
+  ``/var/run/istio-cni``, are the test's directories, and its own ``/opt/cni/bin`` is the install-cni
+  image's, unpacked from the archive ``make images`` builds (``tests/images/built.py``): the
+  self-contained plugin as it ships. It copies the plugin into
   the node's bin directory and chains it into the node's conflist; containerd picks that up by
   itself, as it does on a node.
 - **The API server** is the FAKE one of the plugin tests (``tests/cni/fake_kube.py``: no real one
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from istio_agent.ctl.local import wait_until
@@ -43,10 +45,8 @@ from tests.cni.netns import in_netns, netns, sh
 from tests.cni.node import Node, bridge_network, running_node
 from tests.cri.containerd import NODE_PATH, Containerd, running_containerd
 from tests.e2e.test_cni_pod import ApiServerOnNode
+from tests.images.built import image_root, unavailable
 
-REPO = Path(__file__).resolve().parents[2]
-BUNDLE_DIR = REPO / "build" / "cni" / "bin"
-"""What install-cni's image holds in /opt/cni/bin (``make cni-plugin``)."""
 TESTDATA = Path(__file__).with_name("testdata")
 NODE_PLUGINS = ("bridge", "host-local", "portmap", "loopback")
 CONFLIST = "10-k8s-pod-network.conflist"
@@ -171,17 +171,17 @@ def cri_node(base: Path, *, path_prefix: Sequence[Path] = ()) -> Iterator[CriNod
     """The started node; on exit every sandbox is removed and every process, mount and namespace ended.
 
     ``path_prefix``: directories put first on containerd's PATH (the plugins it execs inherit it)."""
-    if not (BUNDLE_DIR / "istio-cni").exists():
-        raise AssertionError(
-            f"{BUNDLE_DIR}/istio-cni is missing: build it with `make cni-plugin` (`make test` does)"
-        )
+    reason = unavailable("install-cni")
+    if reason is not None:
+        pytest.skip(reason)
+    shipped = image_root("install-cni") / "opt" / "cni" / "bin"
     conf_dir, bin_dir, install_root = base / "etc-cni-net.d", base / "opt-cni-bin", base / "install"
     for directory in (conf_dir, bin_dir, install_root):
         directory.mkdir(parents=True)
     for plugin in NODE_PLUGINS:
         shutil.copy2(DEBIAN_PLUGINS / plugin, bin_dir / plugin)
     layout = InstallLayout(install_root)  # its run dir and service account; the node's conf and bin dirs
-    layout.conf, layout.bin, layout.source = conf_dir, bin_dir, BUNDLE_DIR
+    layout.conf, layout.bin, layout.source = conf_dir, bin_dir, shipped
     prefix = os.pathsep.join(str(p) for p in path_prefix)
     with running_node(base / "node") as node:
         conflist = conf_dir / CONFLIST
