@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,28 +25,14 @@ from istio_agent.cni.nftables import apply as nft_apply
 from istio_agent.cni.nftables.apply import apply_nft_capture, istio_tables
 from istio_agent.cni.nftables.builder import MANGLE, NAT, RAW, render_config
 from tests.cni.netns import Netns, needs_root, netns, run_peer
+from tests.cni.test_apply import ISTIO_INIT as SIDECAR
+from tests.cni.test_apply import RICH, concurrently
 from tests.cni.test_nft_rules import CASES, GOLDEN, case_config
 
 pytestmark = [
     needs_root,
     pytest.mark.skipif(shutil.which("nft") is None, reason="needs nft (Debian nftables)"),
 ]
-SIDECAR = CaptureConfig(
-    inbound_ports=("*",), inbound_ports_exclude=(15090, 15021, 15020), ip_ranges_include=("*",)
-)
-RICH = CaptureConfig(
-    mode="TPROXY",
-    inbound_ports=("*",),
-    inbound_ports_exclude=(15020,),
-    ip_ranges_include=("10.0.0.0/8",),
-    ip_ranges_exclude=("10.96.0.1/32",),
-    exclude_interfaces=("eth9",),
-    reroute_interfaces=("eth8",),
-    outbound_ports_exclude=(5555,),
-    redirect_dns=True,
-    capture_all_dns=True,
-    drop_invalid=True,
-)
 GROUPS = {"java": "0", "202": "0", "888": "0", "ftp": "0"}
 """Istio's group names resolve nowhere here; its run_linux_test.go uses gid 0 instead."""
 
@@ -263,21 +248,8 @@ def test_a_bad_config_is_an_apply_error(pod: Netns) -> None:
 
 
 def test_concurrent_applies_on_one_namespace_take_turns(pod: Netns) -> None:
-    def one_apply(start: threading.Barrier, results: list[str]) -> None:
-        start.wait()
-        try:
-            results.append(apply_nft_capture(SIDECAR, netns=pod.path).action)
-        except ApplyError as err:
-            results.append(f"failed: {err}")
-
-    start = threading.Barrier(6)
-    results: list[str] = []
-    threads = [threading.Thread(target=one_apply, args=(start, results)) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert sorted(results) == ["applied"] + ["unchanged"] * 5, results
+    results = concurrently(lambda: apply_nft_capture(SIDECAR, netns=pod.path).action)
+    assert results == ["applied"] + ["unchanged"] * 5, results
 
 
 def test_applying_needs_no_host_tool_but_nft(

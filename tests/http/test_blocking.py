@@ -10,7 +10,6 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,31 +18,12 @@ from aiohttp import web
 
 from istio_agent.http import blocking
 from istio_agent.http.exchange import BodyTooLarge, ConnectError, Fetched, ProtocolError
+from tests.http.aioserver import Serve, aio_fixture  # noqa: F401  (the "aio" fixture)
 from tests.http.h2server import tls_server_context
 from tests.http.scripted import Scripted, scripted_fixture  # noqa: F401  (the "scripted" fixture)
 from tests.http.test_client import closed_port
 
 pytestmark = pytest.mark.timeout(20)
-
-Serve = Callable[..., Awaitable[int]]
-
-
-@pytest.fixture
-async def aio() -> AsyncIterator[Serve]:
-    runners: list[web.AppRunner] = []
-
-    async def start(handler: Callable[[web.Request], Awaitable[web.StreamResponse]], **site: object) -> int:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app, shutdown_timeout=0.5)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0, **site).start()  # type: ignore[arg-type]
-        runners.append(runner)
-        return int(runner.addresses[0][1])
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 async def fetch(url: str, *, seconds: float = 5, **kwargs: Any) -> Fetched:

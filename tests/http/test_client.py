@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -21,32 +20,11 @@ from istio_agent.http.client import (
     ProtocolError,
     fetch,
 )
+from tests.http.aioserver import Serve, aio_fixture  # noqa: F401  (the "aio" fixture)
 from tests.http.h2server import tls_server_context
 from tests.http.scripted import Scripted, scripted_fixture  # noqa: F401  (the "scripted" fixture)
 
 pytestmark = pytest.mark.timeout(20)
-
-Serve = Callable[..., Awaitable[int]]
-
-
-@pytest.fixture
-async def aio() -> AsyncIterator[Serve]:
-    """An aiohttp server for a handler (any path); returns its port."""
-    runners: list[web.AppRunner] = []
-
-    async def start(handler: Callable[[web.Request], Awaitable[web.StreamResponse]], **site: object) -> int:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app, shutdown_timeout=0.5)
-        await runner.setup()
-        tcp = web.TCPSite(runner, "127.0.0.1", 0, **site)  # type: ignore[arg-type]
-        await tcp.start()
-        runners.append(runner)
-        return int(runner.addresses[0][1])
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 def closed_port() -> int:
