@@ -117,27 +117,13 @@ def _apply_locked(
     """The rules, then the TPROXY routing, with the namespace's lock held."""
     applier = _Applier(chosen, netns, budget)
     action = applier.rules(planned, known, cleanup_only=cleanup_only)
-    families = ("v4", "v6") if config.enable_ipv6 else ("v4",)
-    mark, table = config.tproxy_mark, config.tproxy_route_table
     try:
-        if cleanup_only:
-            tproxy_routes.remove(FAMILIES, mark, table, netns=netns, deadline=budget)
-        else:
-            tproxy_routes.ensure(families, mark, table, tproxy=config.tproxy, netns=netns, deadline=budget)
+        tproxy_routes.follow_rules(config, action, cleanup_only=cleanup_only, netns=netns, deadline=budget)
     except CommandError as err:
-        if action == "unchanged":
+        if action in ("unchanged", "clean"):  # nothing written: nothing to put back
             raise ApplyError(str(err)) from None
         raise ApplyError(applier.roll_back(err)) from None
-    if action == "replaced" and not config.tproxy and not cleanup_only:
-        # Last, once the new rules are complete: a failure here leaves routing that nothing marks
-        # packets for any more, which is harmless, where removing it first and then failing would
-        # leave the restored TPROXY rules without their routes.
-        try:
-            tproxy_routes.remove(FAMILIES, mark, table, netns=netns, deadline=budget)
-        except CommandError as err:
-            log.warning(
-                "the old TPROXY routing (fwmark %s, table %s) could not be removed: %s", mark, table, err
-            )
+    families = ("v4", "v6") if config.enable_ipv6 else ("v4",)
     saved = {}
     for family in (f for f in families if read_back and f in applier.before):
         try:

@@ -13,9 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from istio_agent.cni import netlink
+from istio_agent.cni.capture_config import CaptureConfig
 from istio_agent.cni.netns import NO_DEADLINE, CommandError, Deadline, NamespaceError, in_namespace
+from istio_agent.log import scope
 
 BIND_V6 = "::6/128"
+FAMILIES = ("v4", "v6")
+log = scope("cni")
 
 
 def _step(
@@ -73,3 +77,34 @@ def remove(
                 netlink.flush_table(family, number)
 
     _step(("ip", "rule", "del", "fwmark", mark, "lookup", table), netns, deadline, take_away)
+
+
+def follow_rules(
+    config: CaptureConfig,
+    action: str,
+    *,
+    cleanup_only: bool,
+    netns: Path | None,
+    deadline: Deadline,
+) -> None:
+    """The routing step after a rules step whose outcome was ``action`` (``applied``, ``replaced``,
+    ``unchanged``, ``cleaned``, ``clean``), for either backend. Raises CommandError when the step
+    fails: the caller then puts its rules back (unless it wrote nothing).
+
+    A replacement by a config without TPROXY removes the old routing last, once the new rules are
+    in: a failure there leaves routing that nothing marks packets for, which is harmless, where
+    removing it first and then failing would leave restored TPROXY rules without their routes.
+    """
+    mark, table = config.tproxy_mark, config.tproxy_route_table
+    if cleanup_only:
+        remove(FAMILIES, mark, table, netns=netns, deadline=deadline)
+        return
+    families = FAMILIES if config.enable_ipv6 else ("v4",)
+    ensure(families, mark, table, tproxy=config.tproxy, netns=netns, deadline=deadline)
+    if action == "replaced" and not config.tproxy:
+        try:
+            remove(FAMILIES, mark, table, netns=netns, deadline=deadline)
+        except CommandError as err:
+            log.warning(
+                "the old TPROXY routing (fwmark %s, table %s) could not be removed: %s", mark, table, err
+            )

@@ -38,7 +38,6 @@ from istio_agent.config.env import ConfigError
 from istio_agent.log import scope
 
 log = scope("cni")
-FAMILIES = ("v4", "v6")
 ROLLBACK_SECONDS = 5.0
 """Putting the tables back after a failed step gets its own budget: the caller's may be spent."""
 MISSING_NFT = "nativeNftables is enabled, but the nft binary is missing"
@@ -156,24 +155,14 @@ class _Applier:
 
     def _routes(self, config: CaptureConfig, action: str, *, cleanup_only: bool) -> None:
         """The TPROXY routing (and ``::6`` on lo for IPv6), after the rules, as Istio orders it."""
-        mark, table = config.tproxy_mark, config.tproxy_route_table
-        families = FAMILIES if config.enable_ipv6 else ("v4",)
         try:
-            if cleanup_only:
-                tproxy_routes.remove(FAMILIES, mark, table, netns=self.netns, deadline=self.deadline)
-            else:
-                tproxy_routes.ensure(
-                    families, mark, table, tproxy=config.tproxy, netns=self.netns, deadline=self.deadline
-                )
+            tproxy_routes.follow_rules(
+                config, action, cleanup_only=cleanup_only, netns=self.netns, deadline=self.deadline
+            )
         except CommandError as err:
             if action in ("unchanged", "clean"):
                 raise
             raise ApplyError(self._roll_back(err)) from None
-        if action == "replaced" and not config.tproxy:
-            try:  # last, once the new rules are in: routing nothing marks packets for is harmless
-                tproxy_routes.remove(FAMILIES, mark, table, netns=self.netns, deadline=self.deadline)
-            except CommandError as err:
-                log.warning("the old TPROXY routing (fwmark %s, table %s) stays: %s", mark, table, err)
 
     def _roll_back(self, cause: CommandError) -> str:
         """Put the Istio tables back as they were; the message for the error to raise."""
