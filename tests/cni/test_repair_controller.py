@@ -22,7 +22,7 @@ from istio_agent.cni.install.settings import RepairSettings
 from istio_agent.cni.kube import KubeClient, parse_kubeconfig
 from istio_agent.cni.plugin import PluginError
 from istio_agent.cni.repair.controller import RepairController, RepairFailed
-from istio_agent.cni.repair.informer import Backoff
+from istio_agent.cni.repair.informer import reflector_backoff
 from istio_agent.cni.repair.podnetns import NetnsNotFound
 from istio_agent.metrics import Registry
 from tests.cni.fake_kube import (
@@ -93,7 +93,7 @@ async def controller(fake: FakeKube, settings: RepairSettings, **options: Any) -
     registry = Registry(prefix="istio_")
     client = KubeClient(parse_kubeconfig(fake.kubeconfig(), "test"))
     repair = RepairController(
-        replace(settings, node_name=NODE), client, registry, backoff=Backoff(0.02, 0.1), **options
+        replace(settings, node_name=NODE), client, registry, backoff=reflector_backoff(0.02, 0.1), **options
     )
     task = asyncio.create_task(repair.run())
     try:
@@ -380,7 +380,7 @@ async def test_a_denied_list_is_tried_again_until_allowed(fake: FakeKube) -> Non
     registry = Registry(prefix="istio_")
     client = KubeClient(parse_kubeconfig(fake.kubeconfig(), "test"))
     settings = RepairSettings(label_pods=True, node_name=NODE)
-    repair = RepairController(settings, client, registry, backoff=Backoff(0.02, 0.1))
+    repair = RepairController(settings, client, registry, backoff=reflector_backoff(0.02, 0.1))
     task = asyncio.create_task(repair.run())
     try:
         await until(lambda: len(fake.calls) >= 3, "a few refused lists")

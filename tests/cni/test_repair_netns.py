@@ -21,7 +21,7 @@ from istio_agent.cni.install.settings import RepairSettings
 from istio_agent.cni.kube import KubeClient, parse_kubeconfig
 from istio_agent.cni.redirect import capture_config
 from istio_agent.cni.repair.controller import RepairController
-from istio_agent.cni.repair.informer import Backoff
+from istio_agent.cni.repair.informer import reflector_backoff
 from istio_agent.cni.repair.podnetns import NetnsNotFound, find_pod_netns
 from istio_agent.metrics import Registry
 from tests.cni.fake_kube import FakeKube, sidecar_pod, start_fake_kube, validation_crashlooping
@@ -129,7 +129,9 @@ async def test_a_pod_without_rules_is_repaired_in_place(fake: FakeKube) -> None:
         registry = Registry(prefix="istio_")
         client = KubeClient(parse_kubeconfig(fake.kubeconfig(), "test"))
         settings = RepairSettings(repair_pods=True, node_name="node-1", host_proc_dir=PROC)
-        repair = RepairController(settings, client, registry, find_netns=find, backoff=Backoff(0.05, 0.2))
+        repair = RepairController(
+            settings, client, registry, find_netns=find, backoff=reflector_backoff(0.05, 0.2)
+        )
         task = asyncio.create_task(repair.run())
         try:
             counter = repair.repaired_total.labels(type="repair", result="success")

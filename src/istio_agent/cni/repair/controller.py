@@ -27,12 +27,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from istio_agent.backoff import ExponentialBackoff
 from istio_agent.cni.install.settings import InstallSettings, RepairSettings
 from istio_agent.cni.kube import KubeClient, KubeError
 from istio_agent.cni.plugin import NetnsApplier, PluginError, Programmer
 from istio_agent.cni.repair.detect import is_broken
 from istio_agent.cni.repair.events import EventRecorder
-from istio_agent.cni.repair.informer import Backoff, Key, PodInformer
+from istio_agent.cni.repair.informer import Key, PodInformer
 from istio_agent.cni.repair.podnetns import NetnsNotFound, find_pod_netns
 from istio_agent.cni.repair.queue import BASE_DELAY, WorkQueue
 from istio_agent.config.env import ConfigError
@@ -90,7 +91,7 @@ class RepairController:
         programmer: Programmer | None = None,
         environ: Mapping[str, str] | None = None,
         find_netns: FindNetns = find_pod_netns,
-        backoff: Backoff | None = None,
+        backoff: ExponentialBackoff | None = None,
         retry_delay: float = BASE_DELAY,
     ) -> None:
         import os

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from istio_agent.backoff import ExponentialBackoff
 from istio_agent.cni.kube import KubeClient, KubeError, WatchEvent
 
 log = logging.getLogger("istio.cni-agent")
@@ -50,20 +51,10 @@ def _version(pod: dict[str, Any]) -> str:
     return value if isinstance(value, str) else ""
 
 
-class Backoff:
-    """Exponential back-off with jitter: ``initial`` doubling to ``cap``; :meth:`reset` starts over."""
-
-    def __init__(self, initial: float = 0.8, cap: float = 30.0) -> None:
-        self.initial, self.cap = initial, cap
-        self._next = initial
-
-    def reset(self) -> None:
-        self._next = self.initial
-
-    def delay(self) -> float:
-        delay = self._next * (1 + random.random())
-        self._next = min(self._next * 2, self.cap)
-        return min(delay, self.cap)
+def reflector_backoff(initial: float = 0.8, cap: float = 30.0) -> ExponentialBackoff:
+    """client-go's reflector back-off on the project's one back-off: each delay between ``d`` and
+    ``2d``, ``d`` doubling from ``initial``, the delays' centre capped at ``cap``."""
+    return ExponentialBackoff(initial=1.5 * initial, multiplier=2.0, randomization=1 / 3, max_interval=cap)
 
 
 class PodInformer:
@@ -76,14 +67,14 @@ class PodInformer:
         *,
         label_selector: str = "",
         field_selector: str = "",
-        backoff: Backoff | None = None,
+        backoff: ExponentialBackoff | None = None,
         watch_seconds: Callable[[], int] | None = None,
     ) -> None:
         self._client = client
         self._on_change = on_change
         self.label_selector = label_selector
         self.field_selector = field_selector
-        self._backoff = backoff or Backoff()
+        self._backoff = backoff or reflector_backoff()
         self._watch_seconds = watch_seconds or (lambda: int(MIN_WATCH_SECONDS * (1 + random.random())))
         self.pods: dict[Key, dict[str, Any]] = {}
         self.version = ""
@@ -104,7 +95,7 @@ class PodInformer:
                 delivered = await self._watch()
                 reported.clear()
                 if not delivered and time.monotonic() - began < 1.0:
-                    await asyncio.sleep(self._backoff.delay())  # ended at once: do not spin
+                    await asyncio.sleep(self._backoff.next_delay())  # ended at once: do not spin
             except KubeError as err:
                 if err.gone:
                     log.info("pod watch: resource version %s is too old, listing again", self.version)
@@ -117,7 +108,7 @@ class PodInformer:
                     log.error("pod list/watch: %s (trying again)", err)
                 else:
                     log.warning("pod list/watch: %s", err)
-                await asyncio.sleep(self._backoff.delay())
+                await asyncio.sleep(self._backoff.next_delay())
 
     async def _list(self) -> None:
         answer = await self._client.list_pods(
