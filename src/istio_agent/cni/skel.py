@@ -240,7 +240,7 @@ def _check_command_version(args: CmdArgs) -> None:
 
 
 def internal_error_text(msg: str) -> str:
-    """A code-999 error result as printed on stdout (the plugin, the hand-over and the node agent)."""
+    """A code-999 error result as printed on stdout."""
     return go_json(CniError(ERR_INTERNAL, msg).result())
 
 
