@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -14,9 +15,9 @@ from istio_agent.cni import apply as apply_module
 from istio_agent.cni.apply import ApplyError, apply_capture, expected_portion, istio_portion
 from istio_agent.cni.capture_config import CaptureConfig
 from istio_agent.cni.iptables import Backend, Tables, parse_save, probe
-from istio_agent.cni.netns import CommandError, Deadline, addresses
+from istio_agent.cni.netns import CommandError, Deadline, addresses, ipv6_enabled
 from istio_agent.cni.rules import BUILTIN, Rule, RuleSet, build
-from tests.cni.netns import Netns, needs_root, netns
+from tests.cni.netns import Netns, needs_root, netns, pod_and_peer
 
 pytestmark = needs_root
 ISTIO_INIT = CaptureConfig(
@@ -302,6 +303,80 @@ def test_concurrent_applies_on_one_namespace_take_turns(backend: Backend, pod: N
         assert results == ["applied"] + ["unchanged"] * 5, results
         assert istio_portion(state(backend, pod)) == expected(backend, ISTIO_INIT)
         apply_capture(ISTIO_INIT, netns=pod.path, backend=backend, cleanup_only=True)
+
+
+def test_ipv6_follows_the_namespace_addresses() -> None:
+    with pod_and_peer() as (pod, _), pod_and_peer(ipv6=True) as (pod6, _):
+        assert not ipv6_enabled(addresses(pod.path), dual_stack=True)
+        # 10.77.0.2 comes first: single-stack decides IPv4, dual-stack sees the v6 address too
+        assert not ipv6_enabled(addresses(pod6.path), dual_stack=False)
+        assert ipv6_enabled(addresses(pod6.path), dual_stack=True)
+
+
+def test_a_foreign_rule_in_a_builtin_chain_is_no_reason_to_rewrite(
+    backend: Backend, pod: Netns, restores: list[str]
+) -> None:
+    apply_capture(ISTIO_INIT, netns=pod.path, backend=backend)
+    pod.exec(backend.binary("v4"), "-t", "nat", "-A", "OUTPUT", "-p", "udp", "--dport", "9", "-j", "ACCEPT")
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=backend).action == "unchanged"
+    assert len(restores) == 1
+
+
+def test_an_extra_rule_in_an_istio_chain_is_replaced_away(backend: Backend, pod: Netns) -> None:
+    """Istio reports a delta here and fails without --reconcile; the re-run repairs it instead."""
+    apply_capture(ISTIO_INIT, netns=pod.path, backend=backend)
+    extra = ["-t", "nat", "-A", "ISTIO_INBOUND", "-p", "tcp", "--dport", "7777", "-j", "RETURN"]
+    pod.exec(backend.binary("v4"), *extra)
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=backend).action == "replaced"
+    assert istio_portion(state(backend, pod)) == expected(backend, ISTIO_INIT)
+
+
+def test_mixed_families_foreign_v6_rule_stays_and_stale_v6_istio_rules_go(
+    backend: Backend, pod: Netns
+) -> None:
+    ip6 = backend.binary("v6")
+    pod.exec(ip6, "-t", "nat", "-A", "OUTPUT", "-p", "udp", "--dport", "9", "-j", "ACCEPT")
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=backend).action == "applied"
+    assert state(backend, pod, "v6") == {"nat": {"OUTPUT": ["-p udp -m udp --dport 9 -j ACCEPT"]}}
+
+    pod.exec(ip6, "-t", "nat", "-N", "ISTIO_INBOUND")
+    pod.exec(ip6, "-t", "nat", "-A", "ISTIO_INBOUND", "-p", "tcp", "--dport", "15008", "-j", "RETURN")
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=backend).action == "replaced"
+    assert state(backend, pod, "v6") == {"nat": {"OUTPUT": ["-p udp -m udp --dport 9 -j ACCEPT"]}}
+    assert istio_portion(state(backend, pod)) == expected(backend, ISTIO_INIT)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoIp6tables(Backend):
+    """The backend of a node without ip6tables."""
+
+    def binary(self, family: str, tool: str = "") -> str:
+        return "ip6tables-missing" if family == "v6" else super().binary(family, tool)
+
+
+def test_a_missing_ip6tables_is_fatal_only_with_ipv6_on(backend: Backend, pod: Netns) -> None:
+    no_v6 = _NoIp6tables(backend.flavor, backend.version)
+    assert apply_capture(ISTIO_INIT, netns=pod.path, backend=no_v6).action == "applied"
+    with pytest.raises(ApplyError, match=r"ip6tables-missing .*No such file or directory"):
+        apply_capture(dataclasses.replace(ISTIO_INIT, enable_ipv6=True), netns=pod.path, backend=no_v6)
+
+
+def _detected_in(space: Netns, **env: str) -> str:
+    code = "import os; from istio_agent.cni.iptables import detect; print(detect(os.environ).flavor)"
+    return space.exec("env", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-c", code).strip()
+
+
+def test_the_backend_is_the_one_holding_the_nodes_rules(pod: Netns) -> None:
+    """Detection runs in the namespace it is called from (the node's, for the plugin)."""
+    assert _detected_in(pod) == "nft"  # no legacy rules: the default
+    pod.exec("iptables-legacy", "-t", "nat", "-A", "OUTPUT", "-p", "udp", "--dport", "9", "-j", "ACCEPT")
+    assert _detected_in(pod) == "legacy"
+    assert _detected_in(pod, FORCE_IPTABLES_BINARY="nft") == "nft"
+
+
+def test_cleanup_in_a_vanished_namespace_is_an_error_not_clean(backend: Backend) -> None:
+    with pytest.raises(ApplyError, match="does not exist"):
+        apply_capture(ISTIO_INIT, netns=Path("/run/netns/ia-gone"), backend=backend, cleanup_only=True)
 
 
 def test_applying_needs_no_host_tool_but_iptables(
