@@ -5,11 +5,12 @@
   CNI config directory holds the node's pod network, Debian's ``bridge`` + ``host-local`` +
   ``portmap``, and its CNI bin directory Debian's plugins (and ``loopback``, which containerd runs
   for every sandbox's ``lo``).
-- **install-cni**, the real one, in the node's namespace as Istio's DaemonSet runs it in the host's
-  (``hostNetwork``), with the variables of Istio 1.28's chart (:data:`CHART_ENV`); its host paths,
-  which the DaemonSet mounts at ``/host/etc/cni/net.d``, ``/host/opt/cni/bin`` and
-  ``/var/run/istio-cni``, are the test's directories, and its own ``/opt/cni/bin`` is the install-cni
-  image's, unpacked from the archive ``make images`` builds (``tests/images/built.py``): the
+- **install-cni**, as it ships: the install-cni image's program, run chrooted into the image's root
+  file system (unpacked from the archive ``make images`` builds, ``tests/images/built.py``), in the
+  node's namespace as Istio's DaemonSet runs it in the host's (``hostNetwork``), with the variables of
+  Istio 1.28's chart (:data:`CHART_ENV`). Its host paths, which the DaemonSet mounts at
+  ``/host/etc/cni/net.d``, ``/host/opt/cni/bin`` and ``/var/run/istio-cni``, are the test's
+  directories, bind-mounted into its root; the plugin it installs is the image's ``/opt/cni/bin``: the
   self-contained plugin as it ships. It copies the plugin into
   the node's bin directory and chains it into the node's conflist; containerd picks that up by
   itself, as it does on a node.
@@ -43,13 +44,16 @@ from tests.cni.install.layout import install_cni_args
 from tests.cni.libcni import DEBIAN_PLUGINS
 from tests.cni.netns import in_netns, netns, sh
 from tests.cni.node import Node, bridge_network, running_node
-from tests.cri.containerd import NODE_PATH, Containerd, running_containerd
+from tests.cri.containerd import Containerd, running_containerd
+from tests.e2e.pod import image_root_script
 from tests.e2e.test_cni_pod import ApiServerOnNode
-from tests.images.built import image_root, unavailable
+from tests.images.built import image, image_root, unavailable
 
 TESTDATA = Path(__file__).with_name("testdata")
 NODE_PLUGINS = ("bridge", "host-local", "portmap", "loopback")
 CONFLIST = "10-k8s-pod-network.conflist"
+IMAGE_INSTALL_CNI = Path("/usr/local/bin/install-cni")
+"""The install-cni image's program (its CMD)."""
 NODE_NAME = "node-1"
 CHART_ENV = {
     # the istio-cni chart's ConfigMap with its default values (manifests/charts/istio-cni,
@@ -147,23 +151,46 @@ def node_conflist(ipam_dir: Path) -> dict[str, Any]:
 def start_install_cni(
     layout: InstallLayout, node: Node, api_port: int, ca_pem: bytes, log: Path
 ) -> subprocess.Popen[bytes]:
-    """install-cni as the DaemonSet runs it (its env, the host's network), its paths the test's."""
+    """install-cni as the DaemonSet runs it: the install-cni image's own program, chrooted into the
+    image's root (an overlay on the unpacked archive, in a mount namespace of its own), in the node's
+    network namespace, with the image's ENV plus the chart's. Its host paths (the node's CNI conf and bin
+    directories, the run directory and the service account) are bind-mounted into that root at the paths
+    the test uses outside, as the chart mounts ``/var/run/istio-cni`` at the same path on both sides:
+    the plugin it configures runs on the node and must find those paths there too."""
     (layout.sa / "ca.crt").write_bytes(ca_pem)
     (layout.sa / "token").write_text(FAKE_TOKEN)
     env = {
-        "PATH": NODE_PATH,
+        **image("install-cni").env(),
         "KUBERNETES_SERVICE_HOST": "127.0.0.1",
         "KUBERNETES_SERVICE_PORT": str(api_port),
         **CHART_ENV,
     }
-    args = [*install_cni_args(layout), "--host-proc-dir=/proc"]
-    with log.open("ab") as output:
-        return subprocess.Popen(
-            ["nsenter", f"--net={node.netns.path}", "--", *args],
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
+    layout.run.mkdir(exist_ok=True)
+    binds = [(path, str(path), False) for path in (layout.conf, layout.bin, layout.run)]
+    binds.append((layout.sa, str(layout.sa), True))
+    workdir = log.parent / "install-cni-container"
+    workdir.mkdir()
+    ready_read, ready_write = os.pipe()
+    script = image_root_script(image_root("install-cni"), binds, workdir, ready_write)
+    args = install_cni_args(layout, program=IMAGE_INSTALL_CNI)
+    command = ["nsenter", f"--net={node.netns.path}", "--", "unshare", "--mount", "--propagation=private"]
+    command += ["bash", "-c", script, "bash", *args, "--host-proc-dir=/proc"]
+    try:
+        with log.open("ab") as output:
+            process = subprocess.Popen(
+                command,
+                env=env,  # its PATH (the image's) finds the host's nsenter, unshare and bash too
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                pass_fds=(ready_write,),
+            )
+    finally:
+        os.close(ready_write)
+    with os.fdopen(ready_read, "rb") as ready:
+        if ready.read().strip() != b"ready":
+            process.wait(15)
+            raise AssertionError(f"install-cni's container did not start: {log.read_text()}")
+    return process
 
 
 @contextlib.contextmanager
@@ -174,14 +201,14 @@ def cri_node(base: Path, *, path_prefix: Sequence[Path] = ()) -> Iterator[CriNod
     reason = unavailable("install-cni")
     if reason is not None:
         pytest.skip(reason)
-    shipped = image_root("install-cni") / "opt" / "cni" / "bin"
     conf_dir, bin_dir, install_root = base / "etc-cni-net.d", base / "opt-cni-bin", base / "install"
     for directory in (conf_dir, bin_dir, install_root):
         directory.mkdir(parents=True)
     for plugin in NODE_PLUGINS:
         shutil.copy2(DEBIAN_PLUGINS / plugin, bin_dir / plugin)
     layout = InstallLayout(install_root)  # its run dir and service account; the node's conf and bin dirs
-    layout.conf, layout.bin, layout.source = conf_dir, bin_dir, shipped
+    layout.conf, layout.bin = conf_dir, bin_dir
+    layout.source = Path("/opt/cni/bin")  # in the image's root, where install-cni runs
     prefix = os.pathsep.join(str(p) for p in path_prefix)
     with running_node(base / "node") as node:
         conflist = conf_dir / CONFLIST
@@ -195,6 +222,8 @@ def cri_node(base: Path, *, path_prefix: Sequence[Path] = ()) -> Iterator[CriNod
                 process = start_install_cni(layout, node, cri.kube.port, cri.kube.ca_pem, log)
                 try:
                     wait_for_chaining(runtime, conflist, process, log)
+                    running_in = os.readlink(f"/proc/{process.pid}/root")
+                    assert running_in == str(base / "install-cni-container" / "root"), running_in
                     yield cri
                 finally:
                     process.terminate()

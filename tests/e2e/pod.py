@@ -502,7 +502,7 @@ class Pod:
             source, read_only = self.volumes[mount.volume]
             binds.append((source, mount.path, read_only or mount.read_only))
         if spec.image.root is not None:
-            script = _image_root_script(spec.image.root, binds, workdir, ready_fd)
+            script = image_root_script(spec.image.root, binds, workdir, ready_fd)
             (workdir / "setup.sh").write_text(script)
             return script
         targets = [os.path.realpath(target) for _, target, _ in binds]
@@ -544,7 +544,7 @@ DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 """The device nodes a runtime gives every container (runc's defaults)."""
 
 
-def _image_root_script(
+def image_root_script(
     image_root: Path, binds: Sequence[tuple[Path, str, bool]], workdir: Path, ready_fd: int
 ) -> str:
     """The setup script for a container that runs in its image's root (see :meth:`Pod._setup_script`).

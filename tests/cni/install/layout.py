@@ -72,10 +72,11 @@ def golden(name: str, actual: bytes) -> None:
 INSTALL_CNI = Path(sys.executable).parent / "install-cni"
 
 
-def install_cni_args(node: Node, *, health_port: int = 0) -> list[str]:
-    """The install-cni command line on ``node``'s directories; no metrics listener."""
+def install_cni_args(node: Node, *, health_port: int = 0, program: Path = INSTALL_CNI) -> list[str]:
+    """The install-cni command line on ``node``'s directories; no metrics listener. ``program``: this
+    checkout's install-cni, or another's (an image's)."""
     return [
-        str(INSTALL_CNI),
+        str(program),
         f"--cni-agent-run-dir={node.run}",
         f"--mounted-cni-net-dir={node.conf}",
         f"--cni-bin-source-dir={node.source}",
