@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from istio_agent.cli import runtime
+from istio_agent.cli import proxy_config_admin, proxy_config_dump, runtime
 from istio_agent.config.env import parse_go_duration
 from istio_agent.controlplane.ca import StateError
 from istio_agent.controlplane.mesh import MeshError
@@ -135,6 +135,10 @@ def demo(keep: bool) -> None:
 @main.group("proxy-config")
 def proxy_config() -> None:
     """Show what an Envoy holds (as istioctl proxy-config)."""
+
+
+proxy_config_dump.register(proxy_config)
+proxy_config_admin.register(proxy_config)
 
 
 @proxy_config.command("secret")
