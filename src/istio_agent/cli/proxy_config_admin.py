@@ -1,9 +1,53 @@
-"""``agentctl proxy-config`` subcommands (registered on the group by :func:`register`)."""
+"""``agentctl proxy-config`` subcommands that act on Envoy's admin API (registered by :func:`register`).
+
+``log`` reads and sets Envoy's logger levels, ``rootca-compare`` compares two Envoys' ROOTCA, as
+istioctl 1.28 does for pods (``istioctl/pkg/proxyconfig/proxyconfig.go``); here the targets are
+admin addresses. See docs/proxy-config-admin.md.
+"""
 
 from __future__ import annotations
 
 import click
 
+from istio_agent.cli import runtime
+
+DEFAULT_ADMIN = "127.0.0.1:15000"
+LEVEL_HELP = (
+    "Comma-separated minimum per-logger level of messages to output, in the form of "
+    "[<logger>:]<level>,[<logger>:]<level>,... or <level> to change all active loggers, where logger "
+    'components can be listed by running "agentctl proxy-config log ADMIN_ADDRESS", and level can be '
+    "one of [trace, debug, info, warning, error, critical, off]"
+)
+
 
 def register(group: click.Group) -> None:
     """Add this module's commands to the ``proxy-config`` group."""
+    group.add_command(log_command)
+
+
+@click.command("log")
+@click.argument("address", default=DEFAULT_ADMIN, required=False)
+@click.option("--level", default="", help=LEVEL_HELP)
+@click.option("-r", "--reset", is_flag=True, help="Reset levels to default value (warning).")
+@click.option(
+    "-o", "--output", default="short", show_default=True, help="istioctl's shared flag: only short applies"
+)
+@click.option(
+    "--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.1), help="seconds per request"
+)
+def log_command(address: str, level: str, reset: bool, output: str, timeout: float) -> None:
+    """Envoy's logging levels at ADDRESS (its admin HOST:PORT, default 127.0.0.1:15000), updated optionally.
+
+    \b
+      agentctl proxy-config log 127.0.0.1:15000                       # list
+      agentctl proxy-config log 127.0.0.1:15000 --level debug         # every logger
+      agentctl proxy-config log 127.0.0.1:15000 --level http:debug,redis:debug
+      agentctl proxy-config log 127.0.0.1:15000 -r                    # every logger to warning
+    """
+    from istio_agent.ctl.envoylog import LogLevelError, LogQuery, run
+
+    query = LogQuery(address, level, reset, output, timeout)
+    try:
+        runtime.run(run(query, lambda text: click.echo(text, nl=False)))
+    except LogLevelError as err:
+        raise click.ClickException(str(err)) from None
