@@ -1,0 +1,198 @@
+"""End to end: what a sidecar's real Envoy does with connections while the agent drains it after SIGTERM.
+
+Istio's pilot-agent (pkg/envoy/agent.go, pkg/envoy/proxy.go at 1.28) answers SIGTERM by POSTing
+``/drain_listeners?inboundonly&graceful`` to Envoy, which was started with ``--drain-time-s
+<drainDuration> --drain-strategy immediate``; it then waits terminationDrainDuration and kills Envoy.
+Envoy's documented graceful drain (docs: intro/arch_overview/operations/draining) discourages
+requests at once (``immediate``: every HTTP/1.1 answer on an inbound listener says ``Connection:
+close``) while still accepting new connections for ``--drain-time-s``, then stops the inbound
+listeners: from then on a new inbound connection is refused. Outbound listeners are not drained.
+
+Workload ``b`` backs service ``b`` and calls service ``c``; the test talks to ``b``'s inbound
+listener directly over mTLS with a certificate from the local CA, so it decides exactly which
+connection is old and which is new. drainDuration is 2 s and terminationDrainDuration 5 s, so the
+end state (inbound listener closed, Envoy still running) is observable for about 3 s.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import ssl
+import time
+import urllib.request
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from istio_agent.controlplane.ca import LocalCA
+from istio_agent.ctl.local import wait_until
+from istio_agent.ctl.localmesh import LocalMesh, Service, Workload
+from istio_agent.security.keys import KeyOptions, generate_csr
+from tests.e2e.test_lifecycle import envoy_pid
+from tests.procs import running
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+DRAIN = 2.0  # drainDuration: Envoy's --drain-time-s
+TERMINATION = 5.0  # terminationDrainDuration: how long the agent lets Envoy drain before killing it
+CALLER = "spiffe://cluster.local/ns/default/sa/sleep"
+
+
+@pytest.fixture
+def mesh(short_tmp: Path) -> Iterator[LocalMesh]:
+    local = LocalMesh(
+        short_tmp,
+        [Service("b", 8000), Service("c", 9000)],
+        [
+            Workload("b", short_tmp / "b", backs=["b"], calls=["c"]),
+            Workload("c", short_tmp / "c", backs=["c"]),
+        ],
+    )
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+def start_b(mesh: LocalMesh, b: Workload) -> None:
+    """b's echo app and its agent, with short drain durations."""
+    b.workdir.mkdir(parents=True, exist_ok=True)
+    mesh.processes.start("app b", b.app_command(), b.workdir / "app.log")
+    proxy_config = {
+        "discoveryAddress": mesh.discovery_address,
+        "proxyAdminPort": b.ports["admin"],
+        "statusPort": b.ports["status"],
+        "drainDuration": f"{DRAIN:g}s",
+        "terminationDrainDuration": f"{TERMINATION:g}s",
+    }
+    mesh.start_agent(b, PROXY_CONFIG=json.dumps(proxy_config))
+
+
+def client_context(mesh: LocalMesh) -> ssl.SSLContext:
+    """An mTLS client with a workload certificate from the mesh's CA (b's inbound listener requires one)."""
+    csr, key = generate_csr(CALLER, KeyOptions(ecc_signature_algorithm="ECDSA"))
+    chain = LocalCA.load_or_create(mesh.state_dir, "cluster.local").sign_csr(csr, CALLER, timedelta(hours=1))
+    (mesh.base / "client-chain.pem").write_text("".join(c if c.endswith("\n") else c + "\n" for c in chain))
+    (mesh.base / "client-key.pem").write_bytes(key)
+    context = ssl.create_default_context(cafile=str(mesh.state_dir / "root-cert.pem"))
+    context.check_hostname = False  # workload certificates carry a SPIFFE URI, no DNS name
+    context.load_cert_chain(mesh.base / "client-chain.pem", mesh.base / "client-key.pem")
+    return context
+
+
+def get(connection: http.client.HTTPConnection) -> tuple[int, str, dict[str, object]]:
+    """One GET /hello on ``connection``: status, its Connection header, the echo app's answer."""
+    connection.request("GET", "/hello")
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    return response.status, (response.getheader("connection") or "").lower(), body
+
+
+def new_inbound(context: ssl.SSLContext, port: int) -> str:
+    """What a brand-new inbound connection gets: ``served``, ``served+close``, ``refused`` or ``closed``."""
+    connection = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=5)
+    try:
+        status, header, _ = get(connection)
+    except ConnectionRefusedError:
+        return "refused"
+    except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected, ssl.SSLError):
+        return "closed"
+    finally:
+        connection.close()
+    assert status == 200
+    return "served+close" if header == "close" else "served"
+
+
+def outbound_call(port: int) -> tuple[int, str]:
+    """A new connection to b's outbound listener for c: status and which app answered."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/hello", timeout=5) as response:
+        return response.status, json.load(response)["app"]
+
+
+def admin_up(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def test_after_sigterm_new_inbound_connections_are_refused_old_ones_and_outbound_still_work(
+    mesh: LocalMesh,
+) -> None:
+    b, c = mesh.workload("b"), mesh.workload("c")
+    mesh.start_controlplane()
+    mesh.start_workload(c)
+    start_b(mesh, b)
+    mesh.wait_for_config(c, lambda seen: any(n.startswith("inbound_") for n in seen["listeners"]), "inbound")
+    mesh.wait_for_config(
+        b,
+        lambda seen: (
+            any(n.startswith("inbound_") for n in seen["listeners"])
+            and f"127.0.0.1_{b.outbound_port('c')}" in seen["listeners"]
+        ),
+        "its inbound and outbound listeners",
+    )
+    agent = mesh.processes.children["pilot-agent b"]
+    context = client_context(mesh)
+    inbound = b.ports["inbound"]
+    wait_until(lambda: new_inbound(context, inbound) == "served", 30, "b's inbound listener to serve mTLS")
+    wait_until(lambda: outbound_call(b.outbound_port("c")) == (200, "c"), 30, "b to reach c")
+    envoy = envoy_pid(agent.pid)
+    assert envoy is not None
+
+    old = http.client.HTTPSConnection("127.0.0.1", inbound, context=context, timeout=5)
+    status, header, answer = get(old)
+    assert (status, header, answer["app"]) == (200, "", "b")  # a kept-alive connection, before SIGTERM
+    old_socket = old.sock
+
+    agent.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+
+    # New inbound connections, one after another, until Envoy refuses them.
+    seen: list[tuple[float, str]] = []
+    while time.monotonic() - signalled < TERMINATION + 2:
+        outcome = new_inbound(context, inbound)
+        seen.append((time.monotonic() - signalled, outcome))
+        if outcome == "refused":
+            break
+        time.sleep(0.1)
+    outcomes = [outcome for _, outcome in seen]
+    assert outcomes[-1] == "refused", seen
+    refused_after = seen[-1][0]
+    # Accepted (and told to close) during --drain-time-s, refused once Envoy stopped its inbound listeners.
+    assert "served+close" in outcomes, seen
+    assert "closed" not in outcomes, seen
+    # drain-strategy immediate: from the moment the drain begins, every new connection is told to close.
+    first_drained = outcomes.index("served+close")
+    assert seen[first_drained][0] < 1.0, seen
+    assert set(outcomes[first_drained:-1]) == {"served+close"}, seen
+    assert DRAIN - 0.1 <= refused_after < TERMINATION, seen
+
+    # The end state, within the drain window: the agent and its Envoy still run.
+    assert agent.poll() is None
+    assert running(envoy)
+    assert new_inbound(context, inbound) == "refused"
+    status, header, answer = get(old)  # the connection made before SIGTERM still carries a request
+    assert old.sock is old_socket or old.sock is None  # not a reconnect (that would have been refused)
+    assert (status, answer["app"]) == (200, "b")
+    assert header == "close"  # ... and is told to close (drain-strategy immediate)
+    assert outbound_call(b.outbound_port("c")) == (200, "c")  # outbound listeners are not drained
+    assert agent.poll() is None and time.monotonic() - signalled < TERMINATION
+
+    # After terminationDrainDuration the agent kills Envoy and exits cleanly.
+    code = agent.wait(15)
+    stopped_after = time.monotonic() - signalled
+    assert code == 0
+    assert TERMINATION - 0.5 <= stopped_after < TERMINATION + 5
+    assert not running(envoy)
+    assert not admin_up(b.ports["admin"])
+    text = (b.workdir / "agent.log").read_text()
+    assert "Agent draining Proxy for termination" in text
+    assert f"Graceful termination period is {TERMINATION:g}s" in text
+    assert "Envoy aborted normally" in text
+    assert "drain request" not in text  # the drain request reached Envoy and was accepted
