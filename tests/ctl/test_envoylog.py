@@ -13,7 +13,9 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,26 +116,29 @@ def test_unreachable_envoy_is_istioctls_first_error() -> None:
 
 
 # -- a real Envoy ---------------------------------------------------------------------------------------
-@pytest.fixture
-def envoy(short_tmp: Path) -> Iterator[str]:
-    """A real Envoy with only an admin listener; its admin address."""
+@contextmanager
+def admin_envoy(directory: Path, **resources: Any) -> Iterator[str]:
+    """A real Envoy with an admin listener (and the bootstrap sections given); its admin address."""
     port = free_port()
     bootstrap = {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}},
-        "node": {"id": "log-test", "cluster": "log-test"},
+        "node": {"id": "ctl-test", "cluster": "ctl-test"},
+        **resources,
     }
-    config = short_tmp / "envoy.json"
+    config = directory / f"envoy-{port}.json"
     config.write_text(json.dumps(bootstrap))
-    process = subprocess.Popen(
-        [str(find_envoy()), "-c", str(config), "--base-id", str(port), "-l", "warning"],
-        stdout=subprocess.DEVNULL,
-        stderr=(short_tmp / "envoy.log").open("wb"),
-    )
+    log = directory / f"envoy-{port}.log"
+    with log.open("wb") as stderr:
+        process = subprocess.Popen(
+            [str(find_envoy()), "-c", str(config), "--base-id", str(port), "-l", "warning"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
     address = f"127.0.0.1:{port}"
     try:
 
         def up() -> bool:
-            assert process.poll() is None, (short_tmp / "envoy.log").read_text()
+            assert process.poll() is None, log.read_text()
             try:
                 with urllib.request.urlopen(f"http://{address}/ready", timeout=1):
                     return True
@@ -149,6 +154,12 @@ def envoy(short_tmp: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def envoy(short_tmp: Path) -> Iterator[str]:
+    with admin_envoy(short_tmp) as address:
+        yield address
 
 
 def envoy_levels(address: str) -> dict[str, str]:

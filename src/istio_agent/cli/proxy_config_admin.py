@@ -23,6 +23,7 @@ LEVEL_HELP = (
 def register(group: click.Group) -> None:
     """Add this module's commands to the ``proxy-config`` group."""
     group.add_command(log_command)
+    group.add_command(rootca_compare_command)
 
 
 @click.command("log")
@@ -51,3 +52,24 @@ def log_command(address: str, level: str, reset: bool, output: str, timeout: flo
         runtime.run(run(query, lambda text: click.echo(text, nl=False)))
     except LogLevelError as err:
         raise click.ClickException(str(err)) from None
+
+
+@click.command("rootca-compare")
+@click.argument("addresses", nargs=-1)
+@click.option(
+    "--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.1), help="seconds per request"
+)
+def rootca_compare_command(addresses: tuple[str, ...], timeout: float) -> None:
+    """Compare the ROOTCA of the Envoys at two admin addresses (HOST:PORT HOST:PORT).
+
+    A shared root certificate is reported (on stderr, as istioctl); none is an error (exit status 1).
+    """
+    from istio_agent.ctl.rootca import RootCAError, compare
+
+    if len(addresses) != 2:
+        raise click.ClickException("rootca-compare requires 2 pods as an argument")
+    try:
+        report = runtime.run(compare(addresses[0], addresses[1], timeout))
+    except RootCAError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(report, err=True)
