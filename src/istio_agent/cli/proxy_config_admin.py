@@ -27,7 +27,7 @@ def register(group: click.Group) -> None:
 
 
 @click.command("log")
-@click.argument("address", default=DEFAULT_ADMIN, required=False)
+@click.argument("address", default=DEFAULT_ADMIN, required=False, metavar="[ADMIN_ADDRESS]")
 @click.option("--level", default="", help=LEVEL_HELP)
 @click.option("-r", "--reset", is_flag=True, help="Reset levels to default value (warning).")
 @click.option(
@@ -37,7 +37,7 @@ def register(group: click.Group) -> None:
     "--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.1), help="seconds per request"
 )
 def log_command(address: str, level: str, reset: bool, output: str, timeout: float) -> None:
-    """Envoy's logging levels at ADDRESS (its admin HOST:PORT, default 127.0.0.1:15000), updated optionally.
+    """Envoy's logging levels at ADMIN_ADDRESS (its admin HOST:PORT, default 127.0.0.1:15000), updated optionally.
 
     \b
       agentctl proxy-config log 127.0.0.1:15000                       # list
@@ -55,12 +55,12 @@ def log_command(address: str, level: str, reset: bool, output: str, timeout: flo
 
 
 @click.command("rootca-compare")
-@click.argument("addresses", nargs=-1)
+@click.argument("addresses", nargs=-1, metavar="ADMIN_A ADMIN_B")
 @click.option(
     "--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.1), help="seconds per request"
 )
 def rootca_compare_command(addresses: tuple[str, ...], timeout: float) -> None:
-    """Compare the ROOTCA of the Envoys at two admin addresses (HOST:PORT HOST:PORT).
+    """Compare the ROOTCA of the Envoys at two admin addresses (each HOST:PORT).
 
     A shared root certificate is reported (on stderr, as istioctl); none is an error (exit status 1).
     """
