@@ -87,7 +87,7 @@ def serving(mesh: LocalMesh, context: ssl.SSLContext) -> None:
     )
     inbound = b.ports["inbound"]
     wait_until(lambda: new_inbound(context, inbound) == "served", 30, "b's inbound listener to serve mTLS")
-    wait_until(lambda: outbound_call(b.outbound_port("c")) == (200, "c"), 30, "b to reach c")
+    wait_until(lambda: outbound_call(b.outbound_port("c")) == (200, "", "c"), 30, "b to reach c")
 
 
 def log_of(workload: Workload) -> str:
@@ -129,10 +129,14 @@ def new_inbound(context: ssl.SSLContext, port: int) -> str:
     return "served+close" if header == "close" else "served"
 
 
-def outbound_call(port: int) -> tuple[int, str]:
-    """A new connection to b's outbound listener for c: status and which app answered."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/hello", timeout=5) as response:
-        return response.status, json.load(response)["app"]
+def outbound_call(port: int) -> tuple[int, str, str]:
+    """A new connection to b's outbound listener for c: status, Connection header, which app answered."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        status, header, answer = get(connection)
+    finally:
+        connection.close()
+    return status, header, str(answer["app"])
 
 
 def admin_up(port: int) -> bool:
@@ -194,7 +198,8 @@ def test_after_sigterm_new_inbound_connections_are_refused_old_ones_and_outbound
     assert old.sock is old_socket or old.sock is None  # not a reconnect (that would have been refused)
     assert (status, answer["app"]) == (200, "b")
     assert header == "close"  # ... and is told to close (drain-strategy immediate)
-    assert outbound_call(b.outbound_port("c")) == (200, "c")  # outbound listeners are not drained
+    # Outbound listeners are not drained (inboundonly): served, and not even told to close.
+    assert outbound_call(b.outbound_port("c")) == (200, "", "c")
     assert agent.poll() is None and time.monotonic() - signalled < TERMINATION
 
     # After terminationDrainDuration the agent kills Envoy and exits cleanly.
