@@ -53,9 +53,25 @@ def test_tabwrite_aligns_column_blocks_as_go() -> None:
     assert goformat.tabwrite(lines, padding=2) == "a    bb  c\nccc  d\ne    f  g  h\n"
 
 
-def test_tabwrite_pads_empty_cells_but_leaves_no_trailing_spaces() -> None:
+def test_tabwrite_pads_empty_cells_and_keeps_the_trailing_padding_go_writes() -> None:
+    # istioctl's golden (writer/envoy/configdump/testdata/secret/istio/output): a WARMING secret's
+    # row ends in the padding of its VALID CERT cell, its last cells being empty
     lines = [["NAME", "TYPE", "STATE", "LAST"], ["x", "", "WARMING", ""], ["longer", "CA", "ACTIVE", "z"]]
     assert goformat.tabwrite(lines, padding=5) == (
-        "NAME       TYPE     STATE       LAST\nx                   WARMING\nlonger     CA       ACTIVE      z\n"
+        "NAME       TYPE     STATE       LAST\nx                   WARMING     \nlonger     CA       ACTIVE      z\n"
     )
     assert goformat.tabwrite([]) == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "quoted"),
+    [
+        ("istioctl~0.0.0.0~a.b~b.svc", '"istioctl~0.0.0.0~a.b~b.svc"'),
+        ('say "hi"\\', '"say \\"hi\\"\\\\"'),
+        ("tab\tnew\nbell\a\x00\x7f", '"tab\\tnew\\nbell\\a\\x00\\x7f"'),
+        ("café ✓", '"café ✓"'),
+        ("\u200b\U000e0001", '"\\u200b\\U000e0001"'),
+    ],
+)
+def test_go_quote_is_strconv_quote(text: str, quoted: str) -> None:
+    assert goformat.go_quote(text) == quoted

@@ -27,6 +27,38 @@ def exit_text(returncode: int) -> str:
     return f"signal: {name.lower()}"  # glibc's descriptions, lower-cased, are Go's signal names
 
 
+_QUOTE_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\a": "\\a",
+    "\b": "\\b",
+    "\f": "\\f",
+    "\n": "\\n",
+    "\r": "\\r",
+    "\t": "\\t",
+    "\v": "\\v",
+}
+
+
+def go_quote(text: str) -> str:
+    """Go's ``%q`` of a string (``strconv.Quote``): printable characters as they are, the rest escaped."""
+    out = ['"']
+    for char in text:
+        code = ord(char)
+        if char in _QUOTE_ESCAPES:
+            out.append(_QUOTE_ESCAPES[char])
+        elif char.isprintable():
+            out.append(char)
+        elif code < 0x80:
+            out.append(f"\\x{code:02x}")
+        elif code < 0x10000:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    out.append('"')
+    return "".join(out)
+
+
 def status_code_name(code: enum.Enum) -> str:
     """grpc-go's name of a status code: ``Unavailable``, ``NotFound``, ``Canceled`` (Go's spelling)."""
     if code.name == "CANCELLED":
@@ -68,8 +100,9 @@ def tabwrite(lines: list[list[str]], *, minwidth: int = 0, padding: int = 1) -> 
 
     Each line is a list of cells; every cell but the last is tab-terminated, so the last one is
     not part of a column (Go's rule). Columns are aligned per block of consecutive lines that have
-    that column, each cell padded to the block's widest cell plus ``padding``. Trailing spaces
-    (from empty trailing cells) are dropped, as in istioctl's golden outputs.
+    that column, each cell padded to the block's widest cell plus ``padding``, empty ones included:
+    a line whose last cell is empty ends in the padding of the cell before it, as istioctl's tables
+    do (its golden outputs keep those trailing spaces).
     """
     widths: list[int] = []
     out: list[str] = []
@@ -80,7 +113,7 @@ def tabwrite(lines: list[list[str]], *, minwidth: int = 0, padding: int = 1) -> 
                 cell.ljust(widths[j]) if j < len(widths) and j < len(line) - 1 else cell
                 for j, cell in enumerate(line)
             )
-            out.append(text.rstrip(" ") + "\n")
+            out.append(text + "\n")
 
     def format_block(start: int, end: int) -> None:
         column = len(widths)

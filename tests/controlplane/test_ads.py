@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 from google.rpc import status_pb2
 
 from istio_agent.controlplane.ads import SYNCZ_TYPE, AdsServer, Authorizer, TypeStatus
-from istio_agent.controlplane.debug import CONFIG_DUMP_TYPE
+from istio_agent.controlplane.debug import CONFIG_DUMP_TYPE, DebugAccess
 from istio_agent.controlplane.mesh import MeshConfig
 from istio_agent.controlplane.xdsgen import (
     CLUSTER_TYPE,
@@ -54,8 +54,13 @@ SLEEP_NODE.metadata["CLUSTER_ID"] = "Kubernetes"
 SLEEP_NODE.metadata["NAMESPACE"] = "default"
 SLEEP_NODE.metadata["ISTIO_VERSION"] = "1.31.0"
 SLEEP_NODE.metadata["SERVICE_ACCOUNT"] = "sleep"
+SLEEP_NODE.metadata["PROXY_CONFIG"] = {"discoveryAddress": "istiod.istio-system.svc:15012"}
 OTHER_NODE = Node(id="sidecar~10.0.0.2~httpbin-1.apps~apps.svc.cluster.local")
-ISTIOCTL_NODE = Node(id="istioctl-debug")
+OTHER_NODE.metadata["PROXY_CONFIG"] = {}
+ISTIOCTL_NODE = Node(id="sidecar~10.0.0.99~test-1.default~default.svc.cluster.local")
+"""What istioctl's client (``pkg/adsc``) sends: a sidecar node type, metadata without PROXY_CONFIG."""
+ISTIOCTL_NODE.metadata["GENERATOR"] = "event"
+ISTIOCTL_NODE.metadata["NAMESPACE"] = "istio-system"
 
 
 def mesh(
@@ -252,7 +257,10 @@ class Client:
 class Harness:
     """An AdsServer on a real gRPC server on 127.0.0.1, the snapshot calls it made, and clients."""
 
-    def __init__(self, config: MeshConfig, authorize: Authorizer | None = None) -> None:
+    def __init__(
+        self, config: MeshConfig, authorize: Authorizer | None = None, debug_access: DebugAccess | None = None
+    ) -> None:
+        """No ``debug_access``: debug questions need no identity (these clients prove none)."""
         self.calls: list[tuple[MeshConfig, str]] = []
         self.failing: set[str] = set()
         self.observer = Observer()
@@ -264,6 +272,7 @@ class Harness:
             control_plane_id="cp-test",
             observer=self.observer,
             registry=self.registry,
+            debug_access=debug_access or DebugAccess(enabled=False),
         )
         self.server = grpc.aio.server()
         self.ads.register(self.server)
@@ -311,8 +320,12 @@ class Harness:
 async def make_harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
     harnesses: list[Harness] = []
 
-    async def factory(config: MeshConfig | None = None, authorize: Authorizer | None = None) -> Harness:
-        harness = Harness(config or mesh(), authorize)
+    async def factory(
+        config: MeshConfig | None = None,
+        authorize: Authorizer | None = None,
+        debug_access: DebugAccess | None = None,
+    ) -> Harness:
+        harness = Harness(config or mesh(), authorize, debug_access)
         await harness.server.start()
         harnesses.append(harness)
         return harness
@@ -371,7 +384,7 @@ async def test_sotw_nack_sends_nothing_and_shows_error(h: Harness, caplog: pytes
 
     entry = configs[0].generic_xds_configs[0]
     assert entry.type_url == LISTENER_TYPE
-    assert entry.config_status == csds_pb2.ConfigStatus.STALE
+    assert entry.config_status == csds_pb2.ConfigStatus.ERROR
     assert entry.error_state.details == "listener l1: bad port"
     assert h.ads.connections()[0].last_error == "listener l1: bad port"
 
@@ -594,7 +607,7 @@ async def test_delta_nack_sends_nothing(h: Harness) -> None:
     response = await client.response(LISTENER_TYPE)
     await client.delta_request(LISTENER_TYPE, nonce=response.nonce, error_message="no")
     configs = await client.barrier()
-    assert configs[0].generic_xds_configs[0].config_status == csds_pb2.ConfigStatus.STALE
+    assert configs[0].generic_xds_configs[0].config_status == csds_pb2.ConfigStatus.ERROR
     assert configs[0].generic_xds_configs[0].error_state.details == "no"
     assert h.observer.acks[-1][2:] == (response.nonce, "no")
 
@@ -607,7 +620,7 @@ async def test_syncz_lists_proxies_with_their_statuses(h: Harness) -> None:
     await sleep.subscribe(CLUSTER_TYPE)  # SYNCED
     await sleep.request(LISTENER_TYPE)
     listeners = await sleep.response(LISTENER_TYPE)
-    await sleep.request(LISTENER_TYPE, nonce=listeners.nonce, error_message="boom")  # STALE + error
+    await sleep.request(LISTENER_TYPE, nonce=listeners.nonce, error_message="boom")  # ERROR
     await sleep.request(ENDPOINT_TYPE, ["a"])
     await sleep.response(ENDPOINT_TYPE)  # not ACKed: STALE
     await sleep.barrier()
@@ -636,7 +649,7 @@ async def test_syncz_lists_proxies_with_their_statuses(h: Harness) -> None:
     by_type = {e.type_url: e for e in entries}
     assert by_type[CLUSTER_TYPE].config_status == csds_pb2.ConfigStatus.SYNCED
     assert by_type[ENDPOINT_TYPE].config_status == csds_pb2.ConfigStatus.STALE
-    assert by_type[LISTENER_TYPE].config_status == csds_pb2.ConfigStatus.STALE
+    assert by_type[LISTENER_TYPE].config_status == csds_pb2.ConfigStatus.ERROR  # istiod since 1.23
     assert by_type[LISTENER_TYPE].error_state.details == "boom"
     assert by_type[LISTENER_TYPE].error_state.last_update_attempt == by_type[LISTENER_TYPE].last_updated
     assert all(e.last_updated.seconds > 0 for e in entries)
@@ -694,7 +707,8 @@ def test_config_status_values() -> None:
     sent = TypeStatus(CLUSTER_TYPE, "n1", "", "v", None, 1.0, 1)
     assert sent.config_status == "STALE"
     assert TypeStatus(CLUSTER_TYPE, "n1", "n1", "v", None, 1.0, 1).config_status == "SYNCED"
-    assert TypeStatus(CLUSTER_TYPE, "n1", "n1", "v", "bad", 1.0, 1).config_status == "STALE"  # NACKed
+    assert TypeStatus(CLUSTER_TYPE, "n1", "n1", "v", "bad", 1.0, 1).config_status == "ERROR"  # NACKed
+    assert TypeStatus(CLUSTER_TYPE, "n2", "n1", "v", "bad", 1.0, 1).config_status == "ERROR"  # until ACKed
 
 
 # -- connections, pushes, lifecycle --------------------------------------------------------------------
@@ -756,10 +770,11 @@ async def test_authorize_refusal_ends_the_stream_with_its_status(
 ) -> None:
     seen: list[ProxyNode] = []
 
-    async def authorize(context: grpc.aio.ServicerContext, proxy: ProxyNode) -> None:
+    async def authorize(context: grpc.aio.ServicerContext, proxy: ProxyNode) -> str | None:
         seen.append(proxy)
         if proxy.id == OTHER_NODE.id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not on the guest list")
+        return None
 
     h = await make_harness(authorize=authorize)
     refused = h.sotw(OTHER_NODE)
@@ -825,3 +840,88 @@ async def test_snapshot_failure_ends_only_that_stream(h: Harness) -> None:
     h.failing.clear()
     await h.ads.update_mesh(mesh(clusters={"y": 1}))
     assert clusters_of(await healthy.response(CLUSTER_TYPE)) == {"y": "1"}
+
+
+# -- as strict as istiod: node ids, who may ask debug questions ------------------------------------------
+
+
+async def test_a_node_id_istiod_refuses_ends_the_stream_with_istiods_error(h: Harness) -> None:
+    node = Node(id="istioctl~0.0.0.0~agentctl.istio-system~istio-system.svc.cluster.local")
+    client = h.sotw(node)
+    await client.request(SYNCZ_TYPE)
+    failure = await client.end()
+    assert isinstance(failure, grpc.aio.AioRpcError)
+    assert failure.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert failure.details() == (
+        f'invalid node type (valid types: [sidecar router waypoint ztunnel]) in the service node "{node.id}"'
+    )
+    assert h.ads.connections() == []
+
+
+def _identity_by_node(identities: dict[str, str]) -> Authorizer:
+    async def authorize(context: grpc.aio.ServicerContext, proxy: ProxyNode) -> str | None:
+        return identities.get(proxy.id)
+
+    return authorize
+
+
+async def test_debug_questions_need_a_verified_identity_and_see_only_its_namespace(
+    make_harness: Callable[..., Awaitable[Harness]],
+) -> None:
+    asker_default = Node(id="sidecar~10.0.0.7~test-1.default~default.svc.cluster.local")
+    asker_system = Node(id="sidecar~10.0.0.8~test-1.istio-system~istio-system.svc.cluster.local")
+    asker_allowed = Node(id="sidecar~10.0.0.9~test-1.monitoring~monitoring.svc.cluster.local")
+    identities = {
+        asker_default.id: "spiffe://cluster.local/ns/default/sa/default",
+        asker_system.id: "spiffe://cluster.local/ns/istio-system/sa/default",
+        asker_allowed.id: "spiffe://cluster.local/ns/monitoring/sa/prometheus",
+    }
+    h = await make_harness(
+        authorize=_identity_by_node(identities),
+        debug_access=DebugAccess(allowed_namespaces=frozenset({"monitoring"})),
+    )
+    for node in (SLEEP_NODE, OTHER_NODE):
+        await h.sotw(node).subscribe(CLUSTER_TYPE)
+
+    anonymous = h.sotw(ISTIOCTL_NODE)  # no identity: the plaintext port
+    await anonymous.request(SYNCZ_TYPE)
+    failure = await anonymous.end()
+    assert isinstance(failure, grpc.aio.AioRpcError)
+    assert failure.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert failure.details() == "authentication required"
+
+    async def seen(node: Node) -> list[str]:
+        client = h.sotw(node)
+        await client.request(SYNCZ_TYPE)
+        response = await client.response(SYNCZ_TYPE)
+        return [unpack(r, csds_pb2.ClientConfig()).node.id for r in response.resources]
+
+    assert await seen(asker_system) == ["httpbin-1.apps", "sleep-1.default"]
+    assert await seen(asker_allowed) == ["httpbin-1.apps", "sleep-1.default"]
+    assert await seen(asker_default) == ["sleep-1.default"]
+
+    dumper = h.sotw(asker_default)
+    await dumper.request(CONFIG_DUMP_TYPE, ["httpbin-1.apps"])  # another namespace's: as if unknown
+    assert list((await dumper.response(CONFIG_DUMP_TYPE)).resources) == []
+    await dumper.request(CONFIG_DUMP_TYPE, ["sleep-1.default"])
+    assert len((await dumper.response(CONFIG_DUMP_TYPE)).resources) == 4
+
+
+async def test_syncz_lists_only_proxies_not_debug_clients_or_proxyless_apps(h: Harness) -> None:
+    proxyless = Node(id="sidecar~10.0.0.3~echo-1.default~default.svc.cluster.local")
+    proxyless.metadata["GENERATOR"] = "grpc"  # a gRPC app's bootstrap: no PROXY_CONFIG
+    await h.sotw(proxyless).subscribe(LISTENER_TYPE, ["echo.default.svc.cluster.local:8080"])
+    await h.sotw(SLEEP_NODE).subscribe(CLUSTER_TYPE)
+    istioctl = h.sotw(ISTIOCTL_NODE)
+    await istioctl.request(SYNCZ_TYPE)
+    response = await istioctl.response(SYNCZ_TYPE)
+    assert [unpack(r, csds_pb2.ClientConfig()).node.id for r in response.resources] == ["sleep-1.default"]
+
+
+def test_debug_access_from_istiods_variables() -> None:
+    assert DebugAccess.from_env({}) == DebugAccess()
+    assert DebugAccess.from_env({"ENABLE_DEBUG_ENDPOINT_AUTH": "false"}).enabled is False
+    access = DebugAccess.from_env({"DEBUG_ENDPOINT_AUTH_ALLOWED_NAMESPACES": "monitoring, ops,"})
+    assert access.allowed_namespaces == {"monitoring", "ops"}
+    with pytest.raises(ValueError, match="ENABLE_DEBUG_ENDPOINT_AUTH"):
+        DebugAccess.from_env({"ENABLE_DEBUG_ENDPOINT_AUTH": "maybe"})

@@ -69,7 +69,7 @@ def sample() -> dict[str, discovery_pb2.DiscoveryResponse]:
             ),
             client_config(
                 "bookinfo-gateway-istio-cf89b9c8f-f5p77.istio-system",
-                {**core, LDS: (S.STALE, 200.0, "listener 0.0.0.0_80: duplicate")},
+                {**core, LDS: (S.ERROR, 200.0, "listener 0.0.0.0_80: duplicate")},
                 version="1.22.3",
             ),
             client_config("db-0.data", {CDS: (S.NOT_SENT, None, None), RDS: (S.UNKNOWN, None, None)}),
@@ -109,7 +109,7 @@ def test_table_is_istioctls() -> None:
     assert counted[3].endswith("     5 (CDS,LDS,EDS,RDS,NDS)")  # core types first, then the rest
 
 
-def test_verbose_table_has_a_column_per_type_with_ages_and_lists_nacks() -> None:
+def test_verbose_table_has_a_column_per_type_with_ages_and_nacks_go_to_stderr() -> None:
     rows = ps.select(ps.proxies(sample()), None, "web-1") + ps.select(
         ps.proxies(sample()), "istio-system", None
     )
@@ -120,35 +120,62 @@ def test_verbose_table_has_a_column_per_type_with_ages_and_lists_nacks() -> None
     assert head[2:-2] == ["CDS", "ECDS", "EDS", "LDS", "RDS", "NDS"]  # istioctl's five and NDS, by type URL
     assert lines[1].startswith("web-1.default ")
     assert "SYNCED (40s)" in lines[1] and "SYNCED (3s)" in lines[1] and "IGNORED" in lines[1]
-    assert "STALE (3m20s)" in lines[2]
-    assert lines[3] == ""
-    assert lines[4].split() == ["NACKED", "TYPE", "SINCE", "ERROR"]
-    assert lines[5].split(maxsplit=3) == [
-        "bookinfo-gateway-istio-cf89b9c8f-f5p77.istio-system",
-        "LDS",
-        "3m20s",
-        "listener 0.0.0.0_80: duplicate",
+    assert "ERROR (3m20s)" in lines[2]
+    assert len(lines) == 3  # nothing after the table: scripts parse it
+    assert ps.nack_notes(rows, NOW) == [
+        "bookinfo-gateway-istio-cf89b9c8f-f5p77.istio-system rejected LDS 3m20s ago: listener 0.0.0.0_80: duplicate"
     ]
     never = ps.table(ps.select(ps.proxies(sample()), "data", None), verbose=True, now=NOW).splitlines()
-    assert "NOT SENT" in never[1] and "NACKED" not in "".join(never)
+    assert "NOT SENT" in never[1]
 
 
-def test_empty_result_prints_only_the_header_and_json_istioctls_empty_object() -> None:
+def test_subscribed_types_as_istioctl_names_and_orders_them() -> None:
+    synced = (S.SYNCED, 1.0, None)
+    wds = "type.googleapis.com/istio.workload.Address"
+    wads = "type.googleapis.com/istio.security.Authorization"
+    odd = "type.googleapis.com/example.v1.Odd"
+    pcds = "type.googleapis.com/istio.mesh.v1alpha1.ProxyConfig"
+    types = {t: synced for t in (RDS, CDS, wads, odd, pcds, wds, NDS)}
+    (row,) = ps.proxies({"i": syncz("i", client_config("a.default", types))})
+    # core types first; then by type URL (example < istio.mesh < istio.networking < istio.security < istio.workload)
+    assert ps.subscribed(row) == f"7 (CDS,RDS,{odd},PCDS,NDS,WADS,WDS)"
+    (none,) = ps.proxies({"i": syncz("i", client_config("b.default", {CDS: (S.UNKNOWN, None, None)}))})
+    assert ps.subscribed(none) == "0"
+
+
+def test_a_row_whose_last_cell_is_empty_keeps_gos_padding() -> None:
+    # no ISTIO_VERSION: the verbose table's last cell is empty, Go's tabwriter pads the one before it
+    (row,) = ps.proxies(
+        {"i": syncz("istiod-1", client_config("a.default", {CDS: (S.SYNCED, 1.0, None)}, version=""))}
+    )
+    row = ps.ProxySync(row.proxy_id, row.cluster, row.namespace, row.istiod, "", row.types)
+    lines = ps.table([row], verbose=True, now=NOW).splitlines()
+    assert lines[1].endswith("istiod-1     ")
+
+
+def test_empty_result_prints_only_the_header_and_machine_readable_nothing() -> None:
     assert (
         ps.table([], verbose=False, now=NOW)
         == "NAME     CLUSTER     ISTIOD     VERSION     SUBSCRIBED TYPES\n"
     )
-    assert ps.as_json({}) == "{\n\n}\n"
+    assert ps.machine_readable({}, "json") == ""
 
 
-def test_json_and_yaml_keep_the_raw_responses_with_nack_text_for_alerting() -> None:
+def test_json_and_yaml_print_each_discovery_response_with_nack_text_for_alerting() -> None:
     responses = sample()
+    responses["istiod-0"] = syncz("istiod-0")
     keep = ps.select(ps.proxies(responses), "istio-system", None)
-    data = json.loads(ps.as_json(ps.only(responses, keep)))
-    (entry,) = data["istiod-1"]["resources"]
-    stale = next(c for c in entry["genericXdsConfigs"] if c["typeUrl"] == LDS)
-    assert stale["configStatus"] == "STALE" and stale["errorState"]["details"].startswith("listener")
-    assert yaml.safe_load(ps.as_yaml(responses))["istiod-1"]["typeUrl"] == ps.SYNCZ_TYPE
+    text = ps.machine_readable(ps.only(responses, keep), "json")
+    decoder = json.JSONDecoder()
+    first, end = decoder.raw_decode(text)
+    second = json.loads(text[end:])
+    assert first["typeUrl"] == ps.SYNCZ_TYPE and "resources" not in first  # istiod-0 first, by ID
+    assert text.startswith('{\n    "versionInfo"') or text.startswith('{\n    "typeUrl"')  # four spaces
+    (entry,) = second["resources"]
+    failed = next(c for c in entry["genericXdsConfigs"] if c["typeUrl"] == LDS)
+    assert failed["configStatus"] == "ERROR" and failed["errorState"]["details"].startswith("listener")
+    documents = list(yaml.safe_load_all(ps.machine_readable(responses, "yaml").replace("\n{", "\n---\n{")))
+    assert documents[0]["typeUrl"] == ps.SYNCZ_TYPE
 
 
 @pytest.mark.parametrize(
@@ -279,7 +306,7 @@ MALFORMED = {
 async def test_an_agent_whose_answer_does_not_decode_is_skipped_and_the_others_listed(answer: bytes) -> None:
     good = syncz("istiod-1", client_config("good-1.default", {CDS: (S.SYNCED, 1.0, None)}))
     async with peer(good.SerializeToString()) as good_address, peer(answer) as bad_address:
-        for output in ("short", "json"):
+        for output in ("table", "json"):
             code, out, err = await agentctl(
                 "--xds-via-agents",
                 "--agent-address",
@@ -293,7 +320,15 @@ async def test_an_agent_whose_answer_does_not_decode_is_skipped_and_the_others_l
             (line,) = err.splitlines()
             assert line.startswith("Skip the agent in Pod bad-1.default due to the error: malformed answer: ")
             if output == "json":
-                assert list(json.loads(out)) == ["istiod-1"]
+                answer = json.loads(out)  # the one control plane's DiscoveryResponse, as istioctl prints it
+                assert (
+                    ps.control_plane_info(
+                        discovery_pb2.DiscoveryResponse(
+                            control_plane=ControlPlane(identifier=answer["controlPlane"]["identifier"])
+                        )
+                    )[0]
+                    == "istiod-1"
+                )
             else:
                 assert [row.split()[0] for row in out.splitlines()] == ["NAME", "good-1.default"]
 
@@ -305,3 +340,14 @@ async def test_a_control_plane_whose_answer_does_not_decode_is_one_error_line(an
     assert code == 1 and out == ""
     (line,) = err.splitlines()
     assert line.startswith(f"Error: control plane {address}: malformed answer: "), err
+
+
+def test_a_filtering_control_plane_is_said_when_answers_each_cover_another_namespace() -> None:
+    one, other, both = frozenset({"default"}), frozenset({"apps"}), frozenset({"default", "apps"})
+    (note,) = ps.partial_view_note([one, other])
+    assert note.startswith("Proxies from 2 namespace(s) (apps, default) through 2 agent(s): ")
+    assert "missing" in note
+    assert ps.partial_view_note([one]) == []  # cannot tell from a one-namespace mesh
+    assert ps.partial_view_note([one, one]) == []
+    assert ps.partial_view_note([both, one]) == []  # an unfiltered answer: the view is whole
+    assert ps.partial_view_note([]) == []

@@ -13,7 +13,9 @@ from istio_agent.ctl.secrets import SecretsError, agent_items, check_files, diff
 from istio_agent.pem import CertificateSummary
 from tests.ctl.secretdumps import Issued, cert, dump, root_secret, spiffe_secret, tls_secret, when
 
-# Istio's golden outputs (istioctl/pkg/writer/envoy/configdump/testdata/secret/{istio,spire}/output).
+# Istio's golden outputs, byte for byte (trailing spaces included), from Istio 1.28.10 (ff49c188):
+# istioctl/pkg/writer/envoy/configdump/testdata/secret/istio/output (blob 8d4bb70b0ccb52a100c5663c68acda8bee25cfa5)
+# and .../secret/spire/output (blob 0c5c5baa95b3984c33ab7875e51ea1b7c12e9d97).
 TESTDATA = Path(__file__).parent / "testdata"
 ISTIO_GOLDEN = (TESTDATA / "secret-istio.txt").read_text()
 

@@ -109,10 +109,16 @@ def test_proxy_status_direct_and_through_two_agents(mesh: LocalMesh, short_tmp: 
     assert table["a.default"][2] == "agentctl-controlplane"
     assert table["a.default"][4] == "5 (CDS,LDS,EDS,RDS,NDS)"
 
-    plain = agentctl("--xds-address", f"127.0.0.1:{mesh.port}", "--plaintext", "-o", "json")
-    assert plain.returncode == 0, plain.stderr
-    answer = json.loads(plain.stdout)["agentctl-controlplane"]
+    as_json = agentctl(*tls, "-o", "json")
+    assert as_json.returncode == 0, as_json.stderr
+    answer = json.loads(as_json.stdout)  # the control plane's DiscoveryResponse, as istioctl prints it
+    assert json.loads(answer["controlPlane"]["identifier"])["ID"] == "agentctl-controlplane"
     assert sorted(r["node"]["id"] for r in answer["resources"]) == ["a.default", "b.default"]
+
+    # As istiod (ENABLE_DEBUG_ENDPOINT_AUTH): no debug answers on the plaintext port, which proves no identity
+    plain = agentctl("--xds-address", f"127.0.0.1:{mesh.port}", "--plaintext")
+    assert plain.returncode == 1 and plain.stdout == ""
+    assert f"control plane 127.0.0.1:{mesh.port}: UNAUTHENTICATED: authentication required (" in plain.stderr
 
     dead = f"127.0.0.1:{free_port()}"
     via = agentctl(

@@ -93,7 +93,7 @@ def test_sotw_nack_is_recorded_only_for_the_last_nonce() -> None:
     current = sotw_request(watches, EDS, sotw(["a", "b"], "n1", error="bad"), ISTIOD)
     assert (current.verdict, current.watch, current.send) == (Verdict.NACK, watch, None)
     assert (watch.error, watch.acked_nonce, list(watch.names)) == ("bad", "n1", ["a"])  # names untouched
-    assert watch.status().config_status == "STALE"  # istiod: a NACK leaves the type stale
+    assert watch.status().config_status == "ERROR"  # istiod (since 1.23): a NACKed type is in ERROR
     sotw_request(watches, EDS, sotw(["a"], "n1"), ISTIOD)
     assert watch.error is None and watch.status().config_status == "SYNCED"
 

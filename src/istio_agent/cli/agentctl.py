@@ -14,6 +14,7 @@ import click
 from istio_agent.cli import proxy_config_admin, proxy_config_dump, runtime
 from istio_agent.config.env import parse_go_duration
 from istio_agent.controlplane.ca import StateError
+from istio_agent.controlplane.debug import DebugAccess
 from istio_agent.controlplane.mesh import MeshError
 from istio_agent.controlplane.server import (
     DEFAULT_ADDRESS,
@@ -56,12 +57,20 @@ def controlplane(
     log_output_level: str,
     log_as_json: bool,
 ) -> None:
-    """Run the local control plane (Istio CA service) until SIGINT/SIGTERM."""
+    """Run the local control plane (Istio CA service) until SIGINT/SIGTERM.
+
+    As istiod, it reads ENABLE_DEBUG_ENDPOINT_AUTH (default true: syncz and config_dump need an
+    authenticated caller, so not the plaintext port) and DEBUG_ENDPOINT_AUTH_ALLOWED_NAMESPACES
+    (namespaces besides istio-system whose callers see every proxy) from the environment."""
     try:
         configure(log_output_level, as_json=log_as_json)
     except ValueError as err:
         raise click.ClickException(f"--log_output_level: {err}") from None
-    plane = ControlPlane(mesh_path, state_dir, address, secure_address)
+    try:
+        debug_access = DebugAccess.from_env(os.environ)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from None
+    plane = ControlPlane(mesh_path, state_dir, address, secure_address, debug_access=debug_access)
     try:
         runtime.run(_serve(plane, address, secure_address))
     except (ControlPlaneError, MeshError, StateError) as err:
@@ -257,9 +266,23 @@ def cni_check(
 @click.option(
     "-i", "--istio-namespace", default="istio-system", show_default=True, help="the asker's namespace"
 )
-@click.option("-v", "--verbose", is_flag=True, help="one column per type, with ages")
 @click.option(
-    "-o", "--output", default="short", show_default=True, type=click.Choice(["short", "json", "yaml"])
+    "-v",
+    "--verbosity",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    is_flag=False,
+    flag_value=1,
+    help="as istioctl: 0 the summary, 1 one column per type (with ages); NACK texts go to stderr",
+)
+@click.option(
+    "-o",
+    "--output",
+    default="table",
+    show_default=True,
+    type=click.Choice(["table", "json", "yaml"]),
+    help="json|yaml: each control plane's syncz DiscoveryResponse, as istioctl prints it",
 )
 def proxy_status(
     proxy: str | None,
@@ -276,10 +299,14 @@ def proxy_status(
     concurrency: int,
     namespace: str | None,
     istio_namespace: str,
-    verbose: bool,
+    verbosity: int,
     output: str,
 ) -> None:
-    """Sync status of proxies (istioctl proxy-status), from a control plane or through agents."""
+    """Sync status of proxies (istioctl proxy-status), from a control plane or through agents.
+
+    Against istiod (or the local control plane) directly, use its TLS port with a token: istiod
+    answers debug questions only to authenticated callers (ENABLE_DEBUG_ENDPOINT_AUTH), and those
+    outside istio-system only about their own namespace."""
     from istio_agent.ctl import proxystatus as ps
 
     if xds_via_agents == bool(xds_address):
@@ -299,7 +326,7 @@ def proxy_status(
     options = ps.Options(
         target=target,
         agents=agents,
-        view=ps.View(proxy=proxy, namespace=namespace, verbose=verbose, output=output),
+        view=ps.View(proxy=proxy, namespace=namespace, verbosity=verbosity, output=output),
         limit=xds_via_agents_limit,
         timeout=timeout.total_seconds(),
         concurrency=concurrency,

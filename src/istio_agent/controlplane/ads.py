@@ -36,6 +36,7 @@ from istio_agent.controlplane import debug
 from istio_agent.controlplane.debug import SYNCZ_TYPE
 from istio_agent.controlplane.grpcgen import build_grpc_resources, is_grpc_node
 from istio_agent.controlplane.mesh import MeshConfig
+from istio_agent.controlplane.nodeid import node_id_error
 from istio_agent.controlplane.xdsgen import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -85,8 +86,9 @@ SnapshotFn = Callable[[MeshConfig, ProxyNode], Snapshot]
 """A proxy's configuration from the mesh; raises ValueError when the mesh has none for it."""
 NamedFn = Callable[[MeshConfig, ProxyNode, str, Sequence[str]], dict[str, Message]]
 """A proxyless node's resources of a type among the names it asked for."""
-Authorizer = Callable[[grpc.aio.ServicerContext, ProxyNode], Awaitable[None]]
-"""Awaited once per stream with the proxy's node; refuses by aborting the context."""
+Authorizer = Callable[[grpc.aio.ServicerContext, ProxyNode], Awaitable[str | None]]
+"""Awaited once per stream with the proxy's node: the caller's verified SPIFFE identity (None when
+the connection proves none, as on the plaintext port); refuses by aborting the context."""
 
 
 class _AdsMetrics:
@@ -155,6 +157,8 @@ class _Proxy:
     """A proxyless gRPC node: answered by name (``NamedFn``) instead of from a snapshot."""
     debug_only: bool = False
     """The stream began with a debug question (istioctl, agentctl): not a proxy."""
+    identity: str | None = None
+    """The caller's verified identity (what the authorizer proved), which debug questions need."""
 
 
 _AdsStream = Stream[_Proxy, MeshConfig]
@@ -192,6 +196,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         self._authorize = authorize
         self._observer = observer
         self.control_plane = control_plane
+        self.debug_access = debug.DebugAccess()
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -201,9 +206,16 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
             node = ProxyNode.from_node(request.node)
         except (ValueError, json_format.Error) as err:
             raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid node: {err}") from err
-        if self._authorize is not None:
-            await self._authorize(context, node)
-        return _Proxy(node, grpc=is_grpc_node(node), debug_only=debug.is_debug_type(request.type_url))
+        refusal = node_id_error(node.id, node.metadata)
+        if refusal is not None:
+            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        identity = await self._authorize(context, node) if self._authorize is not None else None
+        return _Proxy(
+            node,
+            grpc=is_grpc_node(node),
+            debug_only=debug.is_debug_type(request.type_url),
+            identity=identity,
+        )
 
     def stream_policy(self, stream: _AdsStream) -> Policy:
         return GRPC_POLICY if stream.data.grpc else self.policy
@@ -358,21 +370,33 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         a debug client's stream and are ignored on a proxy's (as istiod does)."""
         type_url = request.type_url
         log.debug("ADS: connection %d: %s requested", stream.id, type_url)
-        if type_url == debug.SYNCZ_TYPE:
-            return Reply(debug.syncz((other.data.node, other.watches) for other in self.streams()))
-        if type_url == debug.CONFIG_DUMP_TYPE:
-            return Reply(self._config_dump(stream.flavour.requested_names(request)))
+        if type_url in debug.SERVED:
+            if self.debug_access.refuses(stream.data.identity):
+                log.warning(
+                    "proxy %s is not authorized to receive debug info. Ensure you are connecting over TLS "
+                    "port and are authenticated.",
+                    debug.proxy_id(stream.data.node),
+                )
+                raise StreamError(grpc.StatusCode.UNAUTHENTICATED, debug.AUTHENTICATION_REQUIRED)
+            namespace = self.debug_access.namespace_filter(stream.data.identity)
+            if type_url == debug.SYNCZ_TYPE:
+                proxies = ((other.data.node, other.watches) for other in self.streams())
+                return Reply(debug.syncz(proxies, namespace))
+            return Reply(self._config_dump(stream.flavour.requested_names(request), namespace))
         if stream.data.debug_only:
             raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, debug.unknown_type(type_url))
         log.warning("ADS: connection %d: %s; not answered", stream.id, debug.unknown_type(type_url))
         return None
 
-    def _config_dump(self, names: Sequence[str]) -> list[Resource]:
-        """istiod's rule: exactly one proxy ID; an unknown one gets a response with no resources."""
+    def _config_dump(self, names: Sequence[str], namespace: str) -> list[Resource]:
+        """istiod's rule: exactly one proxy ID; an unknown one, or one outside ``namespace`` (when
+        given: the caller may see only its own), gets a response with no resources."""
         if len(names) != 1:
             log.info("ADS: %s with %d resource names", debug.CONFIG_DUMP_TYPE, len(names))
             return []
         for other in self.streams():
+            if namespace and other.data.node.namespace != namespace:
+                continue
             if debug.proxy_id(other.data.node) == names[0] and other.data.view is not None:
                 view = other.data.view
                 return debug.config_dump(view.messages, view.versions)
@@ -393,7 +417,9 @@ class AdsServer:
         observer: PushObserver | None = None,
         registry: Registry = REGISTRY,
         named_fn: NamedFn = build_grpc_resources,
+        debug_access: debug.DebugAccess | None = None,
     ) -> None:
+        """``debug_access``: who may ask syncz and config_dump (default: istiod's default rules)."""
         identifier = {
             "Component": "istiod",
             "ID": control_plane_id,
@@ -413,6 +439,8 @@ class AdsServer:
             self._source, name="ads", log=log, describe="control plane"
         )
         self._source.streams = self._streams.streams
+        if debug_access is not None:
+            self._source.debug_access = debug_access
 
     # -- public API -------------------------------------------------------------------------------
 

@@ -6,21 +6,27 @@ generated for one proxy. The agent's debug tap and ``agentctl proxy-status`` rea
 built here from the stream core's own bookkeeping (:class:`~istio_agent.xds.watch.Watch`): nothing
 is tracked twice.
 
-Beyond istiod: a NACKed type carries the NACK's text in ``error_state`` (istiod keeps it only
-internally), and a debug type this control plane does not serve gets a clear error on a stream
-that asked only debug questions (istiod ignores types it has no generator for; on a proxy's own
-stream, which the agent's tap uses, so do we, so the proxy's configuration keeps flowing).
+As istiod 1.28: a NACKed type is ``ERROR`` with the NACK's text in ``error_state`` until the
+proxy ACKs again; only proxies are listed (a node with ``PROXY_CONFIG`` metadata, or a ztunnel), not
+debug clients or proxyless gRPC apps; and who may ask is :class:`DebugAccess`
+(``ENABLE_DEBUG_ENDPOINT_AUTH``): an asker without a verified identity (the plaintext port) is
+refused, and one whose identity is outside the system namespace sees only its own namespace's
+proxies. Beyond istiod, a debug type this control plane does not serve gets a clear error on a
+stream that asked only debug questions (istiod ignores types it has no generator for; on a proxy's
+own stream, which the agent's tap uses, so do we, so the proxy's configuration keeps flowing).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from envoy.admin.v3 import config_dump_shared_pb2 as dump_pb2
 from envoy.service.status.v3 import csds_pb2
 from google.protobuf import any_pb2, timestamp_pb2
 from google.protobuf.message import Message
 
+from istio_agent.config.env import parse_go_bool
 from istio_agent.controlplane.xdsgen import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, ProxyNode
 from istio_agent.xds.flavour import Resource
 from istio_agent.xds.watch import Watch
@@ -31,6 +37,52 @@ CONFIG_DUMP_TYPE = DEBUG_PREFIX + "/config_dump"
 SERVED = (SYNCZ_TYPE, CONFIG_DUMP_TYPE)
 SYNCZ_METADATA = ("CLUSTER_ID", "NAMESPACE", "ISTIO_VERSION")
 """The node metadata istiod copies into each syncz entry."""
+SYSTEM_NAMESPACE = "istio-system"
+AUTHENTICATION_REQUIRED = "authentication required"
+"""istiod's answer (Unauthenticated) to a debug question from a caller without a verified identity."""
+
+
+@dataclass(frozen=True)
+class DebugAccess:
+    """Who may read syncz and config_dump, as istiod 1.28 decides (``statusgen.go``).
+
+    ``enabled`` is ``ENABLE_DEBUG_ENDPOINT_AUTH`` (istiod's default: on); ``allowed_namespaces``
+    ``DEBUG_ENDPOINT_AUTH_ALLOWED_NAMESPACES``, namespaces whose callers see every proxy, as the
+    system namespace's do."""
+
+    enabled: bool = True
+    system_namespace: str = SYSTEM_NAMESPACE
+    allowed_namespaces: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> DebugAccess:
+        """istiod's variables; a value that is not a Go boolean is a ValueError naming it."""
+        raw = env.get("ENABLE_DEBUG_ENDPOINT_AUTH", "")
+        try:
+            enabled = True if raw == "" else parse_go_bool(raw)
+        except ValueError as err:
+            raise ValueError(f"ENABLE_DEBUG_ENDPOINT_AUTH: {err}") from None
+        allowed = env.get("DEBUG_ENDPOINT_AUTH_ALLOWED_NAMESPACES", "")
+        return cls(enabled, allowed_namespaces=frozenset(n.strip() for n in allowed.split(",") if n.strip()))
+
+    def refuses(self, identity: str | None) -> bool:
+        """A debug question from this caller ends its stream (Unauthenticated)."""
+        return self.enabled and identity is None
+
+    def namespace_filter(self, identity: str | None) -> str:
+        """The one namespace this caller may see, or ``""`` for all (istiod's ``callerNamespaceFilter``)."""
+        if not self.enabled or identity is None:
+            return ""
+        namespace = spiffe_namespace(identity)
+        if namespace == self.system_namespace or namespace in self.allowed_namespaces:
+            return ""
+        return namespace
+
+
+def spiffe_namespace(identity: str) -> str:
+    """The namespace of ``spiffe://<trust domain>/ns/<namespace>/sa/<account>`` (``""`` otherwise)."""
+    parts = identity.removeprefix("spiffe://").split("/")
+    return parts[2] if identity.startswith("spiffe://") and len(parts) == 5 and parts[1] == "ns" else ""
 
 
 def is_debug_type(type_url: str) -> bool:
@@ -78,10 +130,21 @@ def client_config(node: ProxyNode, watches: Mapping[str, Watch]) -> csds_pb2.Cli
     return config
 
 
-def syncz(proxies: Iterable[tuple[ProxyNode, Mapping[str, Watch]]]) -> list[Resource]:
-    """Every proxy that watches a type (debug clients do not), sorted by proxy ID."""
+def is_proxy(node: ProxyNode) -> bool:
+    """What istiod's syncz lists: a node with ``PROXY_CONFIG`` metadata (a sidecar or gateway agent),
+    or a ztunnel; not debug clients, nor proxyless gRPC apps (their bootstrap sends no ProxyConfig)."""
+    return node.metadata.get("PROXY_CONFIG") is not None or node.id.startswith("ztunnel~")
+
+
+def syncz(proxies: Iterable[tuple[ProxyNode, Mapping[str, Watch]]], namespace: str = "") -> list[Resource]:
+    """Every proxy (of ``namespace`` when given), sorted by proxy ID."""
     configs = sorted(
-        (client_config(node, watches) for node, watches in proxies if watches), key=lambda c: c.node.id
+        (
+            client_config(node, watches)
+            for node, watches in proxies
+            if is_proxy(node) and (not namespace or node.namespace == namespace)
+        ),
+        key=lambda c: c.node.id,
     )
     return [Resource(config.node.id, config) for config in configs]
 

@@ -39,6 +39,7 @@ from istio_agent import keepalive
 from istio_agent.config.xds import DEFAULT_KEEPALIVE_INTERVAL, DEFAULT_KEEPALIVE_TIMEOUT
 from istio_agent.controlplane.ads import AdsServer, PushObserver
 from istio_agent.controlplane.ca import ROOT_CERT_FILE, InvalidCSR, LocalCA, SigningRefused
+from istio_agent.controlplane.debug import DebugAccess
 from istio_agent.controlplane.mesh import MeshConfig, MeshError, parse_mesh, read_mesh_bytes
 from istio_agent.controlplane.tokens import TokenError, TokenVerifier
 from istio_agent.controlplane.xdsgen import ProxyNode, build_snapshot
@@ -377,9 +378,12 @@ class ControlPlane:
         registry: Registry = REGISTRY,
         keepalive_interval: timedelta = DEFAULT_KEEPALIVE_INTERVAL,
         keepalive_timeout: timedelta = DEFAULT_KEEPALIVE_TIMEOUT,
+        debug_access: DebugAccess | None = None,
     ) -> None:
         """``keepalive_interval`` / ``keepalive_timeout``: istiod's ``--keepaliveInterval`` and
-        ``--keepaliveTimeout``; clients may ping down to half the interval, as istiod allows."""
+        ``--keepaliveTimeout``; clients may ping down to half the interval, as istiod allows.
+        ``debug_access``: who may ask syncz and config_dump (default: istiod's defaults)."""
+        self._debug_access = debug_access
         self._mesh_path = mesh_path
         self._server_options = [
             *_SERVER_OPTIONS,
@@ -488,11 +492,12 @@ class ControlPlane:
             failures.append("no bearer token and no client certificate")
         raise AuthenticationError("; ".join(failures))
 
-    async def authorize_proxy(self, context: grpc.aio.ServicerContext, proxy: ProxyNode) -> None:
+    async def authorize_proxy(self, context: grpc.aio.ServicerContext, proxy: ProxyNode) -> str | None:
         """ADS admission, as istiod's: on the TLS port an authenticated caller whose identity is the
-        proxy's namespace and service account (see :meth:`admission_refusal`)."""
+        proxy's namespace and service account (see :meth:`admission_refusal`). Returns that identity
+        (None on the plaintext port, which like istiod's 15010 does not authenticate)."""
         if self._relay is None or not self._relay.relays(context.peer()):
-            return  # the plaintext port, like istiod's 15010, does not authenticate
+            return None
         try:
             caller = self.authenticate(context)
         except AuthenticationError as err:
@@ -503,6 +508,7 @@ class ControlPlane:
                 "Unauthorized XDS: %s with identity [%s]: %s", context.peer(), caller.identity, refusal
             )
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"authorization failed: {refusal}")
+        return caller.identity
 
     def admission_refusal(self, identity: str, proxy: ProxyNode) -> str | None:
         """Why ``identity`` may not get ``proxy``'s configuration (istiod's words), or None.
@@ -565,6 +571,7 @@ class ControlPlane:
             authorize=self.authorize_proxy,
             observer=self._push_observer,
             registry=self._registry,
+            debug_access=self._debug_access,
         )
 
         plain = self._new_server()

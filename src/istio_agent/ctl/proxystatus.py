@@ -31,6 +31,8 @@ from envoy.service.status.v3 import csds_pb2
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
+from istio_agent.goformat import tabwrite
+from istio_agent.host import interface_addresses
 from istio_agent.istiod.dial import CredentialError, IstiodCredentials, IstiodEndpoint
 from istio_agent.istiod.tokens import FileTokenSource
 from istio_agent.xds.flavour import ADS_SERVICE, SOTW
@@ -41,24 +43,34 @@ DEFAULT_AGENT_LIMIT = 100
 DEFAULT_AGENT_TIMEOUT = 10.0
 DEFAULT_CONCURRENCY = 32
 MISSING = "MISSING"
+AUTHENTICATION_REQUIRED = "authentication required"
+"""istiod's Unauthenticated answer to a debug question on a connection without an identity."""
 INVALID = "INVALID"
 
 _PREFIX = "type.googleapis.com/"
 SHORT_TYPES = {
     _PREFIX + "envoy.config.cluster.v3.Cluster": "CDS",
     _PREFIX + "envoy.config.listener.v3.Listener": "LDS",
-    _PREFIX + "envoy.config.endpoint.v3.ClusterLoadAssignment": "EDS",
     _PREFIX + "envoy.config.route.v3.RouteConfiguration": "RDS",
-    _PREFIX + "envoy.config.core.v3.TypedExtensionConfig": "ECDS",
+    _PREFIX + "envoy.config.endpoint.v3.ClusterLoadAssignment": "EDS",
     _PREFIX + "envoy.extensions.transport_sockets.tls.v3.Secret": "SDS",
     _PREFIX + "istio.networking.nds.v1.NameTable": "NDS",
     _PREFIX + "istio.mesh.v1alpha1.ProxyConfig": "PCDS",
+    _PREFIX + "envoy.config.core.v3.TypedExtensionConfig": "ECDS",
     _PREFIX + "istio.workload.Address": "WDS",
+    _PREFIX + "istio.workload.Workload": "WDS",
+    _PREFIX + "istio.security.Authorization": "WADS",
 }
+"""istioctl's short names (``GetShortType`` in Istio's ``pkg/model/xds.go``); any other type shows
+as its whole type URL."""
 VERBOSE_TYPES = [url for url, name in SHORT_TYPES.items() if name in ("CDS", "LDS", "EDS", "RDS", "ECDS")]
 """Columns ``-v`` always shows (istioctl's); other types get one when some proxy has them."""
-CORE_TYPES = ("CDS", "LDS", "EDS", "RDS")
-"""Listed first in SUBSCRIBED TYPES, in this order; other types follow sorted."""
+CORE_TYPES = [
+    url for name in ("CDS", "LDS", "EDS", "RDS") for url, short in SHORT_TYPES.items() if short == name
+]
+"""Listed first in SUBSCRIBED TYPES, in this order; other types follow, sorted by type URL."""
+TABLE_PADDING = 5
+"""istioctl's tabwriter: ``tabwriter.NewWriter(w, 0, 8, 5, ' ', 0)``."""
 
 
 class ProxyStatusError(Exception):
@@ -66,7 +78,7 @@ class ProxyStatusError(Exception):
 
 
 def short_type(type_url: str) -> str:
-    return SHORT_TYPES.get(type_url) or type_url.removeprefix(_PREFIX)
+    return SHORT_TYPES.get(type_url, type_url)
 
 
 def human_duration(seconds: float) -> str:
@@ -180,27 +192,14 @@ def select(rows: Iterable[ProxySync], namespace: str | None, proxy: str | None) 
 # -- rendering -------------------------------------------------------------------------------------
 
 
-def tabulate(lines: Sequence[Sequence[str]]) -> str:
-    """Go's tabwriter as istioctl sets it (padding 5, spaces): every cell but the last padded."""
-    widths: list[int] = []
-    for line in lines:
-        for i, cell in enumerate(line[:-1]):
-            if i == len(widths):
-                widths.append(0)
-            widths[i] = max(widths[i], len(cell))
-    out = []
-    for line in lines:
-        cells = [cell.ljust(widths[i] + 5) for i, cell in enumerate(line[:-1])]
-        out.append("".join(cells) + (line[-1] if line else ""))
-    return "".join(f"{text}\n" for text in out)
-
-
 def subscribed(row: ProxySync) -> str:
-    """``N (CDS,LDS,EDS,RDS,...)``: types whose status is known, core types first."""
-    names = [short_type(t.type_url) for t in row.types.values() if t.status != "UNKNOWN"]
-    core = [name for name in CORE_TYPES if name in names]
-    extra = sorted(name for name in names if name not in CORE_TYPES)
-    return f"{len(names)} ({','.join(core + extra)})"
+    """``N (CDS,LDS,EDS,RDS,...)`` or ``0``: types whose status is known, core types first, the rest
+    by type URL (istioctl's ``xdsStatusPrintlnSubscribedTypes``)."""
+    urls = {t.type_url for t in row.types.values() if t.status != "UNKNOWN"}
+    ordered = [url for url in CORE_TYPES if url in urls] + sorted(urls - set(CORE_TYPES))
+    if not ordered:
+        return "0"
+    return f"{len(ordered)} ({','.join(short_type(url) for url in ordered)})"
 
 
 def cell(sync: TypeSync | None, now: float) -> str:
@@ -214,43 +213,46 @@ def cell(sync: TypeSync | None, now: float) -> str:
 
 
 def table(rows: Sequence[ProxySync], *, verbose: bool, now: float) -> str:
+    """istioctl's table, byte for byte (Go's tabwriter: a row ending in an empty cell keeps its padding)."""
     if not verbose:
         lines = [["NAME", "CLUSTER", "ISTIOD", "VERSION", "SUBSCRIBED TYPES"]]
         lines += [[r.proxy_id, r.cluster, r.istiod, r.version, subscribed(r)] for r in rows]
-        return tabulate(lines)
+        return tabwrite(lines, padding=TABLE_PADDING)
     type_urls = sorted(set(VERBOSE_TYPES) | {url for row in rows for url in row.types})
     head = ["NAME", "CLUSTER", *(short_type(url) for url in type_urls), "ISTIOD", "VERSION"]
     lines = [head]
     for row in rows:
         cells = [cell(row.types.get(url), now) for url in type_urls]
         lines.append([row.proxy_id, row.cluster, *cells, row.istiod, row.version])
-    text = tabulate(lines)
-    nacked = [(row, sync) for row in rows for sync in row.types.values() if sync.error is not None]
-    if nacked:
-        errors = [["NACKED", "TYPE", "SINCE", "ERROR"]]
-        for row, sync in nacked:
-            since = human_duration(now - sync.last_updated) if sync.last_updated is not None else ""
-            errors.append([row.proxy_id, short_type(sync.type_url), since, " ".join(str(sync.error).split())])
-        text += "\n" + tabulate(errors)
-    return text
+    return tabwrite(lines, padding=TABLE_PADDING)
 
 
-def as_json(responses: Mapping[str, discovery_pb2.DiscoveryResponse]) -> str:
-    """istioctl's ``-o json``: each response as protobuf JSON, by control-plane ID."""
-    if not responses:
-        return "{\n\n}\n"
-    data = {key: json_format.MessageToDict(responses[key]) for key in sorted(responses)}
-    return json.dumps(data, indent=4) + "\n"
+def nack_notes(rows: Sequence[ProxySync], now: float) -> list[str]:
+    """Beyond istioctl, for ``-v`` on stderr: each type in ERROR with its age and the NACK's text."""
+    notes = []
+    for row in rows:
+        for sync in row.types.values():
+            if sync.error is None:
+                continue
+            since = f" {human_duration(now - sync.last_updated)} ago" if sync.last_updated is not None else ""
+            text = " ".join(str(sync.error).split())
+            notes.append(f"{row.proxy_id} rejected {short_type(sync.type_url)}{since}: {text}")
+    return notes
 
 
-def as_yaml(responses: Mapping[str, discovery_pb2.DiscoveryResponse]) -> str:
-    import yaml
+def machine_readable(responses: Mapping[str, discovery_pb2.DiscoveryResponse], output: str) -> str:
+    """``-o json|yaml`` as istioctl prints them (Istio master, ``printMachineReadable``; 1.28 prints the
+    table instead): each control plane's DiscoveryResponse as protobuf JSON indented by four spaces
+    (YAML converted from it), one after another, here in control-plane ID order."""
+    parts = []
+    for key in sorted(responses):
+        text = json_format.MessageToJson(responses[key], indent=4)
+        if output == "yaml":
+            import yaml
 
-    # Through JSON: protobuf's dicts hold OrderedDicts (Any resources) that YAML's safe dumper refuses.
-    data = json.loads(
-        json.dumps({key: json_format.MessageToDict(responses[key]) for key in sorted(responses)})
-    )
-    return str(yaml.safe_dump(data, sort_keys=True))
+            text = yaml.safe_dump(json.loads(text), sort_keys=False)
+        parts.append(text.rstrip("\n") + "\n")
+    return "".join(parts)
 
 
 def only(
@@ -278,12 +280,26 @@ def only(
 # -- asking ----------------------------------------------------------------------------------------
 
 
-def debug_node(namespace: str, service_account: str) -> base_pb2.Node:
-    """Who asks: istioctl's node metadata (GENERATOR event, its namespace and service account)."""
-    node = base_pb2.Node(id=f"istioctl~0.0.0.0~agentctl.{namespace}~{namespace}.svc.cluster.local")
+ISTIOCTL_WORKLOAD = "test-1"
+ISTIOCTL_ISTIO_VERSION = "65536.65536.65536"
+"""What istioctl's xDS client (``pkg/adsc``) puts in its node: workload name, version metadata."""
+
+
+def debug_node(namespace: str, service_account: str, ip: str | None = None) -> base_pb2.Node:
+    """Who asks: the node istioctl's client sends, which istiod admits (an application node type).
+
+    ``sidecar~<IP>~test-1.default~default.svc.cluster.local`` with metadata GENERATOR ``event``, the
+    asker's NAMESPACE and SERVICE_ACCOUNT, and ISTIO_VERSION ``65536.65536.65536``. The IP is this
+    machine's first private address, as istioctl's; where it has none istioctl sends an empty one,
+    which istiod refuses ("no valid IP address"), so 127.0.0.1 is sent instead (docs/compatibility.md).
+    """
+    if ip is None:
+        ip = next((address for _, address in interface_addresses()), "127.0.0.1")
+    node = base_pb2.Node(id=f"sidecar~{ip}~{ISTIOCTL_WORKLOAD}.default~default.svc.cluster.local")
     node.metadata["GENERATOR"] = "event"
-    node.metadata["NAMESPACE"] = namespace
     node.metadata["SERVICE_ACCOUNT"] = service_account
+    node.metadata["NAMESPACE"] = namespace
+    node.metadata["ISTIO_VERSION"] = ISTIOCTL_ISTIO_VERSION
     return node
 
 
@@ -373,7 +389,13 @@ async def from_control_plane(
     try:
         response = await ask_syncz(channel, node, credentials.metadata(), timeout)
     except ProxyStatusError as err:
-        raise ProxyStatusError(f"control plane {target.address}: {err}") from None
+        hint = ""
+        if str(err) == f"UNAUTHENTICATED: {AUTHENTICATION_REQUIRED}" and target.plaintext:
+            hint = (
+                " (istiod answers debug questions only to an authenticated caller: use its TLS port, "
+                "15012, with --token, or turn ENABLE_DEBUG_ENDPOINT_AUTH off on the control plane)"
+            )
+        raise ProxyStatusError(f"control plane {target.address}: {err}{hint}") from None
     finally:
         await channel.close()
     return {control_plane_info(response)[0]: response}
@@ -421,6 +443,8 @@ class ViaAgents:
     """istioctl's "Skip the agent ..." line for each agent that failed."""
     limited: bool
     """More agents were given than the limit allowed asking."""
+    namespaces: list[frozenset[str]] = field(default_factory=list)
+    """The proxies' namespaces in each agent's answer (one set per agent that answered)."""
 
 
 def limit_message(limit: int) -> str:
@@ -469,12 +493,14 @@ async def via_agents(
     merged: dict[str, discovery_pb2.DiscoveryResponse] = {}
     seen: set[str] = set()
     failures = []
+    namespaces: list[frozenset[str]] = []
     for result in results:
         if isinstance(result, str):
             failures.append(result)
             continue
         key = control_plane_info(result)[0]
         target = merged.setdefault(key, _empty_like(result))
+        namespaces.append(frozenset(row.namespace for row in proxies({key: result})))
         for resource in result.resources:
             config = csds_pb2.ClientConfig()
             if resource.type_url == CLIENT_CONFIG_TYPE and resource.Unpack(config):
@@ -482,7 +508,7 @@ async def via_agents(
                     continue
                 seen.add(config.node.id)
             target.resources.append(resource)
-    return ViaAgents(merged, failures, limited=0 < limit < len(agents))
+    return ViaAgents(merged, failures, limited=0 < limit < len(agents), namespaces=namespaces)
 
 
 def _empty_like(response: discovery_pb2.DiscoveryResponse) -> discovery_pb2.DiscoveryResponse:
@@ -501,8 +527,8 @@ class View:
 
     proxy: str | None = None
     namespace: str | None = None
-    verbose: bool = False
-    output: str = "short"
+    verbosity: int = 0
+    output: str = "table"
 
 
 @dataclass(frozen=True)
@@ -546,10 +572,28 @@ async def run(options: Options, clock: Callable[[], float] = time.time) -> Repor
         responses, stderr = result.responses, list(result.failures)
         if result.limited:
             stderr.append(limit_message(options.limit))
+        stderr += partial_view_note(result.namespaces)
     rows = select(proxies(responses), view.namespace, view.proxy)
     chosen = only(responses, rows) if view.namespace or view.proxy else responses
-    if view.output == "json":
-        return Report(as_json(chosen), stderr)
-    if view.output == "yaml":
-        return Report(as_yaml(chosen), stderr)
-    return Report(table(rows, verbose=view.verbose, now=clock()), stderr)
+    if view.output in ("json", "yaml"):
+        return Report(machine_readable(chosen, view.output), stderr)
+    now = clock()
+    if view.verbosity > 0:
+        stderr += nack_notes(rows, now)
+    return Report(table(rows, verbose=view.verbosity > 0, now=now), stderr)
+
+
+def partial_view_note(namespaces: Sequence[frozenset[str]]) -> list[str]:
+    """When agents' answers each covered one namespace, and not the same one, the control plane
+    filters (istiod 1.28 and later answer a workload outside its system namespace only about that
+    namespace): say so, since the merged table would otherwise look complete. (One answer of one
+    namespace cannot tell a filtering control plane from a one-namespace mesh.)"""
+    seen = sorted(set().union(*namespaces)) if namespaces else []
+    if len(seen) < 2 or any(len(answer) > 1 for answer in namespaces):
+        return []
+    return [
+        f"Proxies from {len(seen)} namespace(s) ({', '.join(seen) or 'none'}) through {len(namespaces)} "
+        "agent(s): each agent's control plane answered only about the agent's own namespace (istiod 1.28 "
+        "and later filter debug answers by the asking workload's namespace), so proxies in namespaces "
+        "without an agent asked are missing."
+    ]

@@ -64,15 +64,13 @@ class TypeStatus:
 
     @property
     def config_status(self) -> str:
-        """istiod's syncz status: NOT_SENT, SYNCED or STALE.
-
-        A NACKed response is STALE (istiod keeps its acked nonce behind the sent one), with the
-        NACK's text in :attr:`error`; istiod's ERROR is a failure on its own side, which the servers
-        on this core report by ending the stream instead."""
+        """istiod's syncz status (``debugSyncStatus`` in ``pilot/pkg/xds/statusgen.go``, since 1.23):
+        ERROR while the client's last word on the type is a NACK (its text in :attr:`error`), else
+        NOT_SENT, SYNCED or STALE (sent, not yet acknowledged)."""
+        if self.error is not None:
+            return "ERROR"
         if not self.sent_nonce:
             return "NOT_SENT"
-        if self.error is not None:
-            return "STALE"
         return "SYNCED" if self.acked_nonce == self.sent_nonce else "STALE"
 
 
