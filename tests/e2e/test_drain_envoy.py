@@ -22,6 +22,7 @@ import json
 import signal
 import ssl
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from datetime import timedelta
@@ -139,6 +140,17 @@ def outbound_call(port: int) -> tuple[int, str, str]:
     return status, header, str(answer["app"])
 
 
+def envoy_readiness(port: int) -> int | str:
+    """What kubelet's probe gets from Envoy's readiness listener (15021): a status or ``refused``."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz/ready", timeout=2) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as err:
+        return err.code
+    except OSError:
+        return "refused"
+
+
 def admin_up(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1):
@@ -165,6 +177,7 @@ def test_after_sigterm_new_inbound_connections_are_refused_old_ones_and_outbound
     status, header, answer = get(old)
     assert (status, header, answer["app"]) == (200, "", "b")  # a kept-alive connection, before SIGTERM
     old_socket = old.sock
+    wait_until(lambda: envoy_readiness(b.ports["envoy_status"]) == 200, 30, "b ready through Envoy's 15021")
 
     agent.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
@@ -192,6 +205,8 @@ def test_after_sigterm_new_inbound_connections_are_refused_old_ones_and_outbound
 
     # The end state, within the drain window: the agent and its Envoy still run.
     assert agent.poll() is None
+    # kubelet's probe through Envoy fails: the agent's status port closed; Envoy's 15021 listener answers.
+    assert envoy_readiness(b.ports["envoy_status"]) == 503
     assert running(envoy)
     assert new_inbound(context, inbound) == "refused"
     status, header, answer = get(old)  # the connection made before SIGTERM still carries a request
