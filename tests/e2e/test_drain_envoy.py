@@ -271,3 +271,38 @@ def test_exit_on_zero_active_connections_waits_for_the_last_inbound_connection(m
     assert "There are no more active connections. terminating proxy..." in text
     assert "Envoy aborted normally" in text
     assert "after the drain began" not in text  # not this agent's drainDuration bound
+
+
+def test_drain_endpoint_drains_forever_and_the_next_sigterm_stops_at_once(mesh: LocalMesh) -> None:
+    """Native sidecars: preStop POSTs the status port's ``/drain`` (``...&skip_exit``): Envoy keeps
+    discouraging inbound requests but, past --drain-time-s, still accepts new connections (Istio:
+    "we start draining, forever"); the SIGTERM that follows kills Envoy without waiting again."""
+    b, c = mesh.workload("b"), mesh.workload("c")
+    mesh.start_controlplane()
+    mesh.start_workload(c)
+    start_b(mesh, b, DRAIN, TERMINATION)
+    context = client_context(mesh)
+    serving(mesh, context)
+    agent = mesh.processes.children["pilot-agent b"]
+    inbound = b.ports["inbound"]
+    envoy = envoy_pid(agent.pid)
+    assert envoy is not None
+
+    request = urllib.request.Request(f"http://127.0.0.1:{b.ports['status']}/drain", method="POST")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.status == 200
+    drained = time.monotonic()
+    wait_until(lambda: new_inbound(context, inbound) == "served+close", 5, "b's Envoy to start draining")
+    time.sleep(max(0.0, drained + DRAIN + 1 - time.monotonic()))  # past --drain-time-s
+    assert new_inbound(context, inbound) == "served+close"  # skip_exit: the listener is never stopped
+    assert outbound_call(b.outbound_port("c")) == (200, "", "c")
+    assert agent.poll() is None
+
+    agent.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert agent.wait(15) == 0
+    assert time.monotonic() - signalled < TERMINATION - 1  # no second drain period
+    assert not running(envoy)
+    text = log_of(b)
+    assert "Envoy aborted normally" in text
+    assert "Graceful termination period is" not in text
