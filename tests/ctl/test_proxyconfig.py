@@ -58,8 +58,10 @@ def test_a_dump_file_positionally_or_with_f(tmp_path: Path) -> None:
     path = tmp_path / "dump.json"
     path.write_text(json.dumps(dump()))
     for args in (("-f", str(path)), (str(path),)):
-        assert invoke(*args) == (0, "No secret items to show.\n", "")
-    assert invoke(str(path), "-o", "json") == (0, "No active or warming secrets found.\n", "")
+        assert invoke(*args) == (0, "No active or warming secrets found.\n", "")  # istioctl's words
+    # -o json|yaml print the (empty) SecretsConfigDump as istioctl does, never a sentence
+    code, out, _ = invoke("-f", str(path), "-o", "json")
+    assert code == 0 and isinstance(json.loads(out), dict)
     code, _, err = invoke("127.0.0.1:15000", "-f", str(path))
     assert code == 1 and "either an admin address or -f FILE" in err
     assert resolve_target(None, None) == ("127.0.0.1:15000", None)

@@ -88,14 +88,14 @@ def test_expired_and_not_yet_valid_certificates_are_not_valid(istio_root: Issued
 
     config = dump(
         active=[
-            tls_secret("current", leaf(-timedelta(hours=1), timedelta(hours=23, minutes=4))),
+            tls_secret("default", leaf(-timedelta(hours=1), timedelta(hours=23, minutes=4))),
             tls_secret("expired", leaf(-timedelta(hours=2), -timedelta(minutes=3, seconds=12))),
             tls_secret("future", leaf(timedelta(minutes=5), timedelta(hours=2))),
             root_secret("ROOTCA", istio_root.pem),
         ]
     )
     items = {item.name: item for item in envoy_items(section(config), now)}
-    assert items["current"].valid and items["current"].chain_verified is True
+    assert items["default"].valid and items["default"].chain_verified is True
     assert not items["expired"].valid and items["expired"].problems == ["certificate 7 expired 3m12s ago"]
     assert not items["future"].valid and "not valid before" in items["future"].problems[0]
     assert items["expired"].seconds_to_expiry == -192
@@ -106,20 +106,44 @@ def test_expired_and_not_yet_valid_certificates_are_not_valid(istio_root: Issued
     assert "valid in 5m" in wide[3]
 
 
-def test_a_chain_that_does_not_lead_to_envoys_trust_bundle_is_not_valid(istio_root: Issued) -> None:
+def test_a_chain_that_does_not_lead_to_its_trust_bundle_is_reported_but_valid_cert_is_istioctls(
+    istio_root: Issued,
+) -> None:
     other_root = cert(99, "2023-01-01T00:00:00Z", "2033-01-01T00:00:00Z", ca=True, name="other root")
     leaf = cert(5, "2024-11-30T00:00:00Z", "2024-12-02T00:00:00Z", issuer=other_root, name="leaf")
     config = dump(
         active=[tls_secret("default", leaf.pem + other_root.pem), root_secret("ROOTCA", istio_root.pem)]
     )
     (item, root) = envoy_items(section(config), NOW)
-    assert item.chain_verified is False and not item.valid
+    assert item.chain_verified is False and item.valid  # VALID CERT: the dates, as istioctl
     assert item.problems == [
-        "chain does not verify against Envoy's trust bundles: no certificate of the trust bundle issued "
+        "chain does not verify against ROOTCA: no certificate of the trust bundle issued "
         "'O=other root' (its issuer is 'O=other root')"
     ]
     assert root.valid and root.chain_verified is None
-    assert secretsview.summary_table([item], now=NOW, verbose=True).splitlines()[1].endswith("NOT VERIFIED")
+    row = secretsview.summary_table([item], now=NOW, verbose=True).splitlines()[1]
+    assert row.endswith("NOT VERIFIED") and " true " in row
+
+
+def test_a_gateway_certificate_is_checked_against_its_own_ca_never_the_mesh_root(istio_root: Issued) -> None:
+    public_root = cert(70, "2023-01-01T00:00:00Z", "2033-01-01T00:00:00Z", ca=True, name="public root")
+    gateway = cert(71, "2024-11-30T00:00:00Z", "2024-12-02T00:00:00Z", issuer=public_root, name="gw")
+    client_ca = cert(72, "2023-01-01T00:00:00Z", "2033-01-01T00:00:00Z", ca=True, name="client ca")
+    config = dump(
+        active=[
+            tls_secret("kubernetes://public-gw", gateway.pem),  # a public CA's: no bundle of its own
+            tls_secret("kubernetes://mtls-gw", gateway.pem),
+            root_secret("kubernetes://mtls-gw-cacert", client_ca.pem),  # its CA is another one
+            root_secret("ROOTCA", istio_root.pem),
+        ]
+    )
+    items = {item.name: item for item in envoy_items(section(config), NOW)}
+    public = items["kubernetes://public-gw"]
+    assert public.valid and public.chain_verified is None and public.problems == []
+    mtls = items["kubernetes://mtls-gw"]
+    assert mtls.valid and mtls.chain_verified is False
+    assert mtls.problems[0].startswith("chain does not verify against kubernetes://mtls-gw-cacert: ")
+    assert secrets.trust_bundle_names("file-cert:/c~/k", {"file-root:/r": 1, "ROOTCA": 1}) == ["file-root:/r"]
 
 
 def test_a_chain_through_an_intermediate_verifies(istio_root: Issued) -> None:
@@ -145,7 +169,7 @@ def test_without_a_trust_bundle_the_chain_is_not_checked(istio_root: Issued) -> 
     leaf = cert(5, "2024-11-30T00:00:00Z", "2024-12-02T00:00:00Z", issuer=istio_root)
     (item,) = envoy_items(section(dump(active=[tls_secret("default", leaf.pem)])), NOW)
     assert item.valid and item.chain_verified is None
-    assert item.problems == ["not checked against a trust bundle: Envoy holds none"]
+    assert item.problems == []  # nothing to check it against is not a fault of the certificate
 
 
 def test_no_secrets_is_an_empty_table_not_a_crash() -> None:
@@ -218,7 +242,7 @@ def test_items_json_is_istioctls_secret_item_shape(istio_dump: dict, istio_root:
     ]
     assert decoded[2]["cert"] == istio_root.pem.decode()
     assert decoded[1]["trust_domain"] == "cluster.local" and decoded[2]["trust_domain"] == ""
-    assert decoded[1]["chain_verified"] is True and decoded[1]["cert_valid"] is False
+    assert decoded[1]["chain_verified"] is True and decoded[1]["cert_valid"] is False  # expired by NOW
     assert secretsview.go_json([{"a": "<&>"}]) == '[\n {\n  "a": "\\u003c\\u0026\\u003e"\n }\n]'
 
 

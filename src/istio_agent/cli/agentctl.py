@@ -184,8 +184,9 @@ def proxy_config_secret(
 ) -> None:
     """Envoy's secrets from TARGET (its admin HOST:PORT, default 127.0.0.1:15000, or a config_dump file).
 
-    VALID CERT is false for an expired or not-yet-valid certificate and for a chain that does not
-    lead to a trust bundle the same Envoy holds; why goes to stderr. See docs/proxy-config-secret.md.
+    VALID CERT is istioctl's: false for an expired or not-yet-valid certificate. -v adds CHAIN:
+    whether a chain leads to the trust bundle Envoy holds for it (ROOTCA for the workload's,
+    X-cacert for a gateway's X); why anything is wrong goes to stderr. See docs/proxy-config-secret.md.
     """
     from istio_agent.ctl.proxyconfig import SecretQuery, resolve_target, run
     from istio_agent.ctl.secrets import SecretsError

@@ -80,15 +80,15 @@ async def run(
                 )
                 err(f"MISMATCH file {check.path} {check.envoy.lower()}{detail}")
         return
-    if query.output in ("json", "yaml"):
-        if not secrets.has_active_or_warming(section):
-            out(secretsview.NO_DYNAMIC.rstrip("\n"))
-            return
+    if query.output in ("json", "yaml"):  # istioctl prints the dump as it is, empty or not
         text = secretsview.dump_json(section) if query.output == "json" else secretsview.dump_yaml(section)
         out(text.rstrip("\n"))
         return
     if query.output == "items":
         out(secretsview.items_json(items))
+    elif not secrets.has_active_or_warming(section):  # istioctl's PrintSecretSummary
+        out(secretsview.NO_DYNAMIC.rstrip("\n"))
+        return
     else:
         out(secretsview.summary_table(items, now=moment, verbose=query.verbose).rstrip("\n"))
     _notes(err, items)

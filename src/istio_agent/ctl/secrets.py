@@ -6,8 +6,10 @@ certificate data is a TLS certificate's chain, else a validation context's trust
 item per trust domain of a SPIFFE validator. The metadata (type, serial, validity) comes from the
 first certificate. Beyond istioctl (docs/proxy-config-secret.md):
 
-* a certificate chain is also checked against the trust bundles the same Envoy holds; VALID CERT
-  is false when it does not lead to one of them (istioctl only looks at the dates);
+* a certificate chain is also checked against the trust bundle the same Envoy holds for it
+  (:func:`trust_bundle_names`: ``ROOTCA`` for the workload's, ``X-cacert`` for a gateway's ``X``),
+  reported as its own column and field; VALID CERT stays istioctl's (the dates only), so a gateway
+  certificate from a public CA is not turned invalid;
 * the comparison is with the agent's own ``/debug/secrets`` (istioctl lost its agent side in 1.7)
   and with the certificate files on disk, by certificate fingerprints.
 
@@ -20,6 +22,7 @@ import base64
 import binascii
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -37,6 +40,13 @@ AGENT_SECRETS_TARGET = "/debug/secrets"
 DEFAULT_ADMIN = "127.0.0.1:15000"
 DEFAULT_AGENT = "127.0.0.1:15020"
 MAX_DUMP = 64 * 1024 * 1024
+WORKLOAD_SECRET = "default"
+ROOT_SECRET = "ROOTCA"
+CA_SECRET_SUFFIX = "-cacert"
+FILE_CERT_PREFIX = "file-cert:"
+FILE_ROOT_PREFIX = "file-root:"
+"""Istio's SDS resource names (``pkg/security``: WorkloadKeyCertResourceName, RootCertReqResourceName,
+SdsCaSuffix, the file-mounted prefixes)."""
 PRESENT = "PRESENT"
 
 
@@ -58,7 +68,7 @@ class SecretItem:
     """Envoy's: ``WARMING``, ``ACTIVE`` or ``STATIC``; empty for the agent's side."""
     trust_domain: str = ""
     valid: bool = False
-    """VALID CERT: the first certificate valid now, and for a chain, the chain verified."""
+    """VALID CERT, as istioctl's: the first certificate valid now (its dates only)."""
     serial_number: str = ""
     not_after: str = ""
     not_before: str = ""
@@ -69,7 +79,8 @@ class SecretItem:
     certificates: tuple[CertificateSummary, ...] = ()
     seconds_to_expiry: int | None = None
     chain_verified: bool | None = None
-    """Whether the chain leads to a trust bundle Envoy holds; None when not checked (a bundle, no data, no bundle)."""
+    """Whether the chain leads to the trust bundle Envoy holds for it (:func:`trust_bundle_names`);
+    None when not checked (a bundle, no data, no bundle of its own)."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -300,20 +311,40 @@ def envoy_items(section: dict[str, Any], now: datetime | None = None) -> list[Se
                 _fill_meta(item, [CertificateSummary.of(c) for c in certs], now)
                 parsed[id(item)] = certs
                 items.append(item)
-    anchors = [c for item in items if item.is_bundle and item.state != "WARMING" for c in parsed[id(item)]]
+    bundles: dict[str, list[Any]] = {}
+    for item in items:
+        if item.is_bundle and item.state != "WARMING":
+            bundles.setdefault(item.name, []).extend(parsed[id(item)])
     for item in items:
         chain = parsed[id(item)]
         if item.is_bundle or not chain:
             continue
+        names = trust_bundle_names(item.name, bundles)
+        anchors = [c for name in names for c in bundles[name]]
         if not anchors:
-            item.problems.append("not checked against a trust bundle: Envoy holds none")
-            continue
+            continue  # e.g. a gateway certificate from a public CA: nothing here to check it against
         problem = chain_problem(chain, anchors, now)
         item.chain_verified = problem is None
         if problem is not None:
-            item.valid = False
-            item.problems.append(f"chain does not verify against Envoy's trust bundles: {problem}")
+            item.problems.append(f"chain does not verify against {' or '.join(names)}: {problem}")
     return items
+
+
+def trust_bundle_names(name: str, bundles: Mapping[str, object]) -> list[str]:
+    """The trust bundles among ``bundles`` that a certificate chain named ``name`` must lead to.
+
+    Istio's SDS names pair them so: the workload certificate ``default`` with the mesh's ``ROOTCA``;
+    a gateway's ``credentialName`` secret ``X`` with ``X-cacert`` (Istio's ``SdsCaSuffix``, present
+    only when the secret carries a CA for mutual TLS); a mounted ``file-cert:...`` with the mounted
+    ``file-root:...`` bundles. Any other chain has none: it may come from any CA (a public one for a
+    gateway) and is not checked."""
+    if name == WORKLOAD_SECRET:
+        wanted = [ROOT_SECRET]
+    elif name.startswith(FILE_CERT_PREFIX):
+        wanted = sorted(n for n in bundles if n.startswith(FILE_ROOT_PREFIX))
+    else:
+        wanted = [name + CA_SECRET_SUFFIX]
+    return [n for n in wanted if n in bundles]
 
 
 # -- the agent's side and the comparison ---------------------------------------------------------------
