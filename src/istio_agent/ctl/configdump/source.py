@@ -1,0 +1,112 @@
+"""Where a view's document comes from: Envoy's admin (the paths istioctl asks) or a saved file.
+
+istioctl asks ``config_dump`` with a mask per view (``istioctl/pkg/proxyconfig/proxyconfig.go``) and
+``clusters?format=json`` for ``endpoint``; ``-f FILE`` (``-`` for stdin) reads a saved answer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from istio_agent.config.proxy_config import split_host_port
+
+DEFAULT_ADMIN = "127.0.0.1:15000"
+MAX_DOCUMENT = 256 * 1024 * 1024
+PATHS = {
+    "cluster": "/config_dump?mask=dynamic_active_clusters,dynamic_warming_clusters,static_clusters",
+    "listener": "/config_dump?mask=dynamic_listeners,static_listeners",
+    "route": "/config_dump?mask=dynamic_route_configs,static_route_configs",
+    "bootstrap": "/config_dump?mask=bootstrap",
+    "all": "/config_dump?include_eds=true",
+    "eds": "/config_dump?include_eds=true",
+    "ecds": "/config_dump?include_eds=true",
+    "endpoint": "/clusters?format=json",
+}
+
+
+class ConfigDumpError(Exception):
+    """The document could not be read or lacks what the view needs; the message says which (istioctl's words)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """An admin address, or a file (``-`` is stdin) when ``file`` is set."""
+
+    address: str = DEFAULT_ADMIN
+    file: str | None = None
+    timeout: float = 5.0
+
+
+async def read_bytes(source: Source, view: str) -> bytes:
+    """The raw answer for ``view``: the file's bytes, or what Envoy's admin answers on istioctl's path."""
+    if source.file is not None:
+        return _read_file(source.file)
+    return await _fetch(source.address, PATHS[view], source.timeout)
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read(MAX_DOCUMENT + 1)
+        with open(path, "rb") as file:
+            return file.read(MAX_DOCUMENT + 1)
+    except OSError as err:
+        raise ConfigDumpError(f"open {path}: {(err.strerror or str(err)).lower()}") from None
+
+
+async def _fetch(address: str, target: str, timeout: float) -> bytes:
+    from istio_agent.http.client import URL, HTTPError, fetch
+
+    try:
+        host, port = split_host_port(address)
+    except ValueError as err:
+        raise ConfigDumpError(f"admin address {err}") from None
+    url = URL("http", host, port, target)
+    try:
+        answer = await fetch(
+            "GET", url, headers=[("Host", url.address)], timeout=timeout, max_body=MAX_DOCUMENT
+        )
+    except TimeoutError:
+        raise ConfigDumpError(f"Envoy's admin at {address} did not answer within {timeout:g}s") from None
+    except HTTPError as err:
+        raise ConfigDumpError(f"failed to execute command on Envoy at {address}: {err}") from None
+    if answer.status != 200:
+        text = answer.body[:200].decode(errors="replace").strip()
+        raise ConfigDumpError(f"Envoy's admin at {address} answered {answer.status}: {text}")
+    return answer.body
+
+
+def parse(data: bytes, key: str) -> dict[str, Any]:
+    """The JSON object with a ``key`` list (``configs`` for a dump), as istioctl's Prime reads it."""
+    try:
+        document = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigDumpError(f"error unmarshalling config dump response from Envoy: {err}") from None
+    if not isinstance(document, dict) or not isinstance(document.get(key, []), list):
+        raise ConfigDumpError(f'error unmarshalling config dump response from Envoy: no "{key}" list')
+    return document
+
+
+class Dump:
+    """A config dump's sections by type URL (istioctl's ``configdump.Wrapper``)."""
+
+    def __init__(self, document: dict[str, Any]) -> None:
+        self.configs = [c for c in document.get("configs") or [] if isinstance(c, dict)]
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Dump:
+        return cls(parse(data, "configs"))
+
+    def sections(self, kind: str) -> list[dict[str, Any]]:
+        url = f"type.googleapis.com/envoy.admin.v3.{kind}"
+        found = [c for c in self.configs if c.get("@type") == url]
+        if not found:
+            raise ConfigDumpError(f"config dump has no configuration type {url}")
+        return found
+
+    def section(self, kind: str) -> dict[str, Any]:
+        """The last section of ``kind`` (``ClustersConfigDump``…), as istioctl's getSection."""
+        return self.sections(kind)[-1]
