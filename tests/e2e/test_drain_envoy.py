@@ -268,7 +268,11 @@ def test_exit_on_zero_active_connections_waits_for_the_last_inbound_connection(m
     )  # the next poll or two, not drainDuration or terminationDrainDuration
     assert not running(envoy)
     text = log_of(b)
+    # Istio's lines for this path (pkg/envoy/agent.go terminate()), and not the timer path's "complete".
+    assert "Agent draining proxy for 1s, then waiting for active connections to terminate..." in text
+    assert "Checking for active connections..." in text
     assert "There are no more active connections. terminating proxy..." in text
+    assert "Graceful termination period complete" not in text
     assert "Envoy aborted normally" in text
     assert "after the drain began" not in text  # not this agent's drainDuration bound
 

@@ -209,7 +209,6 @@ class EnvoyProcess:
                 await self._drain_until_idle(began)
             else:
                 await self._drain_period()
-            log.info("Graceful termination period complete, terminating remaining proxies.")
         elif not graceful_drain:
             log.info("Agent skipping draining Proxy")
         await self.kill()
@@ -254,10 +253,18 @@ class EnvoyProcess:
         """Wait terminationDrainDuration, or less if Envoy exits first."""
         assert self._exited is not None
         period = self._settings.termination_drain_duration.total_seconds()
-        log.info("Graceful termination period is %ss, starting...", f"{period:g}")
+        log.info("Graceful termination period is %s, starting...", goformat.duration(period))
         done, _ = await asyncio.wait({self._exited}, timeout=period)
         if done:
-            log.info("Envoy exited with status %s", goformat.exit_text(self._exited.result()))
+            self._log_early_exit()
+        else:
+            log.info("Graceful termination period complete, terminating remaining proxies.")
+
+    def _log_early_exit(self) -> None:
+        """Envoy exited by itself while the agent was waiting for the drain (Istio's two lines)."""
+        assert self._exited is not None
+        log.info("Envoy exited with status %s", goformat.exit_text(self._exited.result()))
+        log.info("Graceful termination logic ended prematurely, envoy process terminated early")
 
     async def _drain_until_idle(self, began: float) -> None:
         """EXIT_ON_ZERO_ACTIVE_CONNECTIONS: wait until no connection is left, or Envoy exits.
@@ -278,7 +285,7 @@ class EnvoyProcess:
             idle.cancel()
             await asyncio.gather(idle, return_exceptions=True)
         if self._exited in done:
-            log.info("Envoy exited with status %s", goformat.exit_text(self._exited.result()))
+            self._log_early_exit()
         elif not done:
             log.warning(
                 "Envoy still has active connections %ss after the drain began (drainDuration); "
@@ -293,8 +300,12 @@ class EnvoyProcess:
         MAX_STATS_FAILURES consecutive failed polls; the caller bounds the whole wait.
         """
         minimum = self._settings.minimum_drain_duration.total_seconds()
-        log.info("Waiting %ss (MINIMUM_DRAIN_DURATION) before checking active connections", f"{minimum:g}")
+        log.info(
+            "Agent draining proxy for %s, then waiting for active connections to terminate...",
+            goformat.duration(minimum),
+        )
         await asyncio.sleep(minimum)
+        log.info("Checking for active connections...")
         failures = 0
         while True:
             try:
