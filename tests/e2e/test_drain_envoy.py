@@ -12,7 +12,8 @@ listeners: from then on a new inbound connection is refused. Outbound listeners 
 Workload ``b`` backs service ``b`` and calls service ``c``; the tests talk to ``b``'s inbound
 listener directly over mTLS with a certificate from the local CA, so they decide exactly which
 connection is old and which is new. With drainDuration 2 s and terminationDrainDuration 5 s the end
-state (inbound listener closed, Envoy still running) is observable for about 3 s.
+state (inbound listener closed, Envoy still running) is observable for about 3 s. The other tests
+cover EXIT_ON_ZERO_ACTIVE_CONNECTIONS and the native sidecars' ``/drain`` (``skip_exit``) path.
 """
 
 from __future__ import annotations
@@ -237,8 +238,10 @@ def test_exit_on_zero_active_connections_waits_for_the_last_inbound_connection(m
     b, c = mesh.workload("b"), mesh.workload("c")
     mesh.start_controlplane()
     mesh.start_workload(c)
-    minimum, drain, termination = 1.0, 20.0, 60.0  # drainDuration: this agent's bound on the wait
-    start_b(mesh, b, drain, termination, EXIT_ON_ZERO_ACTIVE_CONNECTIONS="true", MINIMUM_DRAIN_DURATION="1s")
+    minimum, drain, termination = 0.5, 20.0, 60.0  # drainDuration: this agent's bound on the wait
+    start_b(
+        mesh, b, drain, termination, EXIT_ON_ZERO_ACTIVE_CONNECTIONS="true", MINIMUM_DRAIN_DURATION="500ms"
+    )
     context = client_context(mesh)
     serving(mesh, context)
     agent = mesh.processes.children["pilot-agent b"]
@@ -269,7 +272,7 @@ def test_exit_on_zero_active_connections_waits_for_the_last_inbound_connection(m
     assert not running(envoy)
     text = log_of(b)
     # Istio's lines for this path (pkg/envoy/agent.go terminate()), and not the timer path's "complete".
-    assert "Agent draining proxy for 1s, then waiting for active connections to terminate..." in text
+    assert "Agent draining proxy for 500ms, then waiting for active connections to terminate..." in text
     assert "Checking for active connections..." in text
     assert "There are no more active connections. terminating proxy..." in text
     assert "Graceful termination period complete" not in text
