@@ -1,15 +1,18 @@
 """End to end: ``agentctl proxy-status`` against the local control plane and through two real agents.
 
 Two workloads run ``pilot-agent proxy`` with a real Envoy (each agent's debug tap on a port of its
-own); the command asks the control plane directly over TLS with a token, over plaintext, and
-through both agents' taps, which put the question on their workload's own authenticated stream.
-A dead agent address is reported on stderr in istioctl's words and the others are still listed.
+own); the command asks the control plane directly over TLS with a token (the plaintext port is
+refused, as istiod refuses it) and through both agents' taps, which put the question on their
+workload's own authenticated stream. A dead agent address is reported on stderr in istioctl's words
+and the others are still listed. A listener Envoy cannot take shows as a real NACK: LDS in ERROR with
+Envoy's text, until the mesh file is fixed.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -147,3 +150,59 @@ def test_proxy_status_direct_and_through_two_agents(mesh: LocalMesh, short_tmp: 
         assert response.headers["Content-Type"] == "application/json"
         body = json.load(response)
     assert sorted(r["node"]["id"] for r in body["resources"]) == ["a.default", "b.default"]
+
+
+def test_a_listener_envoy_rejects_is_error_with_envoys_text_until_the_mesh_is_fixed(
+    mesh: LocalMesh, short_tmp: Path
+) -> None:
+    """A real NACK: the mesh file moves a's outbound listener to a port another socket holds (without
+    SO_REUSEPORT), so a's Envoy cannot bind it and rejects the LDS update; proxy-status shows LDS in
+    ERROR with Envoy's text, directly and through the agents, until the mesh file is fixed."""
+    a, b = mesh.workload("a"), mesh.workload("b")
+    token = short_tmp / "istioctl-token"
+    token.write_text(mint_token(mesh.state_dir, "istio-system", "default"))
+    tls = ("--xds-address", mesh.discovery_address, "--root-cert", str(mesh.state_dir / "root-cert.pem"))
+    tls += ("--token", str(token))
+    agents = tuple(f"--agent-address={w.name}.default=127.0.0.1:{w.ports['tap']}" for w in (a, b))
+    synced(mesh, *tls)
+
+    def lds_cell(done: subprocess.CompletedProcess[str]) -> str:
+        lines = done.stdout.splitlines()
+        start = lines[0].index(" LDS ") + 1  # cells start where their header does (CLUSTER may be empty)
+        row = next(line for line in lines[1:] if line.startswith("a.default "))
+        return row[start:].split("  ")[0]
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        a.ports["outbound:b"] = taken
+        mesh.update_mesh()
+        seen: dict[str, subprocess.CompletedProcess[str]] = {}
+
+        def rejected() -> bool:
+            seen["direct"] = agentctl(*tls, "-v", "1")
+            return seen["direct"].returncode == 0 and lds_cell(seen["direct"]).startswith("ERROR (")
+
+        wait_until(rejected, 30, "LDS in ERROR after Envoy's NACK")
+        direct = seen["direct"]
+        assert re.search(rf"^a\.default rejected LDS \S+ ago: .*127\.0\.0\.1:{taken}", direct.stderr, re.M), (
+            direct.stderr
+        )
+        via = agentctl("--xds-via-agents", *agents, "-v")
+        assert via.returncode == 0, via.stderr
+        assert lds_cell(via).startswith("ERROR (")
+        assert f"127.0.0.1:{taken}" in via.stderr
+        as_json = json.loads(agentctl(*tls, "-o", "json").stdout)
+        errors = [
+            config["errorState"]["details"]
+            for proxy in as_json["resources"]
+            if proxy["node"]["id"] == "a.default"
+            for config in proxy["genericXdsConfigs"]
+            if config["configStatus"] == "ERROR"
+        ]
+        assert len(errors) == 1 and f"127.0.0.1:{taken}" in errors[0]
+
+    a.ports["outbound:b"] = free_port()
+    mesh.update_mesh()
+    wait_until(lambda: lds_cell(agentctl(*tls, "-v")).startswith("SYNCED ("), 30, "LDS synced again")
