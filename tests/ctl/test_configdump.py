@@ -17,6 +17,7 @@ from istio_agent.cli.agentctl import main
 from istio_agent.ctl.configdump import render
 from istio_agent.ctl.configdump.gosort import sort_slice
 from istio_agent.ctl.configdump.routes import describe_route_domains
+from istio_agent.goformat import tabwrite
 
 GOLDEN = Path(__file__).parent / "testdata" / "istioctl"
 CONFIGDUMP = GOLDEN / "configdump"
@@ -112,7 +113,7 @@ def test_describe_route_domains(domains: list[str], expected: str) -> None:
 
 
 def test_table_keeps_the_padding_before_an_empty_last_cell() -> None:
-    assert render.table([["A", "B"], ["long", ""]], padding=5) == "A        B\nlong     \n"
+    assert tabwrite([["A", "B"], ["long", ""]], padding=5) == "A        B\nlong     \n"
 
 
 def test_go_sort_sorts_like_any_sort_for_a_total_order() -> None:

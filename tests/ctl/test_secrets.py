@@ -247,10 +247,14 @@ def test_items_json_is_istioctls_secret_item_shape(istio_dump: dict, istio_root:
 
 
 def test_json_and_yaml_output_the_secrets_config_dump(istio_dump: dict) -> None:
+    # as istioctl's protomarshal.ToJSONWithIndent: jsonpb's lowerCamel names, no @type at the top
     text = secretsview.dump_json(section(istio_dump))
-    assert text.startswith('{\n    "@type": "type.googleapis.com/envoy.admin.v3.SecretsConfigDump",\n')
-    assert json.loads(text) == section(istio_dump)
-    assert "dynamic_active_secrets:\n" in secretsview.dump_yaml(section(istio_dump))
+    assert text.startswith('{\n    "dynamicActiveSecrets": [\n        {\n            "name": "default",\n')
+    decoded = json.loads(text)
+    assert [s["name"] for s in decoded["dynamicActiveSecrets"]] == [
+        s["name"] for s in section(istio_dump)["dynamic_active_secrets"]
+    ]
+    assert "dynamicActiveSecrets:\n" in secretsview.dump_yaml(section(istio_dump))
 
 
 # -- the comparison -------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from istio_agent.ctl.local import free_port, wait_until
 from istio_agent.ctl.localmesh import LocalMesh, Service, Workload
@@ -137,6 +138,9 @@ def test_table_and_diff_agree_then_a_stale_envoy_is_a_mismatch(mesh: LocalMesh, 
     files_verdict = {f["path"]: f["envoy"] for f in document["files"]}
     assert files_verdict[str(out_dir / "cert-chain.pem")] == "DIFFERENT"
     assert files_verdict[str(out_dir / "root-cert.pem")] == "SAME"
+    as_yaml = agentctl("-f", str(saved), "--diff", "--agent", agent, "-o", "yaml")
+    assert as_yaml.returncode == 0, as_yaml.stderr
+    assert yaml.safe_load(as_yaml.stdout)["files"] == document["files"]
 
     # And the live Envoy, which did get the push, agrees again.
     wait_until(diff_agrees, 30, "--diff to agree after the rotation", interval=0.5)

@@ -61,7 +61,7 @@ async def run(
         if query.output in ("json", "items"):
             out(secretsview.go_json(secretsview.diff_document(rows, checks)))
         elif query.output == "yaml":
-            out(secretsview.dump_yaml(secretsview.diff_document(rows, checks)).rstrip("\n"))
+            out(secretsview.document_yaml(secretsview.diff_document(rows, checks)).rstrip("\n"))
         else:
             out(secretsview.diff_table(rows, now=moment, verbose=query.verbose).rstrip("\n"))
             files = secretsview.files_table(checks)

@@ -129,12 +129,23 @@ def diff_document(rows: list[SecretItemDiff], checks: list[FileCheck]) -> dict[s
 
 
 def dump_json(section: dict[str, Any]) -> str:
-    """istioctl's ``-o json``: the SecretsConfigDump, four-space indent."""
-    return json.dumps(section, indent=4, ensure_ascii=False)
+    """istioctl's ``-o json``: the SecretsConfigDump as ``protomarshal.ToJSONWithIndent`` writes it
+    (golang/protobuf's jsonpb: lowerCamel names, four-space indent, no ``@type`` at the top)."""
+    from istio_agent.ctl.configdump.messages import jsonpb_text
+    from istio_agent.ctl.configdump.resources import section_message
+
+    return jsonpb_text(section_message("SecretsConfigDump", section))
 
 
 def dump_yaml(section: dict[str, Any]) -> str:
-    """istioctl's ``-o yaml``: the same document as YAML, keys sorted (sigs.k8s.io/yaml)."""
-    import yaml
+    """istioctl's ``-o yaml``: the same document through ``sigs.k8s.io/yaml.JSONToYAML``."""
+    from istio_agent.ctl.configdump.render import json_to_yaml
 
-    return yaml.safe_dump(section, sort_keys=True, default_flow_style=False, allow_unicode=True)
+    return json_to_yaml(dump_json(section))
+
+
+def document_yaml(document: dict[str, Any]) -> str:
+    """Our own documents (the comparison) as YAML, by the same JSON-to-YAML rules as istioctl's."""
+    from istio_agent.ctl.configdump.render import json_to_yaml
+
+    return json_to_yaml(json.dumps(document))

@@ -18,6 +18,7 @@ from istio_agent.ctl.configdump.resources import (
     text,
 )
 from istio_agent.ctl.configdump.source import ConfigDumpError, Dump
+from istio_agent.goformat import tabwrite
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def summary(dump: Dump, filter: ClusterFilter, *, with_type: bool = False) -> st
             rows.append([f"cluster/{name}", f"cluster/{name}", "-", "-", "-", kind, rule])
         else:
             rows.append([name, "-", "-", "-", kind, rule])
-    return render.table(rows, padding=5)
+    return tabwrite(rows, padding=5)
 
 
 def dump_json(dump: Dump, filter: ClusterFilter) -> str:

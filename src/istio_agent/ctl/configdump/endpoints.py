@@ -21,6 +21,7 @@ from istio_agent.ctl.configdump.resources import (
     text,
 )
 from istio_agent.ctl.configdump.source import ConfigDumpError, Dump, parse
+from istio_agent.goformat import tabwrite
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def hosts_summary(clusters: list[Msg], filter: EndpointFilter) -> str:
     for address, port, name, status, failed in found:
         endpoint = f"{address}:{port}" if port else address
         rows.append([endpoint, status, "FAILED" if failed else "OK", name])
-    return render.table(rows, padding=5)
+    return tabwrite(rows, padding=5)
 
 
 def hosts_json(clusters: list[Msg], filter: EndpointFilter) -> str:
@@ -196,7 +197,7 @@ def eds_summary(dump: Dump, filter: EndpointFilter, *, with_type: bool = False) 
                         text(assignment, "clusterName"),
                     ]
                 )
-    return render.table(rows, padding=5)
+    return tabwrite(rows, padding=5)
 
 
 def eds_json(dump: Dump, filter: EndpointFilter) -> str:

@@ -9,6 +9,7 @@ from istio_agent.ctl.configdump.gosort import sort_slice
 from istio_agent.ctl.configdump.messages import Msg, jsonpb_text
 from istio_agent.ctl.configdump.resources import dig, section_message, text
 from istio_agent.ctl.configdump.source import ConfigDumpError, Dump
+from istio_agent.goformat import tabwrite
 
 EXTENSION = "envoy.config.core.v3.TypedExtensionConfig"
 TYPE_PREFIX = "type.googleapis.com/"
@@ -38,7 +39,7 @@ def ecds_summary(dump: Dump) -> str:
     sort_slice(extensions, less)
     rows = [["ECDS NAME", "TYPE"]]
     rows += [[text(e, "name"), text(e, "typedConfig", "@type").removeprefix(TYPE_PREFIX)] for e in extensions]
-    return render.table(rows, padding=5)
+    return tabwrite(rows, padding=5)
 
 
 def ecds_output(dump: Dump, output: str) -> str:
@@ -71,7 +72,7 @@ def bootstrap_summary(dump: Dump) -> str:
     if sha:
         rows.append(["Istio Proxy Version:", sha])
     rows.append(["Envoy Version:", _envoy_version(node)])
-    return render.table(rows, padding=1)
+    return tabwrite(rows, padding=1)
 
 
 def _string_value(value: Any) -> str:

@@ -12,6 +12,7 @@ from istio_agent.ctl.configdump.messages import Msg
 from istio_agent.ctl.configdump.resources import LISTENER, as_message, dig, number, raw, text
 from istio_agent.ctl.configdump.routes import describe_match
 from istio_agent.ctl.configdump.source import ConfigDumpError, Dump
+from istio_agent.goformat import tabwrite
 
 HTTP_FILTER = "envoy.filters.network.http_connection_manager"
 TCP_FILTER = "envoy.filters.network.tcp_proxy"
@@ -202,7 +203,7 @@ def summary(dump: Dump, filter: ListenerFilter, *, with_type: bool = False) -> s
                 rows.append([*name, addresses, str(port(listener)), match, destination])
         else:
             rows.append([*name, addresses, str(port(listener)), listener_type(listener)])
-    return render.table(rows, padding=1)
+    return tabwrite(rows, padding=1)
 
 
 def dump_json(dump: Dump, filter: ListenerFilter) -> str:

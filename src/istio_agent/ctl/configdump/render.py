@@ -1,8 +1,7 @@
 """The Go printers istioctl's config-dump views end in: tabwriter, ``json.MarshalIndent``, JSONToYAML.
 
 * Tables: Go's ``text/tabwriter`` (``goformat.tabwrite``) with the padding of each writer; a line
-  whose last cell is empty keeps the padding of the cell before it, as Go writes it (istioctl's
-  goldens have those trailing spaces; ``goformat.tabwrite`` drops them, hence :func:`table`).
+  whose last cell is empty keeps the padding of the cell before it, as Go writes it.
 * JSON: ``json.MarshalIndent(proto.MessageSlice, "", "    ")`` re-indents jsonpb's text, HTML-safe.
 * YAML: ``sigs.k8s.io/yaml.JSONToYAML`` (go-yaml v2): keys in go-yaml's order (digit runs compared as
   numbers, letters after other characters), strings that YAML would read as something else in
@@ -22,15 +21,7 @@ from typing import Any
 import yaml
 
 from istio_agent.ctl.configdump.messages import plain
-from istio_agent.goformat import json_marshal, tabwrite
-
-_KEEP = "\x00"
-
-
-def table(rows: Sequence[Sequence[str]], padding: int) -> str:
-    """Go's tabwriter (min width 0, pad character space, no flags), trailing padding kept."""
-    marked = [[*row[:-1], row[-1] + _KEEP] if row else [_KEEP] for row in rows]
-    return tabwrite(marked, padding=padding).replace(_KEEP, "")
+from istio_agent.goformat import json_marshal
 
 
 def message_slice_json(nodes: Sequence[Any]) -> str:

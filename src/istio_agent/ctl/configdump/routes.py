@@ -18,6 +18,7 @@ from istio_agent.ctl.configdump.resources import (
     text,
 )
 from istio_agent.ctl.configdump.source import ConfigDumpError, Dump
+from istio_agent.goformat import tabwrite
 
 PASSTHROUGH = "PassthroughCluster"
 
@@ -120,7 +121,7 @@ def summary(dump: Dump, filter: RouteFilter, *, with_type: bool = False) -> str:
                     )
             if not vhost.get("routes"):
                 rows.append([name, text(vhost, "name"), domains, "/*", "404"])
-    return render.table(rows, padding=5)
+    return tabwrite(rows, padding=5)
 
 
 def dump_json(dump: Dump, filter: RouteFilter) -> str:
