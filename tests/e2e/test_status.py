@@ -90,7 +90,7 @@ def test_quitquitquit_stops_the_agent_without_draining(mesh: LocalMesh) -> None:
     agent = mesh.processes.children["pilot-agent b"]
     assert get(b.ports["status"], "/quitquitquit", method="POST") == (200, "OK")
     assert agent.wait(10) == 0
-    assert "Agent skipping draining Proxy" in (b.workdir / "agent.log").read_text()
+    assert "Agent already drained, exiting immediately" in (b.workdir / "agent.log").read_text()
 
 
 def test_metrics_merge_the_agent_envoy_and_the_app(short_tmp: Path) -> None:

@@ -209,8 +209,9 @@ class EnvoyProcess:
                 await self._drain_until_idle(began)
             else:
                 await self._drain_period()
-        elif not graceful_drain:
-            log.info("Agent skipping draining Proxy")
+        elif not graceful_drain:  # Istio's terminate() after /drain or /quitquitquit (skipDrain)
+            log.info("Agent draining Proxy for termination")
+            log.info("Agent already drained, exiting immediately")
         await self.kill()
         if self._aborting:
             log.info("Envoy aborted normally")
