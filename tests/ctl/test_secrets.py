@@ -211,7 +211,7 @@ def test_a_file_that_is_not_a_config_dump_is_named(tmp_path: Path, text: str, me
 
 
 def test_missing_file_and_missing_section(tmp_path: Path) -> None:
-    with pytest.raises(SecretsError, match=r"cannot read .*/nope.json: no such file or directory"):
+    with pytest.raises(SecretsError, match=r"open .*/nope.json: no such file or directory"):
         secrets.read_dump_file(str(tmp_path / "nope.json"))
     with pytest.raises(
         SecretsError, match="config dump has no configuration type " + secrets.SECRETS_DUMP_TYPE

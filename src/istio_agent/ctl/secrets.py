@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from istio_agent.config.proxy_config import split_host_port
 from istio_agent.pem import CertificateSummary, PemError, chain_problem, parse_certificates, rfc3339
 
 SECRETS_DUMP_TYPE = "type.googleapis.com/envoy.admin.v3.SecretsConfigDump"
@@ -164,31 +163,23 @@ def secrets_dump(dump: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def read_dump_file(path: str) -> dict[str, Any]:
+    """A saved config dump (``-`` is stdin), read by the config-dump views' reader."""
+    from istio_agent.ctl.configdump.source import ConfigDumpError, read_file
+
     try:
-        with open(path, "rb") as file:
-            text = file.read(MAX_DUMP + 1)
-    except OSError as err:
-        raise SecretsError(f"cannot read {path}: {(err.strerror or str(err)).lower()}") from None
-    if len(text) > MAX_DUMP:
-        raise SecretsError(f"{path} is larger than {MAX_DUMP} bytes; not a config dump of secrets")
+        text = read_file(path, MAX_DUMP)
+    except ConfigDumpError as err:
+        raise SecretsError(str(err)) from None
     return parse_dump(text, path)
 
 
 async def _get(address: str, target: str, what: str, timeout: float) -> tuple[int, bytes]:
-    from istio_agent.http.client import URL, HTTPError, fetch
+    from istio_agent.ctl.configdump.source import ConfigDumpError, get
 
     try:
-        host, port = split_host_port(address)
-    except ValueError as err:
-        raise SecretsError(f"{what} address {err}") from None
-    url = URL("http", host, port, target)
-    try:
-        answer = await fetch("GET", url, headers=[("Host", url.address)], timeout=timeout, max_body=MAX_DUMP)
-    except TimeoutError:
-        raise SecretsError(f"{what} at {address} did not answer within {timeout:g}s") from None
-    except HTTPError as err:
-        raise SecretsError(f"{what} at {address}: {err}") from None
-    return answer.status, answer.body
+        return await get(address, target, timeout, what)
+    except ConfigDumpError as err:
+        raise SecretsError(str(err)) from None
 
 
 async def fetch_dump(address: str, timeout: float) -> dict[str, Any]:

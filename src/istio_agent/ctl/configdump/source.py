@@ -24,6 +24,7 @@ PATHS = {
     "eds": "/config_dump?include_eds=true",
     "ecds": "/config_dump?include_eds=true",
     "endpoint": "/clusters?format=json",
+    "secret": "/config_dump?mask=dynamic_active_secrets,dynamic_warming_secrets,static_secrets",
 }
 
 
@@ -43,40 +44,53 @@ class Source:
 async def read_bytes(source: Source, view: str) -> bytes:
     """The raw answer for ``view``: the file's bytes, or what Envoy's admin answers on istioctl's path."""
     if source.file is not None:
-        return _read_file(source.file)
-    return await _fetch(source.address, PATHS[view], source.timeout)
+        return read_file(source.file)
+    return await fetch_ok(source.address, PATHS[view], source.timeout)
 
 
-def _read_file(path: str) -> bytes:
+def read_file(path: str, limit: int = MAX_DOCUMENT) -> bytes:
+    """A saved document (``-`` is stdin); ConfigDumpError when it cannot be read or passes ``limit``."""
     try:
         if path == "-":
-            return sys.stdin.buffer.read(MAX_DOCUMENT + 1)
-        with open(path, "rb") as file:
-            return file.read(MAX_DOCUMENT + 1)
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with open(path, "rb") as file:
+                data = file.read(limit + 1)
     except OSError as err:
         raise ConfigDumpError(f"open {path}: {(err.strerror or str(err)).lower()}") from None
+    if len(data) > limit:
+        raise ConfigDumpError(f"{path} is larger than {limit} bytes")
+    return data
 
 
-async def _fetch(address: str, target: str, timeout: float) -> bytes:
+async def get(address: str, target: str, timeout: float, what: str = "Envoy's admin") -> tuple[int, bytes]:
+    """(status, body) of a GET of ``target`` at an admin-style ``HOST:PORT`` on loopback or a pod;
+    ConfigDumpError naming ``what`` when it cannot be asked or does not answer in time."""
     from istio_agent.http.client import URL, HTTPError, fetch
 
     try:
         host, port = split_host_port(address)
     except ValueError as err:
-        raise ConfigDumpError(f"admin address {err}") from None
+        raise ConfigDumpError(f"{what} address {err}") from None
     url = URL("http", host, port, target)
     try:
         answer = await fetch(
             "GET", url, headers=[("Host", url.address)], timeout=timeout, max_body=MAX_DOCUMENT
         )
     except TimeoutError:
-        raise ConfigDumpError(f"Envoy's admin at {address} did not answer within {timeout:g}s") from None
+        raise ConfigDumpError(f"{what} at {address} did not answer within {timeout:g}s") from None
     except HTTPError as err:
-        raise ConfigDumpError(f"failed to execute command on Envoy at {address}: {err}") from None
-    if answer.status != 200:
-        text = answer.body[:200].decode(errors="replace").strip()
-        raise ConfigDumpError(f"Envoy's admin at {address} answered {answer.status}: {text}")
-    return answer.body
+        raise ConfigDumpError(f"{what} at {address}: {err}") from None
+    return answer.status, answer.body
+
+
+async def fetch_ok(address: str, target: str, timeout: float) -> bytes:
+    """Envoy's admin answer to ``target``; ConfigDumpError unless it is a 200."""
+    status, body = await get(address, target, timeout)
+    if status != 200:
+        text = body[:200].decode(errors="replace").strip()
+        raise ConfigDumpError(f"Envoy's admin at {address} answered {status}: {text}")
+    return body
 
 
 def parse(data: bytes, key: str) -> dict[str, Any]:
