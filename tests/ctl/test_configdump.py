@@ -139,3 +139,13 @@ def test_missing_section_is_istioctls_error(tmp_path: Path) -> None:
         "config dump has no configuration type type.googleapis.com/envoy.admin.v3.ClustersConfigDump"
         in result.output
     )
+
+
+@pytest.mark.parametrize("view", ["listener", "route"])
+def test_verbose_takes_istioctls_bool_flag_forms(view: str) -> None:
+    dump = str(GOLDEN / "proxyconfig" / "config_dump.json")
+    full = agentctl(view, "-f", dump)
+    assert agentctl(view, "-f", dump, "--verbose") == full
+    assert agentctl(view, "-f", dump, "--verbose=true") == full
+    brief = agentctl(view, "-f", dump, "--verbose=false")
+    assert brief != full and brief == agentctl(view, "-f", dump, "--verbose=0")

@@ -8,7 +8,7 @@ instead of a pod. See docs/proxy-config.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -32,6 +32,28 @@ class _AliasGroup:
                 hidden=True,
             )
             self.group.add_command(copy)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _verbose() -> Callable[[F], F]:
+    """istioctl's ``--verbose`` (a Go bool flag, on by default): ``--verbose``, ``--verbose=false``."""
+
+    def attach(command: F) -> F:
+        option = click.option(
+            "--verbose",
+            "verbose",
+            type=click.BOOL,
+            default=True,
+            is_flag=False,
+            flag_value=True,
+            show_default=True,
+            help="Output more information (--verbose=false for less)",
+        )
+        return option(command)
+
+    return attach
 
 
 def _source(target: str | None, file: str | None, timeout: float) -> Any:
@@ -132,7 +154,7 @@ def cluster(
 @click.option("--address", default="", help="Filter listeners by address field")
 @click.option("--type", "kind", default="", help="Filter listeners by type field")
 @click.option("--port", default=0, type=int, help="Filter listeners by Port field")
-@click.option("--verbose/--no-verbose", default=True, show_default=True, help="Output more information")
+@_verbose()
 def listener(
     target: str | None,
     file: str | None,
@@ -161,7 +183,7 @@ def listener(
 @_common
 @_output()
 @click.option("--name", default="", help="Filter listeners by route name field")
-@click.option("--verbose/--no-verbose", default=True, show_default=True, help="Output more information")
+@_verbose()
 def route(
     target: str | None, file: str | None, timeout: float, output: str, name: str, verbose: bool
 ) -> None:
@@ -281,7 +303,7 @@ def ecds(target: str | None, file: str | None, timeout: float, output: str) -> N
 @click.command("all")
 @_common
 @_output()
-@click.option("--verbose/--no-verbose", default=True, show_default=True, help="Output more information")
+@_verbose()
 @click.option("--fqdn", default="", help="Filter clusters by substring of Service FQDN field")
 @click.option("--direction", default="", help="Filter clusters by Direction field")
 @click.option("--subset", default="", help="Filter clusters by substring of Subset field")
