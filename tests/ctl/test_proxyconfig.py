@@ -182,3 +182,26 @@ async def test_something_that_is_not_envoys_admin_is_named() -> None:
             await run(SecretQuery(address=address), print, print)
     finally:
         await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("alias", "command"),
+    [
+        (["ps"], ["proxy-status"]),
+        (["pc", "s"], ["proxy-config", "secret"]),
+        (["proxy-config", "secrets"], ["proxy-config", "secret"]),
+        (["pc", "clusters"], ["proxy-config", "cluster"]),
+        (["pc", "l"], ["proxy-config", "listener"]),
+        (["pc", "ep"], ["proxy-config", "endpoint"]),
+        (["pc", "ec"], ["proxy-config", "ecds"]),
+        (["pc", "o"], ["proxy-config", "log"]),
+        (["pc", "rc"], ["proxy-config", "rootca-compare"]),
+    ],
+)
+def test_istioctls_aliases_run_the_same_command(alias: list[str], command: list[str]) -> None:
+    def help_text(words: list[str]) -> str:
+        result = CliRunner().invoke(main, [*words, "--help"])
+        assert result.exit_code == 0, result.output
+        return result.output.split("\n", 1)[1]  # past "Usage: agentctl <words>"
+
+    assert help_text(alias) == help_text(command)

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from istio_agent.cli import proxy_config_admin, proxy_config_dump, runtime
+from istio_agent.cli.aliases import AliasedGroup
 from istio_agent.config.env import parse_go_duration
 from istio_agent.controlplane.ca import StateError
 from istio_agent.controlplane.debug import DebugAccess
@@ -31,7 +32,7 @@ log = scope("controlplane")
 STOP_GRACE_SECONDS = 1.0
 
 
-@click.group()
+@click.group(cls=AliasedGroup)
 def main() -> None:
     """Developer tools for istio-agent: a local control plane and its tokens."""
 
@@ -141,13 +142,17 @@ def demo(keep: bool) -> None:
     raise SystemExit(code)
 
 
-@main.group("proxy-config")
+@main.group("proxy-config", cls=AliasedGroup)
 def proxy_config() -> None:
     """Show what an Envoy holds (as istioctl proxy-config)."""
 
 
+assert isinstance(proxy_config, AliasedGroup) and isinstance(main, AliasedGroup)
 proxy_config_dump.register(proxy_config)
 proxy_config_admin.register(proxy_config)
+proxy_config.add_aliases("secret", "secrets", "s")
+main.add_aliases("proxy-config", "pc")
+main.add_aliases("proxy-status", "ps")
 
 
 @proxy_config.command("secret")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from istio_agent.cli import runtime
+from istio_agent.cli.aliases import AliasedGroup
 
 DEFAULT_ADMIN = "127.0.0.1:15000"
 LEVEL_HELP = (
@@ -20,10 +21,10 @@ LEVEL_HELP = (
 )
 
 
-def register(group: click.Group) -> None:
-    """Add this module's commands to the ``proxy-config`` group."""
-    group.add_command(log_command)
-    group.add_command(rootca_compare_command)
+def register(group: AliasedGroup) -> None:
+    """Add this module's commands to the ``proxy-config`` group, with istioctl's aliases."""
+    group.add(log_command, "o")
+    group.add(rootca_compare_command, "rc")
 
 
 @click.command("log")

@@ -12,26 +12,9 @@ from typing import Any, TypeVar
 
 import click
 
+from istio_agent.cli.aliases import AliasedGroup
+
 OUTPUT = click.Choice(["short", "json", "yaml"])
-
-
-class _AliasGroup:
-    """Adds a command under its name and istioctl's aliases (the aliases hidden from the help)."""
-
-    def __init__(self, group: click.Group) -> None:
-        self.group = group
-
-    def add(self, command: click.Command, aliases: tuple[str, ...]) -> None:
-        self.group.add_command(command)
-        for alias in aliases:
-            copy = click.Command(
-                alias,
-                params=command.params,
-                callback=command.callback,
-                help=command.help,
-                hidden=True,
-            )
-            self.group.add_command(copy)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -344,14 +327,13 @@ def all_config(
     _run("all", target, file, timeout, show)
 
 
-def register(group: click.Group) -> None:
+def register(group: AliasedGroup) -> None:
     """Add this module's commands to the ``proxy-config`` group, with istioctl's aliases."""
-    adder = _AliasGroup(group)
-    adder.add(all_config, ("a",))
-    adder.add(bootstrap, ("b",))
-    adder.add(cluster, ("clusters", "c"))
-    adder.add(listener, ("listeners", "l"))
-    adder.add(route, ("routes", "r"))
-    adder.add(endpoint, ("endpoints", "ep"))
-    adder.add(eds, ())
-    adder.add(ecds, ("ec",))
+    group.add(all_config, "a")
+    group.add(bootstrap, "b")
+    group.add(cluster, "clusters", "c")
+    group.add(listener, "listeners", "l")
+    group.add(route, "routes", "r")
+    group.add(endpoint, "endpoints", "ep")
+    group.add(eds)
+    group.add(ecds, "ec")
