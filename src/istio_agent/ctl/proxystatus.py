@@ -303,7 +303,7 @@ def debug_node(namespace: str, service_account: str, ip: str | None = None) -> b
     return node
 
 
-def decode_syncz(raw: bytes) -> discovery_pb2.DiscoveryResponse:
+def decode_response(raw: bytes) -> discovery_pb2.DiscoveryResponse:
     """A DiscoveryResponse from the wire; ProxyStatusError when it does not parse."""
     try:
         return discovery_pb2.DiscoveryResponse.FromString(raw)
@@ -326,10 +326,23 @@ def check_syncz(response: discovery_pb2.DiscoveryResponse) -> None:
             ) from None
 
 
-async def ask_syncz(
-    channel: grpc.aio.Channel, node: base_pb2.Node, metadata: Sequence[tuple[str, str]], timeout: float
+Check = Callable[[discovery_pb2.DiscoveryResponse], None]
+"""Raises ProxyStatusError when an answer's resources are not what the question expects."""
+
+
+def syncz_request(node: base_pb2.Node) -> discovery_pb2.DiscoveryRequest:
+    return discovery_pb2.DiscoveryRequest(type_url=SYNCZ_TYPE, node=node)
+
+
+async def ask_debug(
+    channel: grpc.aio.Channel,
+    request: discovery_pb2.DiscoveryRequest,
+    metadata: Sequence[tuple[str, str]],
+    timeout: float,
+    check: Check | None = None,
 ) -> discovery_pb2.DiscoveryResponse:
-    """One syncz question on a new ADS stream; the first response of its type is the answer.
+    """One debug question (syncz, config_dump) on a new ADS stream; the first response of the
+    request's type is the answer.
 
     Responses arrive as bytes and are decoded here, so a malformed one is a ProxyStatusError (gRPC's
     own deserializer would log a traceback and hand back None)."""
@@ -340,14 +353,15 @@ async def ask_syncz(
     call = method(metadata=list(metadata))
     try:
         async with asyncio.timeout(timeout):
-            await call.write(discovery_pb2.DiscoveryRequest(type_url=SYNCZ_TYPE, node=node))
+            await call.write(request)
             while True:
                 raw = await call.read()
                 if raw is grpc.aio.EOF:
                     raise ProxyStatusError("the stream ended without an answer")
-                response = decode_syncz(raw)
-                if response.type_url == SYNCZ_TYPE:
-                    check_syncz(response)
+                response = decode_response(raw)
+                if response.type_url == request.type_url:
+                    if check is not None:
+                        check(response)
                     return response
     except TimeoutError:
         raise ProxyStatusError(f"no answer within {timeout:g}s") from None
@@ -366,10 +380,13 @@ class ControlPlaneTarget:
     token_path: Path | None = None
 
 
-async def from_control_plane(
-    target: ControlPlaneTarget, node: base_pb2.Node, timeout: float
-) -> dict[str, discovery_pb2.DiscoveryResponse]:
-    """syncz from one control plane, dialled as the agent dials istiod (``istiod/dial.py``)."""
+async def ask_control_plane(
+    target: ControlPlaneTarget,
+    request: discovery_pb2.DiscoveryRequest,
+    timeout: float,
+    check: Check | None = None,
+) -> discovery_pb2.DiscoveryResponse:
+    """One debug question to one control plane, dialled as the agent dials istiod (``istiod/dial.py``)."""
     endpoint = IstiodEndpoint(
         purpose="XDS",
         address=target.address,
@@ -387,7 +404,7 @@ async def from_control_plane(
         raise ProxyStatusError(f"token file {target.token_path} does not exist")
     channel = credentials.dial(material)
     try:
-        response = await ask_syncz(channel, node, credentials.metadata(), timeout)
+        return await ask_debug(channel, request, credentials.metadata(), timeout, check)
     except ProxyStatusError as err:
         hint = ""
         if str(err) == f"UNAUTHENTICATED: {AUTHENTICATION_REQUIRED}" and target.plaintext:
@@ -398,7 +415,22 @@ async def from_control_plane(
         raise ProxyStatusError(f"control plane {target.address}: {err}{hint}") from None
     finally:
         await channel.close()
+
+
+async def from_control_plane(
+    target: ControlPlaneTarget, node: base_pb2.Node, timeout: float
+) -> dict[str, discovery_pb2.DiscoveryResponse]:
+    """syncz from one control plane, by its control-plane ID."""
+    response = await ask_control_plane(target, syncz_request(node), timeout, check_syncz)
     return {control_plane_info(response)[0]: response}
+
+
+async def ask_agent(
+    address: str, request: discovery_pb2.DiscoveryRequest, timeout: float, check: Check | None = None
+) -> discovery_pb2.DiscoveryResponse:
+    """One debug question through an agent's tap (plaintext, as istioctl asked it)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await ask_debug(channel, request, (), timeout, check)
 
 
 @dataclass(frozen=True)
@@ -474,8 +506,7 @@ async def via_agents(
     gate = asyncio.Semaphore(max(1, concurrency))
 
     async def plaintext(agent: Agent) -> discovery_pb2.DiscoveryResponse:
-        async with grpc.aio.insecure_channel(agent.address) as channel:
-            return await ask_syncz(channel, node, (), timeout)
+        return await ask_agent(agent.address, syncz_request(node), timeout, check_syncz)
 
     asker = ask or plaintext
 
