@@ -290,6 +290,13 @@ def cni_check(
     type=click.Choice(["table", "json", "yaml"]),
     help="json|yaml: each control plane's syncz DiscoveryResponse, as istioctl prints it",
 )
+@click.option(
+    "--proxy-admin-address",
+    default="127.0.0.1:15000",
+    show_default=True,
+    help="with PROXY: its Envoy's admin (HOST:PORT; istioctl port-forwards to --proxy-admin-port)",
+)
+@click.option("--file", "config_dump_file", help="with PROXY: a saved Envoy config dump instead (- is stdin)")
 def proxy_status(
     proxy: str | None,
     xds_address: str | None,
@@ -307,12 +314,19 @@ def proxy_status(
     istio_namespace: str,
     verbosity: int,
     output: str,
+    proxy_admin_address: str,
+    config_dump_file: str | None,
 ) -> None:
     """Sync status of proxies (istioctl proxy-status), from a control plane or through agents.
+
+    With PROXY (<pod>[.<namespace>]), as istioctl: the diff of the clusters, listeners and routes the
+    control plane would send that proxy against what its Envoy holds (--proxy-admin-address or
+    --file); through --xds-via-agents the agent named PROXY is asked. See docs/proxy-status-diff.md.
 
     Against istiod (or the local control plane) directly, use its TLS port with a token: istiod
     answers debug questions only to authenticated callers (ENABLE_DEBUG_ENDPOINT_AUTH), and those
     outside istio-system only about their own namespace."""
+    from istio_agent.ctl import proxydiff
     from istio_agent.ctl import proxystatus as ps
 
     if xds_via_agents == bool(xds_address):
@@ -329,6 +343,26 @@ def proxy_status(
     target = None
     if xds_address:
         target = ps.ControlPlaneTarget(xds_address, plaintext, root_cert, server_name, token_path)
+    if proxy:
+        diff = proxydiff.DiffOptions(
+            proxy=proxy,
+            namespace=namespace or "default",
+            target=target,
+            agents=agents,
+            admin_address=proxy_admin_address,
+            file=config_dump_file,
+            timeout=timeout.total_seconds(),
+            identity=(istio_namespace, "default"),
+        )
+        try:
+            report = runtime.run(proxydiff.run(diff))
+        except proxydiff.DiffError as err:
+            click.echo(err.printed, nl=False)
+            raise click.ClickException(str(err)) from None
+        except ps.ProxyStatusError as err:
+            raise click.ClickException(str(err)) from None
+        click.echo(report.stdout, nl=False)
+        return
     options = ps.Options(
         target=target,
         agents=agents,
