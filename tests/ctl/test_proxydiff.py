@@ -265,3 +265,16 @@ def test_a_ztunnel_dump_has_no_sync_diff() -> None:
     ztunnel = json.dumps({"workloads": [], "services": [], "certificates": []}).encode()
     assert pd.is_ztunnel_dump(ztunnel)
     assert not pd.is_ztunnel_dump(SAME)
+
+
+async def test_a_ztunnels_dump_says_so_without_asking_the_control_plane(tmp_path: Path) -> None:
+    saved = tmp_path / "ztunnel.json"
+    saved.write_text(json.dumps({"workloads": [], "services": [], "policies": [], "certificates": []}))
+    report = await pd.run(pd.DiffOptions(proxy="ztunnel-x.istio-system", file=str(saved)))
+    assert report.stdout == "Sync diff is not available for ztunnel pod ztunnel-x.istio-system\n"
+
+
+async def test_envoys_dump_is_read_first_and_its_failure_is_istioctls_error(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.json"
+    with pytest.raises(ProxyStatusError, match=rf"^could not contact sidecar: open {missing}: no such file"):
+        await pd.run(pd.DiffOptions(proxy="a", file=str(missing)))
