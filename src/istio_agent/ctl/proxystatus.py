@@ -13,6 +13,9 @@ Rendering follows istioctl (``istioctl/pkg/writer/pilot``): the table
 ``NAME CLUSTER ISTIOD VERSION SUBSCRIBED TYPES`` sorted by proxy ID; ``-v`` one column per type with
 ``SYNCED|STALE|ERROR (<age>)``, ``NOT SENT`` or ``IGNORED``; ``-o json|yaml`` the raw responses by
 control-plane ID. Beyond istioctl, ``-v`` lists each NACKed type with its age and the NACK's text.
+
+A proxy argument asks another question, over the same dial (:func:`ask_control_plane`,
+:func:`ask_agent`): that proxy's config against its Envoy's (:mod:`istio_agent.ctl.proxydiff`).
 """
 
 from __future__ import annotations
