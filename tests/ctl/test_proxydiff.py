@@ -122,6 +122,9 @@ def test_different_dumps_do_not_match_as_istioctls_test(utc: None) -> None:
     assert '+                "name": "inbound-vip|9999|http|ratings.default.svc.cluster.local",\n' in clusters
     assert '-                "edsClusterConfig": {\n' in clusters
     assert re.search(r'^- +"useRemoteAddress": false,$', listeners, re.M)
+    # istioctl's seven lines of context: around the one line dropped from the listener
+    hunk = listeners.split("@@\n", 1)[1].split("\n@@ ", 1)[0].splitlines()
+    assert [line[:1] for line in hunk] == [" "] * 7 + ["-"] + [" "] * 7
     assert '-                                        "statPrefix": "inbound_0.0.0.0_9080",\n' in listeners
 
 
