@@ -321,7 +321,7 @@ def proxy_status(
 
     With PROXY (<pod>[.<namespace>]), as istioctl: the diff of the clusters, listeners and routes the
     control plane would send that proxy against what its Envoy holds (--proxy-admin-address or
-    --file); through --xds-via-agents the agent named PROXY is asked. See docs/proxy-status-diff.md.
+    --file); through --xds-via-agents the agent named PROXY is asked. See docs/operator-tools.md.
 
     Against istiod (or the local control plane) directly, use its TLS port with a token: istiod
     answers debug questions only to authenticated callers (ENABLE_DEBUG_ENDPOINT_AUTH), and those
@@ -366,7 +366,7 @@ def proxy_status(
     options = ps.Options(
         target=target,
         agents=agents,
-        view=ps.View(proxy=proxy, namespace=namespace, verbosity=verbosity, output=output),
+        view=ps.View(namespace=namespace, verbosity=verbosity, output=output),
         limit=xds_via_agents_limit,
         timeout=timeout.total_seconds(),
         concurrency=concurrency,

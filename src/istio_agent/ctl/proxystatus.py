@@ -557,9 +557,9 @@ def _empty_like(response: discovery_pb2.DiscoveryResponse) -> discovery_pb2.Disc
 
 @dataclass(frozen=True)
 class View:
-    """How to show the answer: which proxies (a name, a namespace) and in which format."""
+    """How to show the table: which proxies (a namespace) and in which format (one proxy is
+    :mod:`istio_agent.ctl.proxydiff`'s)."""
 
-    proxy: str | None = None
     namespace: str | None = None
     verbosity: int = 0
     output: str = "table"
@@ -593,11 +593,8 @@ async def run(options: Options, clock: Callable[[], float] = time.time) -> Repor
     if options.target is not None:
         responses = await from_control_plane(options.target, node, options.timeout)
     else:
-        agents = list(options.agents)
-        if view.proxy and any(agent.name == view.proxy for agent in agents):
-            agents = [agent for agent in agents if agent.name == view.proxy]  # istioctl: that pod's agent
         result = await via_agents(
-            agents,
+            list(options.agents),
             node,
             limit=options.limit,
             timeout=options.timeout,
@@ -607,8 +604,8 @@ async def run(options: Options, clock: Callable[[], float] = time.time) -> Repor
         if result.limited:
             stderr.append(limit_message(options.limit))
         stderr += partial_view_note(result.namespaces)
-    rows = select(proxies(responses), view.namespace, view.proxy)
-    chosen = only(responses, rows) if view.namespace or view.proxy else responses
+    rows = select(proxies(responses), view.namespace, None)
+    chosen = only(responses, rows) if view.namespace else responses
     if view.output in ("json", "yaml"):
         return Report(machine_readable(chosen, view.output), stderr)
     now = clock()
