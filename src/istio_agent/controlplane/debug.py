@@ -73,16 +73,20 @@ class DebugAccess:
         """The one namespace this caller may see, or ``""`` for all (istiod's ``callerNamespaceFilter``)."""
         if not self.enabled or identity is None:
             return ""
-        namespace = spiffe_namespace(identity)
+        namespace, _ = spiffe_namespace_account(identity) or ("", "")
         if namespace == self.system_namespace or namespace in self.allowed_namespaces:
             return ""
         return namespace
 
 
-def spiffe_namespace(identity: str) -> str:
-    """The namespace of ``spiffe://<trust domain>/ns/<namespace>/sa/<account>`` (``""`` otherwise)."""
+def spiffe_namespace_account(identity: str) -> tuple[str, str] | None:
+    """``spiffe://<trust domain>/ns/<namespace>/sa/<account>`` -> ``(namespace, account)``; None else."""
+    if not identity.startswith("spiffe://"):
+        return None
     parts = identity.removeprefix("spiffe://").split("/")
-    return parts[2] if identity.startswith("spiffe://") and len(parts) == 5 and parts[1] == "ns" else ""
+    if len(parts) == 5 and parts[1] == "ns" and parts[3] == "sa":
+        return parts[2], parts[4]
+    return None
 
 
 def is_debug_type(type_url: str) -> bool:

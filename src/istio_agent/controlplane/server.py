@@ -39,7 +39,7 @@ from istio_agent import keepalive
 from istio_agent.config.xds import DEFAULT_KEEPALIVE_INTERVAL, DEFAULT_KEEPALIVE_TIMEOUT
 from istio_agent.controlplane.ads import AdsServer, PushObserver
 from istio_agent.controlplane.ca import ROOT_CERT_FILE, InvalidCSR, LocalCA, SigningRefused
-from istio_agent.controlplane.debug import DebugAccess
+from istio_agent.controlplane.debug import DebugAccess, spiffe_namespace_account
 from istio_agent.controlplane.mesh import MeshConfig, MeshError, parse_mesh, read_mesh_bytes
 from istio_agent.controlplane.tokens import TokenError, TokenVerifier
 from istio_agent.controlplane.xdsgen import ProxyNode, build_snapshot
@@ -285,16 +285,6 @@ def _metadata_value(metadata: Sequence[Any] | None, name: str) -> str:
     return ""
 
 
-def _spiffe_namespace_account(identity: str) -> tuple[str, str] | None:
-    """``spiffe://<td>/ns/<ns>/sa/<sa>`` -> ``(ns, sa)``; None for anything else."""
-    if not identity.startswith("spiffe://"):
-        return None
-    parts = identity.removeprefix("spiffe://").split("/")
-    if len(parts) == 5 and parts[1] == "ns" and parts[3] == "sa":
-        return parts[2], parts[4]
-    return None
-
-
 def certificate_identity(cert: x509.Certificate, root: x509.Certificate) -> str:
     """The SPIFFE identity of a client certificate issued by ``root``; ValueError saying why not."""
     try:
@@ -522,7 +512,7 @@ class ControlPlane:
         """
         claimed = proxy.metadata.get("SERVICE_ACCOUNT")
         claimed = claimed if isinstance(claimed, str) else ""
-        namespace, account = _spiffe_namespace_account(identity) or ("", "")
+        namespace, account = spiffe_namespace_account(identity) or ("", "")
         mismatch = (proxy.namespace and namespace != proxy.namespace) or (claimed and account != claimed)
         if not account or mismatch:
             return f"no identities ([{identity}]) matched {proxy.namespace}/{claimed}"
