@@ -11,8 +11,9 @@ is such a failure, and through ``--xds-address`` an error like any other.
 
 Rendering follows istioctl (``istioctl/pkg/writer/pilot``): the table
 ``NAME CLUSTER ISTIOD VERSION SUBSCRIBED TYPES`` sorted by proxy ID; ``-v`` one column per type with
-``SYNCED|STALE|ERROR (<age>)``, ``NOT SENT`` or ``IGNORED``; ``-o json|yaml`` the raw responses by
-control-plane ID. Beyond istioctl, ``-v`` lists each NACKed type with its age and the NACK's text.
+``SYNCED|STALE|ERROR (<age>)``, ``NOT SENT`` or ``IGNORED``; ``-o json|yaml`` each control plane's
+response as istioctl prints it. Beyond istioctl, ``-v`` writes each NACKed type with its age and the
+NACK's text to stderr.
 
 A proxy argument asks another question, over the same dial (:func:`ask_control_plane`,
 :func:`ask_agent`): that proxy's config against its Envoy's (:mod:`istio_agent.ctl.proxydiff`).
@@ -41,6 +42,7 @@ from istio_agent.istiod.tokens import FileTokenSource
 from istio_agent.xds.flavour import ADS_SERVICE, SOTW
 
 SYNCZ_TYPE = "istio.io/debug/syncz"
+DISCOVERY_RESPONSE = "envoy.service.discovery.v3.DiscoveryResponse"
 CLIENT_CONFIG_TYPE = "type.googleapis.com/envoy.service.status.v3.ClientConfig"
 DEFAULT_AGENT_LIMIT = 100
 DEFAULT_AGENT_TIMEOUT = 10.0
@@ -245,16 +247,18 @@ def nack_notes(rows: Sequence[ProxySync], now: float) -> list[str]:
 
 def machine_readable(responses: Mapping[str, discovery_pb2.DiscoveryResponse], output: str) -> str:
     """``-o json|yaml`` as istioctl prints them (Istio master, ``printMachineReadable``; 1.28 prints the
-    table instead): each control plane's DiscoveryResponse as protobuf JSON indented by four spaces
-    (YAML converted from it), one after another, here in control-plane ID order."""
+    table instead): each control plane's DiscoveryResponse through ``protomarshal.ToJSONWithIndent``
+    (golang/protobuf's jsonpb, four-space indent; YAML through JSONToYAML), one after another, here in
+    control-plane ID order. The printers are the config-dump views' (``ctl/configdump``)."""
+    from istio_agent.ctl.configdump.messages import jsonpb_text
+    from istio_agent.ctl.configdump.render import json_to_yaml
+    from istio_agent.ctl.configdump.resources import as_message
+
     parts = []
     for key in sorted(responses):
-        text = json_format.MessageToJson(responses[key], indent=4)
-        if output == "yaml":
-            import yaml
-
-            text = yaml.safe_dump(json.loads(text), sort_keys=False)
-        parts.append(text.rstrip("\n") + "\n")
+        raw = json_format.MessageToDict(responses[key])
+        text = jsonpb_text(as_message(DISCOVERY_RESPONSE, raw), "    ")
+        parts.append(json_to_yaml(text) if output == "yaml" else text + "\n")
     return "".join(parts)
 
 
