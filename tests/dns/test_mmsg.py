@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -113,3 +115,22 @@ def test_an_error_of_the_socket_is_raised_with_its_name() -> None:
 def test_address_tuple_refuses_what_is_not_an_ip_address() -> None:
     with pytest.raises(ValueError, match="not an IP socket address"):
         address_tuple(socket.AF_UNIX.to_bytes(2, "little") + bytes(14))
+
+
+def test_importing_the_module_loads_no_library_until_a_batch_is_made() -> None:
+    """Issue 23: no module does work at import time; libc is loaded at the first use, once."""
+    script = """
+import ctypes
+loaded = []
+real = ctypes.PyDLL
+ctypes.PyDLL = lambda *args, **kwargs: loaded.append(args) or real(*args, **kwargs)
+import istio_agent.dns.mmsg as mmsg
+import istio_agent.dns.server
+assert loaded == [], loaded
+assert mmsg.available()
+mmsg.DatagramBatch(2, 512)
+mmsg.available()
+assert len(loaded) == 1, loaded
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -163,7 +163,7 @@ async def test_the_listener_batches_under_load_and_goes_back_to_one_by_one() -> 
 
 
 async def test_without_recvmmsg_the_listener_reads_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dns_server.mmsg, "AVAILABLE", False)  # as on a 32-bit process or not Linux
+    monkeypatch.setattr(dns_server.mmsg, "available", lambda: False)  # as on a 32-bit process or not Linux
     resolver = table_resolver()
     async with serving_on_loopback(resolver) as (server, target):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:

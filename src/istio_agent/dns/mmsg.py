@@ -60,7 +60,19 @@ _HEADER_INTS = _HEADER_SIZE // 4
 _IOV_WORDS = ctypes.sizeof(_Iovec) // _WORD
 
 
-def _libc_functions() -> tuple[Callable[..., int], Callable[..., int]] | None:
+_Functions = tuple[Callable[..., int], Callable[..., int]]
+_loaded: list[_Functions | None] = []
+"""libc's recvmmsg and sendmmsg once looked up (None: not there); empty until the first use, so
+importing this module does no work (issue 23: nothing at import time)."""
+
+
+def _libc_functions() -> _Functions | None:
+    if not _loaded:
+        _loaded.append(_look_up_libc())
+    return _loaded[0]
+
+
+def _look_up_libc() -> _Functions | None:
     # PyDLL: the calls never block (MSG_DONTWAIT, a non-blocking socket), so the GIL is kept
     # instead of being released and taken back twice per batch.
     try:
@@ -75,9 +87,9 @@ def _libc_functions() -> tuple[Callable[..., int], Callable[..., int]] | None:
     return recvmmsg, sendmmsg
 
 
-_FUNCTIONS = _libc_functions()
-AVAILABLE = _FUNCTIONS is not None and _WORD == 8
-"""recvmmsg and sendmmsg can be called (Linux's libc, a 64-bit process)."""
+def available() -> bool:
+    """recvmmsg and sendmmsg can be called (Linux's libc, a 64-bit process); loads libc at the first call."""
+    return _WORD == 8 and _libc_functions() is not None
 
 
 def data_address(data: bytes) -> int:
@@ -113,7 +125,8 @@ class DatagramBatch:
     """
 
     def __init__(self, size: int = 64, datagram_size: int = 4096) -> None:
-        if not AVAILABLE:
+        functions = _libc_functions() if _WORD == 8 else None
+        if functions is None:
             raise OSError(errno.ENOSYS, "recvmmsg/sendmmsg are not available on this system")
         self.size = size
         self.datagram_size = datagram_size
@@ -143,6 +156,7 @@ class DatagramBatch:
         """Lengths of the datagrams the last ``receive`` read, by index."""
         self._queued = 0
         self._keep: list[bytes] = []
+        self._recvmmsg, self._sendmmsg = functions
 
     def receive(self, fd: int) -> int:
         """Read what is waiting (up to ``size`` datagrams) without blocking; 0 when nothing is.
@@ -154,9 +168,8 @@ class DatagramBatch:
         ints = self._receive_ints
         for i in range(len(self.lengths)):  # the kernel wrote each used slot's address length
             ints[i * _HEADER_INTS + _NAMELEN] = _SOCKADDR_SIZE
-        assert _FUNCTIONS is not None
         while True:
-            count: int = _FUNCTIONS[0](fd, ctypes.addressof(self._received), self.size, _MSG_DONTWAIT, None)
+            count: int = self._recvmmsg(fd, ctypes.addressof(self._received), self.size, _MSG_DONTWAIT, None)
             if count >= 0:
                 break
             code = ctypes.get_errno()
@@ -221,10 +234,9 @@ class DatagramBatch:
     def send(self, fd: int) -> int:
         """Send the queued replies; a reply the kernel refuses is dropped (UDP). Returns how many went."""
         queued, sent, start = self._queued, 0, 0
-        assert _FUNCTIONS is not None
         base = ctypes.addressof(self._replies)
         while start < queued:
-            count: int = _FUNCTIONS[1](fd, base + start * _HEADER_SIZE, queued - start, _MSG_DONTWAIT)
+            count: int = self._sendmmsg(fd, base + start * _HEADER_SIZE, queued - start, _MSG_DONTWAIT)
             if count > 0:
                 sent += count
                 start += count

@@ -307,7 +307,7 @@ class _UdpListener:
         self._remembered = resolver.remembered(None)
         self._pending = pending
         # Without recvmmsg (not Linux, a 32-bit process) the listener reads one datagram at a time.
-        self._batch = DatagramBatch(UDP_BATCH, UDP_QUERY_SIZE) if mmsg.AVAILABLE else None
+        self._batch = DatagramBatch(UDP_BATCH, UDP_QUERY_SIZE) if mmsg.available() else None
         self._failures = _Failures("DNS UDP query handling")
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._fd, self._readable)
