@@ -53,7 +53,7 @@ from istio_agent.ctl import proxystatus as ps  # noqa: E402
 from istio_agent.ctl.local import answers_200, free_port, wait_until  # noqa: E402
 from istio_agent.ctl.localmesh import LocalMesh, Workload  # noqa: E402
 from istio_agent.metrics import Registry  # noqa: E402
-from istio_agent.xds import XdsProxy  # noqa: E402
+from istio_agent.xds.proxy import XdsProxy  # noqa: E402
 from istio_agent.xds.tap import DebugTap  # noqa: E402
 from tests.e2e.grpc_apps import TARGET, calls, mesh_yaml, start_caller, start_server  # noqa: E402
 

@@ -20,7 +20,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from istio_agent.config import XdsSettings
 from istio_agent.metrics import Registry
-from istio_agent.xds import XdsProxy
+from istio_agent.xds.proxy import XdsProxy
 
 WAIT = 5.0
 """Upper bound for something expected; only reached when a test is failing."""

@@ -12,7 +12,7 @@ from istio_agent.config import SecuritySettings
 from istio_agent.protos import nds_pb2, proxy_config_pb2
 from istio_agent.security.manager import SecretManager
 from istio_agent.security.model import ROOT_CERT
-from istio_agent.xds import NameTableHandler, ProxyConfigHandler
+from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
 from istio_agent.xds.types import NAME_TABLE, PROXY_CONFIG
 from tests.security.certs import make_ca, to_pem
 

@@ -23,7 +23,8 @@ from istio_agent import uds
 from istio_agent.config import XdsSettings
 from istio_agent.metrics import PREFIX, Registry
 from istio_agent.protos import nds_pb2, proxy_config_pb2
-from istio_agent.xds import NameTableHandler, ProxyConfigHandler, XdsProxy
+from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
+from istio_agent.xds.proxy import XdsProxy
 from istio_agent.xds.types import HEALTH_INFO, NAME_TABLE, PROXY_CONFIG, WORKLOAD
 from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
 from tests.uds_clients import idle_http2_client, silent_client

@@ -23,7 +23,7 @@ from envoy.service.status.v3 import csds_pb2
 from google.protobuf import any_pb2
 
 from istio_agent.http.client import fetch as http_request
-from istio_agent.xds import XdsProxy
+from istio_agent.xds.proxy import XdsProxy
 from istio_agent.xds.tap import DebugTap, TapStartError
 from tests.xds import CDS, EnvoyStream, FakeIstiod, FakeUpstreamStream, running
 from tests.xds.test_proxy import settings_for

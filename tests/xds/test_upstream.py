@@ -15,7 +15,7 @@ from cryptography import x509
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
 from istio_agent.config import XdsSettings
-from istio_agent.xds import DialError, UpstreamDialer
+from istio_agent.xds.upstream import DialError, UpstreamDialer
 from tests.security.certs import MeshCA, issue, key_to_pem, make_ca, new_key, to_pem
 from tests.xds import CDS, WAIT, FakeIstiod, FakeUpstreamStream
 

@@ -1,11 +1,6 @@
-"""Command-line entry points (``pilot-agent``, ``agentctl``).
+"""Command-line entry points (``pilot-agent``, ``agentctl``, ``install-cni``).
 
-Flags and environment in, config objects out; the packages do the work.
-
-This package is imported first whenever a command starts, so it is where the process is prepared
-before grpc loads (see :func:`istio_agent.cli.runtime.prepare_process`).
+Flags and environment in, config objects out; the packages do the work. Importing this package
+does nothing: each command's ``main`` prepares its process (:func:`istio_agent.cli.runtime.prepare_process`)
+before anything loads grpc.
 """
-
-from istio_agent.cli.runtime import prepare_process
-
-prepare_process()

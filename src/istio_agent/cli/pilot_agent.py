@@ -56,6 +56,7 @@ TOLERANT = {"ignore_unknown_options": True, "allow_extra_args": True}
 @click.pass_context
 def main(ctx: click.Context, log_output_level: str, log_as_json: bool, **_ignored: object) -> None:
     """Istio's workload agent (pilot-agent), in Python."""
+    runtime.prepare_process()  # first: nothing has loaded grpc yet (this module does not import it)
     ctx.obj = {"log_output_level": log_output_level, "log_as_json": log_as_json}
 
 
