@@ -25,6 +25,7 @@ from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from istio_agent import uds
+from istio_agent.envoy import sockets
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.security.model import ROOT_CERT, SecretError, SecretItem, SecretProvider
@@ -47,7 +48,6 @@ log = scope("sds")
 SDS_SERVICE = "envoy.service.secret.v3.SecretDiscoveryService"
 SECRET_TYPE_URL = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 FILE_ROOT_PREFIX = "file-root:"
-MAX_CONCURRENT_STREAMS = 100000
 
 
 def _version_time() -> str:
@@ -200,10 +200,16 @@ class SdsServer:
         crl_path: Path | None = None,
         registry: Registry = REGISTRY,
         limits: uds.ServerLimits | None = None,
+        listener: sockets.Listener | None = None,
     ) -> None:
-        """``limits``: how long connections that do nothing are kept (``uds.ServerLimits``' defaults)."""
-        self._socket_path = socket_path
+        """``limits``: how long connections that do nothing are kept (``uds.ServerLimits``' defaults).
+
+        ``listener``: the socket, already listening (bound before Envoy started, with its own limits);
+        without one, ``start`` binds ``socket_path``.
+        """
+        self._socket_path = listener.path if listener is not None else socket_path
         self._limits = limits or uds.ServerLimits()
+        self._listener = listener
         self._metrics = _SdsMetrics(registry)
         self._secrets = _Secrets(provider, crl_path, self._metrics)
         self._streams: StreamServer[None, str] = StreamServer(
@@ -220,11 +226,13 @@ class SdsServer:
         return len(self._streams)
 
     async def start(self) -> None:
-        """Bind the socket (replacing any old file), start serving, open it to every local user."""
+        """Serve on the listener, or bind the socket (replacing any old file, open to every local user) and serve."""
         if self._server is not None:
             raise RuntimeError("SDS server already started")
-        options = [("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS), *self._limits.grpc_options()]
-        server = grpc.aio.server(options=options)
+        listener, self._listener = self._listener, None
+        if listener is None:
+            listener = await sockets.listen_sds(self._socket_path, self._limits)
+        server = listener.take()
         fetch = grpc.unary_unary_rpc_method_handler(
             self.fetch,
             request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
@@ -233,7 +241,7 @@ class SdsServer:
         self._streams.register(
             server, SDS_SERVICE, {"StreamSecrets": SOTW, "DeltaSecrets": DELTA}, {"FetchSecrets": fetch}
         )
-        await uds.start_server_on(server, self._socket_path, "SDS server")
+        await server.start()
         self._server = server
         log.info("SDS server listening on %s", self._socket_path)
 

@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 
 from istio_agent import uds
 from istio_agent.config.xds import XdsSettings
+from istio_agent.envoy import sockets
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
 from istio_agent.xds import types
@@ -189,14 +190,16 @@ class XdsProxy:
         dialer: UpstreamDialer | None = None,
         registry: Registry = REGISTRY,
         limits: uds.ServerLimits | None = None,
+        listener: sockets.Listener | None = None,
     ) -> None:
         """``limits``: how long connections from Envoy's side that do nothing are kept; by default
-        the server pings every GRPC_KEEPALIVE_INTERVAL and waits GRPC_KEEPALIVE_TIMEOUT, as Istio's."""
+        the server pings every GRPC_KEEPALIVE_INTERVAL and waits GRPC_KEEPALIVE_TIMEOUT, as Istio's.
+
+        ``listener``: ``settings.socket_path``, already listening (bound before Envoy started, with
+        its own limits); without one, ``start`` binds it."""
         self._settings = settings
-        self._limits = limits or uds.ServerLimits(
-            keepalive_time=settings.keepalive_interval.total_seconds(),
-            keepalive_timeout=settings.keepalive_timeout.total_seconds(),
-        )
+        self._limits = limits or sockets.xds_limits(settings)
+        self._listener = listener
         self._metrics = _ProxyMetrics(registry)
         self._handlers: dict[str, TypeHandler] = {}
         for handler in handlers:
@@ -224,12 +227,15 @@ class XdsProxy:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Listen on the socket (replacing any stale file) and open it to every local user."""
+        """Serve on the listener, or listen on the socket (replacing any stale file, open to every local user)."""
         if self._server is not None:
             raise RuntimeError("xDS proxy already started")
-        server = grpc.aio.server(options=self._server_options())
+        listener, self._listener = self._listener, None
+        if listener is None:
+            listener = await sockets.listen_xds(self._settings, self._limits)
+        server = listener.take()
         server.add_generic_rpc_handlers((self._rpc_handlers(),))
-        await uds.start_server_on(server, self.socket_path, "xDS proxy")
+        await server.start()
         self._server = server
         self._stopping = False
         log.info("xDS proxy listening on %s, upstream %s", self.socket_path, self._dialer.describe())
@@ -269,14 +275,6 @@ class XdsProxy:
         return grpc.method_handlers_generic_handler(
             ADS_SERVICE, {flavour.method: handler(flavour) for flavour in (SOTW, DELTA)}
         )
-
-    def _server_options(self) -> list[tuple[str, int]]:
-        settings = self._settings
-        return [
-            ("grpc.max_concurrent_streams", settings.max_streams),
-            ("grpc.max_receive_message_length", settings.max_recv_bytes),
-            *self._limits.grpc_options(),
-        ]
 
     # -- health ---------------------------------------------------------------------------------------
     def report_health(self, healthy: bool, message: str = "") -> None:
