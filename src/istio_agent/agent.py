@@ -3,9 +3,15 @@
 Start order follows Istio's agent (pilot/cmd/pilot-agent, pkg/istio-agent/agent.go): the status
 server (readiness answers from the start), the DNS proxy, secrets and the SDS server, the xDS proxy
 on ``./etc/istio/proxy/XDS`` and the proxyless gRPC bootstrap next to it, then Envoy on a generated
-bootstrap (everything Envoy needs is listening before it starts), then VM health checks. Stopping
-is the exact reverse, after readiness fails and the status port stops accepting; Envoy's drain is
-its step.
+bootstrap, then VM health checks. One difference, for a faster start: the SDS and xDS sockets are
+bound and listening before Envoy starts (everything Envoy needs is listening when it starts, as in
+Istio), but the servers behind them, the secret manager and the CA client are loaded and started
+right after Envoy, while Envoy's connections wait in the sockets' queues (``envoy.sockets``).
+Stopping is the exact reverse of Istio's order, after readiness fails and the status port stops
+accepting; Envoy's drain is its step.
+
+Nothing heavy is imported with this module (grpc, protos, certificates): what Envoy does not need
+to start is imported after it started.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from istio_agent.bootstrap.envoy import write_bootstrap
-from istio_agent.bootstrap.grpc import write_grpc_bootstrap
 from istio_agent.config import ConfigError, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.config.dns import DnsSettings
@@ -34,24 +39,22 @@ from istio_agent.envoy.supervisor import EnvoySupervisor
 from istio_agent.istiod.tokens import TokenSource, token_source_for
 from istio_agent.log import report_failure, scope
 from istio_agent.metrics import REGISTRY, Registry
-from istio_agent.protos import nds_pb2
-from istio_agent.security.caclient import CitadelClient
-from istio_agent.security.manager import CAClient, SecretManager
-from istio_agent.security.output import check_writable
-from istio_agent.security.sds import SdsServer
-from istio_agent.uds import remove_if_stale
-from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
-from istio_agent.xds.proxy import TypeHandler, XdsProxy
-from istio_agent.xds.upstream import UpstreamDialer
 
 if TYPE_CHECKING:  # imported when used: not needed to start Envoy
     from istio_agent.config.probes import ReadinessProbeConfig
     from istio_agent.dns.proxy import DnsProxy
+    from istio_agent.envoy.sockets import Listener
     from istio_agent.probe.kubelet import AppProbes
+    from istio_agent.protos import nds_pb2
+    from istio_agent.security.manager import CAClient, SecretManager
+    from istio_agent.security.sds import SdsServer
     from istio_agent.status.metrics import MetricsMerger
     from istio_agent.status.readiness import Readiness
     from istio_agent.status.server import StatusServer
+    from istio_agent.xds.handlers import NameTableHandler
+    from istio_agent.xds.proxy import XdsProxy
     from istio_agent.xds.tap import DebugTap
+    from istio_agent.xds.upstream import UpstreamDialer
 
 log = scope("agent")
 
@@ -87,6 +90,8 @@ class SdsPlan:
 
 async def plan_sds(settings: SecuritySettings) -> SdsPlan:
     """Decide the SDS socket and certificate source, as Istio's agent does at start-up."""
+    from istio_agent.uds import remove_if_stale
+
     configured = settings.sds_socket_path
     if not await remove_if_stale(configured) and configured.exists():
         log.info(
@@ -111,9 +116,9 @@ async def plan_sds(settings: SecuritySettings) -> SdsPlan:
     return SdsPlan(configured, serve_only_files=False, settings=settings)
 
 
-CAClientFactory = Callable[[SecuritySettings], CAClient]
+CAClientFactory = Callable[[SecuritySettings], "CAClient"]
 """Builds the CA client for the certificate settings (tests swap in a fake CA)."""
-DialerFactory = Callable[[XdsSettings, TokenSource | None], UpstreamDialer]
+DialerFactory = Callable[[XdsSettings, TokenSource | None], "UpstreamDialer"]
 """Builds the xDS proxy's upstream dialer (tests swap in one that dials a fake istiod)."""
 
 
@@ -130,11 +135,12 @@ class Agent:
         settings: AgentSettings,
         *,
         ca_client: CAClientFactory | None = None,
-        dialer: DialerFactory = UpstreamDialer,
+        dialer: DialerFactory | None = None,
         registry: Registry = REGISTRY,
     ) -> None:
+        """``ca_client``: Istio's CA client by default; ``dialer``: the xDS proxy's UpstreamDialer by default."""
         self._settings = settings
-        self._ca_client = ca_client or functools.partial(CitadelClient.from_settings, registry=registry)
+        self._ca_client = ca_client
         self._dialer = dialer
         self._registry = registry
         self.secret_manager: SecretManager | None = None
@@ -160,6 +166,7 @@ class Agent:
         try:
             await self._start(stack)
         except BaseException:
+            self._skip_drain = True  # an Envoy already started never served: nothing to drain
             await stack.aclose()
             raise
         self._stack = stack
@@ -175,31 +182,71 @@ class Agent:
             await self._start_dns(stack, settings.dns)  # as Istio: before anything that may need names
         output = settings.security.output_certs
         if output is not None:
+            from istio_agent.security.output import check_writable
+
             try:
                 await asyncio.to_thread(check_writable, output)
             except OSError as err:
                 raise ConfigError(f"OUTPUT_CERTS {output} is not writable: {_os_error(err)}") from None
         plan = await plan_sds(settings.security)
-        ca_client = self._ca_client(plan.settings) if plan.uses_ca else None
+        # Envoy's sockets listen before Envoy starts; the servers behind them start right after it.
+        # They are stopped after Envoy, as when they started before it.
+        servers = AsyncExitStack()
+        stack.push_async_callback(servers.aclose)
+        sds_socket, xds_socket = await self._listen(servers, plan)
+        if settings.bootstrap is not None:
+            await self._start_envoy(stack, settings.bootstrap)
+        await self._start_servers(servers, plan, sds_socket, xds_socket)
+        if settings.grpc_bootstrap is not None:
+            await _write_grpc_bootstrap(settings.grpc_bootstrap)
+        if settings.health is not None and self.xds_proxy is not None:
+            self._start_health_checks(stack, settings.health, self.xds_proxy)
+
+    async def _listen(self, stack: AsyncExitStack, plan: SdsPlan) -> tuple[Listener | None, Listener | None]:
+        """The SDS and xDS sockets, listening (each closed on unwind unless its server took it over)."""
+        from istio_agent.envoy import sockets
+
+        sds = xds = None
+        if self._settings.serve_sds:
+            sds = await sockets.listen_sds(plan.socket_path)
+            _on_unwind(stack, "SDS socket", sds.close)
+        if self._settings.xds is not None:
+            xds = await sockets.listen_xds(self._settings.xds)
+            _on_unwind(stack, "xDS socket", xds.close)
+        return sds, xds
+
+    async def _start_servers(
+        self, stack: AsyncExitStack, plan: SdsPlan, sds_socket: Listener | None, xds_socket: Listener | None
+    ) -> None:
+        """Secrets, the SDS server and the xDS proxy (with the debug tap), on the listening sockets."""
+        from istio_agent.security.manager import SecretManager
+
+        ca_client = self._ca_client_factory()(plan.settings) if plan.uses_ca else None
         manager = SecretManager(plan.settings, ca_client, registry=self._registry)
         await _started(stack, "secret manager", manager.start, manager.stop)
         self.secret_manager = manager
-        if settings.serve_sds:
+        if sds_socket is not None:
+            from istio_agent.security.sds import SdsServer
+
             crl = Path(CRL_PATH) if plan.settings.enable_ca_crl else None
-            sds = SdsServer(manager, plan.socket_path, crl_path=crl, registry=self._registry)
+            sds = SdsServer(
+                manager, plan.socket_path, crl_path=crl, registry=self._registry, listener=sds_socket
+            )
             manager.add_update_callback(sds.on_secret_update)
             await _started(stack, "SDS server", sds.start, sds.stop)
             self.sds_server = sds
         if plan.uses_ca:
             _background(stack, "certificate prewarm", manager.prewarm())
-        if settings.xds is not None:
-            await self._start_xds_proxy(stack, settings.xds, manager, token_source_for(plan.settings))
-        if settings.grpc_bootstrap is not None:
-            await _write_grpc_bootstrap(settings.grpc_bootstrap)
-        if settings.bootstrap is not None:
-            await self._start_envoy(stack, settings.bootstrap)
-        if settings.health is not None and self.xds_proxy is not None:
-            self._start_health_checks(stack, settings.health, self.xds_proxy)
+        if self._settings.xds is not None:
+            tokens = token_source_for(plan.settings)
+            await self._start_xds_proxy(stack, self._settings.xds, manager, tokens, xds_socket)
+
+    def _ca_client_factory(self) -> CAClientFactory:
+        if self._ca_client is not None:
+            return self._ca_client
+        from istio_agent.security.caclient import CitadelClient
+
+        return functools.partial(CitadelClient.from_settings, registry=self._registry)
 
     async def stop(self, cause: str = "received termination signal") -> None:
         """Fail readiness, close the status port, then stop everything in reverse order (Envoy drains)."""
@@ -239,8 +286,17 @@ class Agent:
         self.dns = dns
 
     async def _start_xds_proxy(
-        self, stack: AsyncExitStack, settings: XdsSettings, manager: SecretManager, tokens: TokenSource | None
+        self,
+        stack: AsyncExitStack,
+        settings: XdsSettings,
+        manager: SecretManager,
+        tokens: TokenSource | None,
+        listener: Listener | None,
     ) -> None:
+        from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
+        from istio_agent.xds.proxy import TypeHandler, XdsProxy
+        from istio_agent.xds.upstream import UpstreamDialer
+
         handlers: list[TypeHandler] = []
         if settings.nds_enabled:
             self.name_table = NameTableHandler(_log_name_table)
@@ -249,8 +305,10 @@ class Agent:
             handlers.append(self.name_table)
         if settings.pcds_enabled:
             handlers.append(ProxyConfigHandler(manager.update_trust_bundle))
-        dialer = self._dialer(settings, tokens)
-        proxy = XdsProxy(settings, handlers=handlers, dialer=dialer, registry=self._registry)
+        dialer = (self._dialer or UpstreamDialer)(settings, tokens)
+        proxy = XdsProxy(
+            settings, handlers=handlers, dialer=dialer, registry=self._registry, listener=listener
+        )
         await _started(stack, "xDS proxy", proxy.start, proxy.stop)
         self.xds_proxy = proxy
         if settings.debug_tap_port is not None:
@@ -422,6 +480,11 @@ async def _started(
 ) -> None:
     """Run ``start``; once it succeeded, register ``stop`` to run when the stack unwinds."""
     await start()
+    _on_unwind(stack, name, stop)
+
+
+def _on_unwind(stack: AsyncExitStack, name: str, stop: Callable[[], Awaitable[object]]) -> None:
+    """Run ``stop`` when the stack unwinds; a failure is logged and the other steps still run."""
 
     async def stop_step() -> None:
         try:
@@ -434,6 +497,8 @@ async def _started(
 
 async def _write_grpc_bootstrap(settings: GrpcBootstrapSettings) -> None:
     """Write the proxyless gRPC bootstrap; a failure stops the start, as in Istio."""
+    from istio_agent.bootstrap.grpc import write_grpc_bootstrap
+
     try:
         path = await asyncio.to_thread(write_grpc_bootstrap, settings)
     except OSError as err:

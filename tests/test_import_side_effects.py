@@ -1,0 +1,87 @@
+"""Importing the agent's packages does no work: no environment edits, no grpc, no eager re-exports.
+
+Each check runs in a fresh interpreter without the variables the test process's conftest sets, so
+an import that edits the environment or loads grpc is seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    before = dict(os.environ)
+    import {module}
+    print(json.dumps({{
+        "environ_changed": sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)),
+        "loaded": sorted(m for m in sys.modules if m.split(".")[0] in ("grpc", "istio_agent", "cryptography")),
+    }}))
+    """
+)
+
+
+def imported(module: str) -> dict[str, list[str]]:
+    """What importing ``module`` changed in the environment and which modules it loaded."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(module=module)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=30,
+    )
+    result: dict[str, list[str]] = json.loads(done.stdout)
+    return result
+
+
+@pytest.mark.parametrize("module", ["istio_agent.cli", "istio_agent.cli.pilot_agent", "istio_agent.xds"])
+def test_importing_does_not_edit_the_environment(module: str) -> None:
+    assert imported(module)["environ_changed"] == []
+
+
+def test_pilot_agent_loads_no_grpc_before_its_main_prepares_the_process() -> None:
+    # prepare_process() must run before grpc loads; main() calls it, so the module must not load grpc.
+    loaded = imported("istio_agent.cli.pilot_agent")["loaded"]
+    assert [name for name in loaded if name.startswith("grpc")] == []
+
+
+def test_the_agent_module_loads_neither_grpc_nor_the_certificate_code() -> None:
+    # Envoy starts before the servers and the CA client are needed: their imports come after it.
+    loaded = imported("istio_agent.agent")["loaded"]
+    heavy = ("grpc", "cryptography", "istio_agent.security.sds", "istio_agent.xds.proxy", "istio_agent.pem")
+    assert [name for name in loaded if name.startswith(heavy)] == []
+
+
+def test_the_xds_flavours_load_neither_the_proxy_nor_the_dialer_nor_pem() -> None:
+    loaded = imported("istio_agent.xds.flavour")["loaded"]
+    assert "istio_agent.xds.proxy" not in loaded
+    assert "istio_agent.xds.upstream" not in loaded
+    assert "istio_agent.pem" not in loaded
+
+
+def test_pilot_agent_main_prepares_the_process_before_grpc_loads() -> None:
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from istio_agent.cli import pilot_agent
+        sys.argv = ["pilot-agent", "version", "-s"]
+        try:
+            pilot_agent.main()
+        except SystemExit:
+            pass
+        print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"), os.environ.get("GRPC_VERBOSITY"))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True, timeout=30
+    )
+    assert done.stdout.splitlines()[-1] == "false NONE"
