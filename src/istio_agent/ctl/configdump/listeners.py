@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from istio_agent.ctl.configdump import render
 from istio_agent.ctl.configdump.gosort import sort_slice
-from istio_agent.ctl.configdump.messages import Msg
+from istio_agent.ctl.configdump.messages import Msg, plain
 from istio_agent.ctl.configdump.resources import LISTENER, as_message, dig, number, raw, text
 from istio_agent.ctl.configdump.routes import describe_match
 from istio_agent.ctl.configdump.source import ConfigDumpError, Dump
@@ -50,9 +50,24 @@ def filter_chains(listener: Msg) -> list[Any]:
 
 
 def _holds_blackhole(filter: Any) -> bool:
-    """istioctl looks for the name in the TCP proxy's serialized bytes; its strings are in the JSON."""
+    """istioctl looks for the name in the TCP proxy's serialized bytes: its strings (values, type
+    URLs, map and Struct keys) are what those bytes spell out."""
     typed = dig(filter, "typedConfig")
-    return typed is not None and BLACKHOLE in json.dumps(typed, ensure_ascii=False)
+    return typed is not None and any(BLACKHOLE in item for item in _strings(plain(typed)))
+
+
+def _strings(node: Any) -> Iterator[str]:
+    """Every string in a plain JSON tree, keys included (no field name spells BlackHoleCluster)."""
+    pending = [node]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            yield from item.keys()
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
 
 
 def listener_type(listener: Msg) -> str:
