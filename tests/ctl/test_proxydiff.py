@@ -281,3 +281,31 @@ async def test_envoys_dump_is_read_first_and_its_failure_is_istioctls_error(tmp_
     missing = tmp_path / "missing.json"
     with pytest.raises(ProxyStatusError, match=rf"^could not contact sidecar: open {missing}: no such file"):
         await pd.run(pd.DiffOptions(proxy="a", file=str(missing)))
+
+
+def test_istiods_unknown_any_types_read_as_their_type_url(utc: None) -> None:
+    """istioctl's comparator resolves types non-strictly (Istio's own extensions are unknown to it)."""
+    from envoy.config.listener.v3 import listener_pb2
+    from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm
+    from google.protobuf import any_pb2
+
+    stats = any_pb2.Any(type_url="type.googleapis.com/stats.PluginConfig", value=b"\x0a\x03abc\xff")
+    manager = hcm.HttpConnectionManager(stat_prefix="s")
+    manager.http_filters.add(name="istio.stats", typed_config=stats)
+    listener = listener_pb2.Listener(name="l")
+    listener.listener_filters.add(name="x", typed_config=stats)
+    listener.filter_chains.add().filters.add(
+        name="envoy.filters.network.http_connection_manager"
+    ).typed_config.Pack(manager)
+    from envoy.admin.v3 import config_dump_shared_pb2
+
+    section = config_dump_shared_pb2.ListenersConfigDump()
+    section.dynamic_listeners.add(name="l").active_state.listener.Pack(listener)
+    clusters = any_pb2.Any(type_url="type.googleapis.com/stats.PluginConfig", value=b"\x01")
+    packed = any_pb2.Any()
+    packed.Pack(section)
+    istiod = pd.istiod_dump({"istiod-1": discovery_pb2.DiscoveryResponse(resources=[packed, clusters])})
+    text = pd.section_text("listeners", istiod)
+    assert text.count('"@type": "type.googleapis.com/stats.PluginConfig"') == 2, text
+    assert '"name": "istio.stats"' in text
+    assert istiod.configs[1] == {"@type": "type.googleapis.com/stats.PluginConfig"}

@@ -29,8 +29,9 @@ from typing import Any
 
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
-from istio_agent.ctl.configdump import descriptors, source
+from istio_agent.ctl.configdump import binary, source
 from istio_agent.ctl.configdump.gosort import sort_slice
 from istio_agent.ctl.configdump.messages import Msg, jsonpb_text
 from istio_agent.ctl.configdump.resources import dig, section_message, text
@@ -201,13 +202,13 @@ def compare(istiod: Dump, envoy: Dump) -> Comparison:
 
 
 def istiod_dump(responses: Mapping[str, discovery_pb2.DiscoveryResponse]) -> Dump:
-    """The first answer with resources, its sections as a dump (``NewXdsComparator``)."""
+    """The first answer with resources, its sections as a dump (``NewXdsComparator``); an
+    ``Any`` of a type not known here reads as its type URL alone (istioctl's non-strict resolver)."""
     for response in responses.values():
         if response.resources:
-            descriptors.message("envoy.admin.v3.ConfigDump")  # every Envoy type known, as in istioctl
             try:
-                configs = [json_format.MessageToDict(resource) for resource in response.resources]
-            except (TypeError, ValueError, json_format.Error) as err:
+                configs = [binary.any_to_json(resource) for resource in response.resources]
+            except (TypeError, ValueError, json_format.Error, DecodeError) as err:
                 raise ProxyStatusError(f"the control plane's config dump does not read: {err}") from None
             return Dump({"configs": configs})
     raise ProxyStatusError("unable to find config dump in Istiod responses")
