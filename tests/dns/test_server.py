@@ -180,10 +180,10 @@ async def test_a_query_that_fails_costs_only_itself(monkeypatch: pytest.MonkeyPa
     resolver = table_resolver()
     real = resolver.forward_soon
 
-    def forward_soon(data: bytes, query: Query, send: Any) -> bool:
+    def forward_soon(data: bytes, query: Query, receiver: Any, client: Any) -> bool:
         if query.qname == "broken.example.":
             raise RuntimeError("a bug")
-        return real(data, query, send)
+        return real(data, query, receiver, client)
 
     monkeypatch.setattr(resolver, "forward_soon", forward_soon)
     async with serving_on_loopback(resolver) as (server, target):

@@ -733,10 +733,23 @@ def test_bad_pool_limits_are_rejected() -> None:
 # --- the callback path (forward_soon): UDP without a task ------------------------------------------
 
 
+class Receiver:
+    """A ``ForwardReceiver`` that calls ``on_done`` with the outcome, and checks the client it gets back."""
+
+    def __init__(self, on_done: Callable[[bytes | UpstreamError], None], client: object = None) -> None:
+        self.on_done = on_done
+        self.client = client
+
+    def forwarded(self, parsed: Any, result: bytes | UpstreamError, client: object) -> None:
+        assert client is self.client
+        self.on_done(result)
+
+
 async def forward_on_callbacks(forwarder: Forwarder, query: bytes) -> bytes:
     """``forward_soon`` as the UDP listener uses it; raises its UpstreamError."""
     done: asyncio.Future[bytes | UpstreamError] = asyncio.get_running_loop().create_future()
-    assert forwarder.forward_soon(query, parse_query(query), done.set_result)
+    client = ("127.0.0.1", 5353)
+    assert forwarder.forward_soon(query, parse_query(query), Receiver(done.set_result, client), client)
     result = await done
     if isinstance(result, UpstreamError):
         raise result
@@ -825,7 +838,7 @@ async def test_callbacks_are_declined_where_the_coroutine_path_is_needed(
 ) -> None:
     forwarder = Forwarder(servers, **options)
     query = make_query()
-    assert not forwarder.forward_soon(query, parse_query(query), lambda result: None)
+    assert not forwarder.forward_soon(query, parse_query(query), Receiver(lambda result: None), None)
 
 
 async def test_callbacks_answer_once_even_when_the_receiver_fails(fakes: Any) -> None:
@@ -838,6 +851,6 @@ async def test_callbacks_answer_once_even_when_the_receiver_fails(fakes: Any) ->
         raise RuntimeError("a receiver with a bug")
 
     query = make_query()
-    assert forwarder.forward_soon(query, parse_query(query), on_done)
+    assert forwarder.forward_soon(query, parse_query(query), Receiver(on_done), None)
     await asyncio.sleep(0.5)  # past the timeout: it must not fire a second answer
     assert calls == ["bytes"]

@@ -4,7 +4,8 @@ A query is answered from the name table when the table knows the name, and forwa
 otherwise. UDP is read in batches (``istio_agent.dns.mmsg``): one readiness callback of the event
 loop reads every query waiting, answers each question it has answered before from the bytes it sent
 then (only the ID differs) with one more system call, and handles the rest right there, synchronously
-(no task, no await) unless it must go upstream. Only forwarded queries become tasks.
+(no task, no await). A forwarded UDP query takes the forwarder's short path (``Forwarder.forward_soon``,
+the listener being its ``ForwardReceiver``); only queries that path cannot take become tasks.
 
 Beyond Istio's agent: replies honour the client's size limit with TC (never SERVFAIL for size),
 local replies carry OPT when the query did, the number of forwarded queries in flight and of TCP
@@ -18,7 +19,7 @@ import socket
 import struct
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from istio_agent.dns import mmsg
 from istio_agent.dns.mmsg import DatagramBatch, data_address
@@ -146,6 +147,9 @@ class DnsResolver:
         self._not_in_table: dict[bytes, Query] = {}
         """Questions the table could not answer, parsed, by their bytes after the ID (see ``_answer``)."""
         self._failures = _Failures("DNS query handling")
+        self._caches = forwarder.caches
+        self.forward_soon = forwarder.forward_soon
+        """Forward a UDP query on the forwarder's short path (see ``Forwarder.forward_soon``)."""
         self.stats = stats or DnsStats()
         self.stats.table_size = lambda: len(self._table) if self._table is not None else 0
 
@@ -182,12 +186,13 @@ class DnsResolver:
         A bug costs the one query (dropped), never the listener; it is logged, but not once per packet.
         """
         try:
-            return self._answer(data, limit)
+            return self.answer(data, limit)
         except Exception:
             self._failures.record()
             return None
 
-    def _answer(self, data: bytes, limit: int | None) -> bytes | Query | None:
+    def answer(self, data: bytes, limit: int | None) -> bytes | Query | None:
+        """As ``answer_now``, but a bug raises (the UDP listener counts it with its own)."""
         stats = self.stats
         replies = self._replies.get(limit)
         known = replies.get(data[2:]) if replies is not None else None
@@ -199,7 +204,8 @@ class DnsResolver:
         if asked is not None:  # asked before and not in the table: parsing and lookup are skipped
             stats.requests += 1
             # The tuple constructor does what _replace(id=...) does, at half the cost.
-            return self._cached(Query((data[0] << 8) | data[1], *asked[1:]), limit)
+            query = Query((data[0] << 8) | data[1], *asked[1:])
+            return self._cached(query, limit) if self._caches else query
         try:
             query = parse_query(data)
         except Rejected as rejected:
@@ -254,28 +260,22 @@ class DnsResolver:
         try:
             reply = await self._forwarder.forward(data, query, tcp=tcp, lookup_cache=False)
         except UpstreamError as err:
-            return self._forwarded(query, err, tcp=tcp)
-        return self._forwarded(query, reply, tcp=tcp)
+            return self.forwarded_reply(query, err, tcp=tcp)
+        return self.forwarded_reply(query, reply, tcp=tcp)
 
-    def forward_soon(self, data: bytes, query: Query, send: Callable[[bytes], None]) -> bool:
-        """Forward a UDP query without a task when the forwarder can; ``send`` gets the client's reply.
+    def forwarded_reply(self, query: Query, result: bytes | UpstreamError, *, tcp: bool) -> bytes:
+        """The client's reply to a forwarded query: the upstream's within the client's size, or SERVFAIL.
 
-        False (nothing done) when the query must be forwarded with ``forward`` instead.
+        Over the limit it is cut and marked TC, so the client retries over TCP.
         """
-
-        def done(result: bytes | UpstreamError) -> None:
-            send(self._forwarded(query, result, tcp=False))
-
-        return self._forwarder.forward_soon(data, query, done)
-
-    def _forwarded(self, query: Query, result: bytes | UpstreamError, *, tcp: bool) -> bytes:
-        """The client's reply to a forwarded query: the upstream's within the client's size, or SERVFAIL."""
         if isinstance(result, UpstreamError):
             log.debug("upstream failed for a %s query: %s", _TYPE_NAMES.get(query.qtype, query.qtype), result)
             self.stats.answered(query.qtype, RCODE_SERVFAIL, "upstream")
             return servfail(query)
         reply = result
-        self.stats.answered(query.qtype, _rcode(reply), "upstream")
+        self.stats.queries[
+            (query.qtype, reply[3] & 0x0F if len(reply) >= 4 else RCODE_SERVFAIL, "upstream")
+        ] += 1
         limit = TCP_LIMIT if tcp else query.udp_limit
         if len(reply) <= limit:
             return reply
@@ -371,47 +371,36 @@ class _UdpListener:
             self._answer_one(batch.datagram(i), batch.sender(i), oversized=batch.truncated(i))
 
     def _answer_one(self, data: bytes, addr: tuple[str | int, ...], *, oversized: bool) -> None:
-        """A bug costs the one query (no answer, the client retries), never the rest of its batch."""
+        """Answer, or forward on the short path; a bug costs the one query, never the rest of its batch."""
+        resolver = self._resolver
         try:
-            self._answer_datagram(data, addr, oversized=oversized)
+            result = resolver.oversized(data) if oversized else resolver.answer(data, None)
+            if result is None:
+                return
+            if isinstance(result, bytes):
+                self._send(result, addr)
+                return
+            pending = self._pending
+            if len(pending.tasks) + pending.callbacks >= MAX_PENDING_FORWARDS:
+                return  # overloaded: dropping lets the client retry; queueing would only add latency
+            pending.callbacks += 1  # until ``forwarded``, which the forwarder calls once
+            try:
+                forwarding = resolver.forward_soon(data, result, self, addr)
+            except BaseException:
+                pending.callbacks -= 1  # raised before sending: ``forwarded`` will not be called
+                raise
+            if not forwarding:
+                pending.callbacks -= 1
+                task = self._loop.create_task(self._forward(data, result, addr))
+                pending.tasks.add(task)
+                task.add_done_callback(pending.tasks.discard)
         except Exception:
             self._failures.record()
 
-    def _answer_datagram(self, data: bytes, addr: tuple[str | int, ...], *, oversized: bool) -> None:
-        result = self._resolver.oversized(data) if oversized else self._resolver.answer_now(data, None)
-        if result is None:
-            return
-        if isinstance(result, bytes):
-            self._send(result, addr)
-            return
-        pending = self._pending
-        if len(pending) >= MAX_PENDING_FORWARDS:
-            return  # overloaded: dropping lets the client retry; queueing would only add latency
-
-        counted = True
-
-        def uncount() -> None:
-            nonlocal counted
-            if counted:  # once, whichever way the query ends
-                counted = False
-                pending.callbacks -= 1
-
-        def send(reply: bytes) -> None:
-            uncount()
-            self._send(reply, addr)
-
-        pending.callbacks += 1
-        try:
-            forwarding = self._resolver.forward_soon(data, result, send)
-        except BaseException:
-            uncount()
-            raise
-        if forwarding:
-            return
-        uncount()
-        task = self._loop.create_task(self._forward(data, result, addr))
-        pending.tasks.add(task)
-        task.add_done_callback(pending.tasks.discard)
+    def forwarded(self, parsed: Query, result: bytes | UpstreamError, client: Any) -> None:
+        """The forwarder's outcome for a query this listener forwarded on the short path: reply now."""
+        self._pending.callbacks -= 1
+        self._send(self._resolver.forwarded_reply(parsed, result, tcp=False), client)
 
     async def _forward(self, data: bytes, query: Query, addr: tuple[str | int, ...]) -> None:
         try:

@@ -200,7 +200,10 @@ class UdpPool:
             loop = asyncio.get_running_loop()
         now = loop.time()
         qid = self._ids()
-        channel = self._channel(loop, qid, now)
+        channel = self._slots[qid % len(self._slots)] if loop is self._loop else None
+        if channel is None or channel.uses >= self._limits.queries or now >= channel.expires:
+            channel = self._channel(loop, qid, now)
+        channel.uses += 1
         pending = channel.pending
         while qid in pending:
             qid = self._ids()
@@ -211,8 +214,9 @@ class UdpPool:
             sent.forget()
             raise
         if timeout is not None:
-            sent.deadline = now + timeout
-            self._expire_by(loop, sent.deadline)
+            deadline = sent.deadline = now + timeout
+            if deadline < self._expiry_at:
+                self._expire_by(loop, deadline)
         return sent
 
     async def exchange(self, query: bytes) -> bytes:
@@ -236,7 +240,11 @@ class UdpPool:
             sent.forget()
 
     def _channel(self, loop: asyncio.AbstractEventLoop, random_id: int, now: float) -> _Channel:
-        """The socket for the next query, picked by the query's random ID (so at random)."""
+        """The socket for the next query, picked by the query's random ID (so at random), opened anew.
+
+        ``send`` takes the slot's socket itself while it is open, fresh and on this loop; this is
+        the rest: a first socket, a new loop, or a socket that served its queries or its time.
+        """
         if loop is not self._loop:
             self.close()  # sockets are registered with one loop (a new loop: tests, a restart)
             self._loop = loop
@@ -246,7 +254,6 @@ class UdpPool:
             if channel is not None:
                 self._retire(channel)
             channel = self._slots[index] = self._new_channel(loop)
-        channel.uses += 1
         return channel
 
     def _expire_by(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:

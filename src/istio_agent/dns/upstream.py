@@ -8,10 +8,13 @@ with a short backoff, a 64 KiB UDP receive buffer (a big reply is relayed and tr
 client by the server, not turned into SERVFAIL), and an optional answer cache.
 
 This is on the latency path of every forwarded query. In the common setup (nameservers given as IP
-addresses, sequential, no extra rounds) a UDP query is forwarded with callbacks only
-(``forward_soon``): the upstream's reply reaches the client from the pool socket's reader callback,
-with no task, no coroutine and no extra turn of the event loop. Every other case goes through the
-coroutine ``forward``; TCP attempts are a bare non-blocking socket driven by ``loop.sock_*``.
+addresses, sequential, no extra rounds) a UDP query takes one short path (``forward_soon``): the
+listener hands the parsed query to one ``_UdpForward``, which sends it on a pooled socket; the pool's
+reader callback hands the reply back to it, and it hands the outcome to the listener (a
+``ForwardReceiver``) with the client's address, with no task, no coroutine, no closure and no extra
+turn of the event loop. Failover and the metrics are that object's (one place), timeouts and the
+reply check the pool's, the client's size limit (TC) the resolver's. Every other case goes through
+the coroutine ``forward``; TCP attempts are a bare non-blocking socket driven by ``loop.sock_*``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.table import shuffle_by_ids
@@ -54,6 +57,13 @@ class UpstreamError(Exception):
         else:
             detail = "no upstream nameservers configured"
         super().__init__(f"all upstream DNS servers failed: {detail}")
+
+
+class ForwardReceiver(Protocol):
+    """Who gets the outcome of a query forwarded on the short path (the UDP listener)."""
+
+    def forwarded(self, parsed: Query, result: bytes | UpstreamError, client: Any) -> None:
+        """Called once per query, with the ``client`` given to ``forward_soon``."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,11 @@ class Forwarder:
         """The upstreams as ``host:port`` labels, in configuration order."""
         return [server.label for server in self._servers]
 
+    @property
+    def caches(self) -> bool:
+        """Whether answers are cached (DNS_CACHE); without a cache ``cached()`` is always None."""
+        return self._cache is not None
+
     def cached(self, parsed: Query) -> bytes | None:
         """The answer cache's reply for this query (DNS_CACHE), or None; no I/O, so callers answer at once."""
         return self._cache.get(parsed) if self._cache is not None else None
@@ -199,17 +214,17 @@ class Forwarder:
         self._finished(parsed, started, reply)
         return reply
 
-    def forward_soon(
-        self, query: bytes, parsed: Query, on_done: Callable[[bytes | UpstreamError], None]
-    ) -> bool:
-        """Forward a UDP query with callbacks only; False (nothing done) when ``forward`` must be used.
+    def forward_soon(self, query: bytes, parsed: Query, receiver: ForwardReceiver, client: Any) -> bool:
+        """Forward a UDP query on the short path; False (nothing done) when ``forward`` must be used.
 
-        ``on_done`` is called once, with the reply or the UpstreamError, from an event-loop callback.
-        As ``forward(..., lookup_cache=False)``: the caller already asked ``cached()``.
+        ``receiver.forwarded(parsed, reply or UpstreamError, client)`` is called once: from the pool's
+        reader callback or timer, or from here when no server could be sent to. An exception it
+        raises is logged, never raised here. As ``forward(..., lookup_cache=False)``: the caller
+        already asked ``cached()``.
         """
         if not self._callbacks_only:
             return False
-        _UdpForward(self, query, parsed, on_done).next_server()
+        _UdpForward(self, query, parsed, receiver, client).send()
         return True
 
     def _finished(self, parsed: Query, started: float, reply: bytes | None) -> None:
@@ -335,40 +350,47 @@ class Forwarder:
 
 
 class _UdpForward:
-    """One UDP query on the callback path: the servers in Istio's per-query order, one attempt each."""
+    """One UDP query on the short path: the servers in Istio's per-query order, one attempt each.
+
+    The pool calls ``_reply`` with each attempt's outcome; the first reply (any rcode) or the last
+    failure goes to the receiver, then the metrics are counted, off the client's latency.
+    """
 
     __slots__ = (
+        "_client",
         "_errors",
         "_forwarder",
-        "_on_done",
+        "_next",
+        "_order",
         "_parsed",
         "_query",
+        "_receiver",
         "_server",
-        "_servers",
         "_started",
     )
 
     def __init__(
-        self,
-        forwarder: Forwarder,
-        query: bytes,
-        parsed: Query,
-        on_done: Callable[[bytes | UpstreamError], None],
+        self, forwarder: Forwarder, query: bytes, parsed: Query, receiver: ForwardReceiver, client: Any
     ) -> None:
         self._forwarder = forwarder
         self._query = query
         self._parsed = parsed
-        self._on_done = on_done
+        self._receiver = receiver
+        self._client = client
         servers = forwarder._servers
-        self._servers = iter(servers if len(servers) == 1 else shuffled(servers, forwarder._next_id))
+        self._order = servers if len(servers) == 1 else shuffled(servers, forwarder._next_id)
+        self._next = 0
         self._errors: list[tuple[str, str]] = []
         self._server: _Upstream | None = None
         self._started = time.perf_counter()
 
-    def next_server(self) -> None:
-        forwarder = self._forwarder
-        for server in self._servers:
-            pool = forwarder._literal_pool(server)
+    def send(self) -> None:
+        """Send to the next server; when none is left (or none could be sent to), finish with the errors."""
+        forwarder, order = self._forwarder, self._order
+        while self._next < len(order):
+            server = order[self._next]
+            self._next += 1
+            pool = forwarder._pools.get(server) or forwarder._literal_pool(server)
             try:
                 pool.send(self._query, self._reply, self._parsed.question, forwarder._timeout)
             except OSError as err:
@@ -383,24 +405,25 @@ class _UdpForward:
 
         The pool has already forgotten the query (``Sent.settle``): nothing is left to cancel.
         """
-        assert self._server is not None
         if isinstance(result, bytes):
             self._finish(result)
             return
+        assert self._server is not None
         if isinstance(result, PoolClosed):  # the agent is stopping: no other upstream
             self._errors.append((self._server.label, str(result)))
             self._finish(UpstreamError(self._errors))
         else:
             _record_failure(self._server, result, self._forwarder._timeout, self._errors)
-            self.next_server()
+            self.send()
 
     def _finish(self, result: bytes | UpstreamError) -> None:
         try:
-            self._on_done(result)
-        finally:  # the bookkeeping after the client's answer, off the latency path
-            self._forwarder._metrics.requests.inc()
-            reply = result if isinstance(result, bytes) else None
-            self._forwarder._finished(self._parsed, self._started, reply)
+            self._receiver.forwarded(self._parsed, result, self._client)
+        except Exception:  # a bug in the receiver costs this query's answer, not the metrics or the pool
+            log.exception("DNS forwarding: answering the client failed")
+        forwarder = self._forwarder  # the bookkeeping after the client's answer, off the latency path
+        forwarder._metrics.requests.inc()
+        forwarder._finished(self._parsed, self._started, result if isinstance(result, bytes) else None)
 
 
 async def _receive_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytes:
