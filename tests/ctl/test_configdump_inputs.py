@@ -75,3 +75,34 @@ def test_blackhole_in_a_struct_string_is_found(tmp_path: Path) -> None:
     result = run(tmp_path, tcp_listener(config), "listener", "--verbose=false")
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[1].split()[-1] == "UNKNOWN"
+
+
+# -- --verbose: a Go bool flag (pflag) ---------------------------------------------------------------
+def static_listener_dump() -> dict[str, Any]:
+    return tcp_listener({"@type": TCP_PROXY, "stat_prefix": "x", "cluster": "outbound|80||a.b"})
+
+
+@pytest.mark.parametrize("view", ["listener", "route", "all"])
+def test_a_word_after_verbose_stays_positional(tmp_path: Path, view: str) -> None:
+    # pflag: a bool flag takes a value only as --verbose=VALUE; the next word is the admin address
+    result = run(tmp_path, static_listener_dump(), view, "--verbose", "127.0.0.1:1")
+    assert "give either an admin address or -f FILE" in result.output
+    result = run(tmp_path, static_listener_dump(), view, "--verbose", "false")
+    assert "give either an admin address or -f FILE" in result.output
+
+
+@pytest.mark.parametrize(
+    "value", ["1", "t", "T", "TRUE", "true", "True", "0", "f", "F", "FALSE", "false", "False"]
+)
+def test_verbose_takes_go_parse_bool_values(tmp_path: Path, value: str) -> None:
+    result = run(tmp_path, static_listener_dump(), "listener", f"--verbose={value}")
+    assert result.exit_code == 0, result.output
+    verbose = value in ("1", "t", "T", "TRUE", "true", "True")
+    assert result.output.split()[2] == ("MATCH" if verbose else "TYPE")
+
+
+@pytest.mark.parametrize("value", ["yes", "on", "y", " true", "", "tRUE"])
+def test_verbose_refuses_what_go_parse_bool_refuses(tmp_path: Path, value: str) -> None:
+    result = run(tmp_path, static_listener_dump(), "listener", f"--verbose={value}")
+    assert result.exit_code != 0
+    assert f'invalid argument "{value}" for "--verbose" flag' in result.output

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+from click.parser import _OptionParser, _ParsingState
 
 from istio_agent.cli.aliases import AliasedGroup
 
@@ -20,6 +21,43 @@ OUTPUT = click.Choice(["short", "json", "yaml"])
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class GoBoolOption(click.Option):
+    """A Go bool flag (pflag): bare it is true; a value only as ``--name=VALUE``, one of
+    ``strconv.ParseBool``'s; the word after a bare flag stays a positional argument."""
+
+
+class _GoBoolParser(_OptionParser):
+    def _match_long_opt(self, opt: str, explicit_value: str | None, state: _ParsingState) -> None:
+        option = self._long_opt.get(opt)
+        if explicit_value is None or option is None or not isinstance(option.obj, GoBoolOption):
+            super()._match_long_opt(opt, explicit_value, state)
+            return
+        from istio_agent.config.env import parse_go_bool
+
+        try:
+            if explicit_value != explicit_value.strip():  # parse_go_bool strips; Go does not
+                raise ValueError(explicit_value)
+            value = parse_go_bool(explicit_value)
+        except ValueError:
+            raise click.BadOptionUsage(
+                opt,
+                f'invalid argument "{explicit_value}" for "{opt}" flag: '
+                f'strconv.ParseBool: parsing "{explicit_value}": invalid syntax',
+            ) from None
+        state.opts[option.dest] = value  # type: ignore[index]
+        state.order.append(option.obj)
+
+
+class GoFlagCommand(click.Command):
+    """A command whose :class:`GoBoolOption` flags parse as pflag's bool flags."""
+
+    def make_parser(self, ctx: click.Context) -> _OptionParser:
+        parser = _GoBoolParser(ctx)
+        for param in self.get_params(ctx):
+            param.add_to_parser(parser, ctx)
+        return parser
+
+
 def _verbose() -> Callable[[F], F]:
     """istioctl's ``--verbose`` (a Go bool flag, on by default): ``--verbose``, ``--verbose=false``."""
 
@@ -27,10 +65,9 @@ def _verbose() -> Callable[[F], F]:
         option = click.option(
             "--verbose",
             "verbose",
-            type=click.BOOL,
+            cls=GoBoolOption,
+            is_flag=True,
             default=True,
-            is_flag=False,
-            flag_value=True,
             show_default=True,
             help="Output more information (--verbose=false for less)",
         )
@@ -131,7 +168,7 @@ def cluster(
     _run("cluster", target, file, timeout, render)
 
 
-@click.command("listener")
+@click.command("listener", cls=GoFlagCommand)
 @_common
 @_output()
 @click.option("--address", default="", help="Filter listeners by address field")
@@ -162,7 +199,7 @@ def listener(
     _run("listener", target, file, timeout, render)
 
 
-@click.command("route")
+@click.command("route", cls=GoFlagCommand)
 @_common
 @_output()
 @click.option("--name", default="", help="Filter listeners by route name field")
@@ -283,7 +320,7 @@ def ecds(target: str | None, file: str | None, timeout: float, output: str) -> N
     _run("ecds", target, file, timeout, render)
 
 
-@click.command("all")
+@click.command("all", cls=GoFlagCommand)
 @_common
 @_output()
 @_verbose()
