@@ -42,14 +42,20 @@ def imported(module: str) -> dict[str, list[str]]:
     return result
 
 
-@pytest.mark.parametrize("module", ["istio_agent.cli", "istio_agent.cli.pilot_agent", "istio_agent.xds"])
+@pytest.mark.parametrize(
+    "module",
+    ["istio_agent.cli", "istio_agent.cli.pilot_agent", "istio_agent.cli.agentctl", "istio_agent.xds"],
+)
 def test_importing_does_not_edit_the_environment(module: str) -> None:
     assert imported(module)["environ_changed"] == []
 
 
-def test_pilot_agent_loads_no_grpc_before_its_main_prepares_the_process() -> None:
+@pytest.mark.parametrize(
+    "module", ["istio_agent.cli.pilot_agent", "istio_agent.cli.agentctl", "istio_agent.cli.install_cni"]
+)
+def test_a_command_loads_no_grpc_before_its_main_prepares_the_process(module: str) -> None:
     # prepare_process() must run before grpc loads; main() calls it, so the module must not load grpc.
-    loaded = imported("istio_agent.cli.pilot_agent")["loaded"]
+    loaded = imported(module)["loaded"]
     assert [name for name in loaded if name.startswith("grpc")] == []
 
 

@@ -8,25 +8,22 @@ import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from istio_agent.cli import proxy_config_admin, proxy_config_dump, runtime
 from istio_agent.cli.aliases import AliasedGroup
 from istio_agent.config.env import parse_go_duration
+from istio_agent.controlplane import DEFAULT_ADDRESS, DEFAULT_SECURE_ADDRESS
 from istio_agent.controlplane.ca import StateError
 from istio_agent.controlplane.debug import DebugAccess
 from istio_agent.controlplane.mesh import MeshError
-from istio_agent.controlplane.server import (
-    DEFAULT_ADDRESS,
-    DEFAULT_SECURE_ADDRESS,
-    ControlPlane,
-    ControlPlaneError,
-    format_address,
-    parse_address,
-)
 from istio_agent.controlplane.tokens import DEFAULT_AUDIENCE, mint_token
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
+
+if TYPE_CHECKING:
+    from istio_agent.controlplane.server import ControlPlane
 
 log = scope("controlplane")
 STOP_GRACE_SECONDS = 1.0
@@ -35,6 +32,7 @@ STOP_GRACE_SECONDS = 1.0
 @click.group(cls=AliasedGroup)
 def main() -> None:
     """Developer tools for istio-agent: a local control plane and its tokens."""
+    runtime.prepare_process()  # first: this module loads no grpc; the commands import what needs it
 
 
 @main.command()
@@ -67,6 +65,8 @@ def controlplane(
         configure(log_output_level, as_json=log_as_json)
     except ValueError as err:
         raise click.ClickException(f"--log_output_level: {err}") from None
+    from istio_agent.controlplane.server import ControlPlane, ControlPlaneError
+
     try:
         debug_access = DebugAccess.from_env(os.environ)
     except ValueError as err:
@@ -79,6 +79,8 @@ def controlplane(
 
 
 async def _serve(plane: ControlPlane, address: str, secure_address: str) -> None:
+    from istio_agent.controlplane.server import format_address, parse_address
+
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGINT, signal.SIGTERM)

@@ -37,6 +37,7 @@ from cryptography.exceptions import InvalidSignature
 
 from istio_agent import keepalive
 from istio_agent.config.xds import DEFAULT_KEEPALIVE_INTERVAL, DEFAULT_KEEPALIVE_TIMEOUT
+from istio_agent.controlplane import DEFAULT_ADDRESS, DEFAULT_SECURE_ADDRESS
 from istio_agent.controlplane.ads import AdsServer, PushObserver
 from istio_agent.controlplane.ca import ROOT_CERT_FILE, InvalidCSR, LocalCA, SigningRefused
 from istio_agent.controlplane.debug import DebugAccess, spiffe_namespace_account
@@ -51,8 +52,6 @@ from istio_agent.xds.stream import abort
 
 log = scope("controlplane")
 
-DEFAULT_ADDRESS = "127.0.0.1:15010"
-DEFAULT_SECURE_ADDRESS = "127.0.0.1:15012"
 SERVING_HOSTS = ("istiod.istio-system.svc", "istiod.istio-system", "istiod", "localhost")
 DEFAULT_CERT_TTL = timedelta(hours=24)
 MAX_CERT_TTL_SECONDS = 90 * 24 * 3600
