@@ -63,6 +63,7 @@ UDP_QUERY_SIZE = 4096
 UDP_BATCHES_PER_WAKEUP = 4
 """So that one busy socket cannot hold the event loop."""
 _SHUFFLED = frozenset({TYPE_A, TYPE_AAAA, TYPE_MX})
+_new_query: Callable[[type[Query], tuple[object, ...]], Query] = tuple.__new__
 
 _RCODE_NAMES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
 _TYPE_NAMES = {1: "A", 2: "NS", 5: "CNAME", 6: "SOA", 12: "PTR", 15: "MX", 16: "TXT", 28: "AAAA", 33: "SRV"}
@@ -194,17 +195,18 @@ class DnsResolver:
     def answer(self, data: bytes, limit: int | None) -> bytes | Query | None:
         """As ``answer_now``, but a bug raises (the UDP listener counts it with its own)."""
         stats = self.stats
+        question = data[2:]
         replies = self._replies.get(limit)
-        known = replies.get(data[2:]) if replies is not None else None
+        known = replies.get(question) if replies is not None else None
         if known is not None:  # the same question as before: only the ID differs
             stats.requests += 1
             stats.queries[known[2]] += 1
             return data[:2] + known[0]
-        asked = self._not_in_table.get(data[2:])
+        asked = self._not_in_table.get(question)
         if asked is not None:  # asked before and not in the table: parsing and lookup are skipped
             stats.requests += 1
-            # The tuple constructor does what _replace(id=...) does, at half the cost.
-            query = Query((data[0] << 8) | data[1], *asked[1:])
+            # tuple.__new__ does what _replace(id=...) does without NamedTuple's Python-level __new__.
+            query = _new_query(Query, ((data[0] << 8) | data[1], *asked[1:]))
             return self._cached(query, limit) if self._caches else query
         try:
             query = parse_query(data)
