@@ -106,3 +106,191 @@ def test_verbose_refuses_what_go_parse_bool_refuses(tmp_path: Path, value: str) 
     result = run(tmp_path, static_listener_dump(), "listener", f"--verbose={value}")
     assert result.exit_code != 0
     assert f'invalid argument "{value}" for "--verbose" flag' in result.output
+
+
+# -- bad input: "Error: …" and exit 1, never a traceback or a hang ----------------------------------------
+def cluster_dump(cluster: dict[str, Any]) -> dict[str, Any]:
+    return {"configs": [{"@type": CLUSTERS, "static_clusters": [{"cluster": {"name": "c", **cluster}}]}]}
+
+
+def assert_refused(result: Result, *words: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.output.startswith("Error: "), result.output
+    for word in words:
+        assert word in result.output
+
+
+@pytest.mark.parametrize("output", ["short", "json", "yaml"])
+@pytest.mark.parametrize(
+    "document",
+    [
+        '{"configs": [' + "1" * 5000 + "]}",
+        "[" * 100_000 + "]" * 100_000,
+        '{"configs": [NaN]}',
+        '{"configs": [Infinity]}',
+    ],
+    ids=["bigint", "deep", "nan", "infinity"],
+)
+def test_documents_go_would_not_read_are_refused(tmp_path: Path, document: str, output: str) -> None:
+    assert_refused(run(tmp_path, document, "cluster", "-o", output), "config dump")
+
+
+@pytest.mark.parametrize("document", ["not json", "{", "[" * 100_000 + "]" * 100_000])
+def test_all_yaml_of_what_is_not_json_is_an_error(tmp_path: Path, document: str) -> None:
+    assert_refused(run(tmp_path, document, "all", "-o", "yaml"))
+
+
+def test_all_yaml_of_an_empty_file_is_null_as_json_to_yaml(tmp_path: Path) -> None:
+    result = run(tmp_path, "", "all", "-o", "yaml")
+    assert result.exit_code == 0, result.output
+    assert result.output == "null\n\n"
+
+
+def test_a_struct_nested_too_deeply_for_python_is_refused(tmp_path: Path) -> None:
+    nested: dict[str, Any] = {}
+    for _ in range(900):
+        nested = {"a": nested}
+    for output in ("short", "json", "yaml"):
+        result = run(
+            tmp_path, cluster_dump({"metadata": {"filter_metadata": {"x": nested}}}), "cluster", "-o", output
+        )
+        assert_refused(result, "nested too deeply")
+
+
+RBAC = "type.googleapis.com/envoy.extensions.filters.network.rbac.v3.RBAC"
+
+
+@pytest.mark.parametrize("key", ["abc", " 1", "1_0", "0x1", "9223372036854775808", "1.0"])
+def test_an_int64_map_key_go_would_not_parse_is_refused(tmp_path: Path, key: str) -> None:
+    # envoy.type.v3 ... CheckedExpr.reference_map is map<int64, Reference>
+    policy = {
+        "permissions": [{"any": True}],
+        "principals": [{"any": True}],
+        "checked_condition": {"reference_map": {key: {}}},
+    }
+    config = {"@type": RBAC, "stat_prefix": "x", "rules": {"policies": {"p": policy}}}
+    document = tcp_listener(config)
+    document["configs"][0]["static_listeners"][0]["listener"]["filter_chains"][0]["filters"][0]["name"] = (
+        "rbac"
+    )
+    assert_refused(run(tmp_path, document, "listener", "-o", "json"), key.strip() or key)
+
+
+def test_an_int64_map_key_go_parses_is_read(tmp_path: Path) -> None:
+    policy = {
+        "permissions": [{"any": True}],
+        "principals": [{"any": True}],
+        "checked_condition": {"reference_map": {"-12": {}, "+3": {}}},
+    }
+    config = {"@type": RBAC, "stat_prefix": "x", "rules": {"policies": {"p": policy}}}
+    result = run(tmp_path, tcp_listener(config), "listener", "-o", "json")
+    assert result.exit_code == 0, result.output
+    assert '"-12": {}' in result.output and '"3": {}' in result.output
+
+
+def test_yaml_key_order_counts_only_decimal_digits_as_go_yaml(tmp_path: Path) -> None:
+    # go-yaml's keyList.Less: unicode.IsDigit (Nd) only; "²" is neither a letter nor a digit: a3 < a²? no:
+    # at index 1, '3' and '²' are both non-letters; the digit run of "a²" is empty (0) < 3
+    result = run(
+        tmp_path,
+        cluster_dump({"metadata": {"filter_metadata": {"x": {"a\u00b2": 1, "a3": 2}}}}),
+        "cluster",
+        "-o",
+        "yaml",
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.index("a²") < result.output.index("a3")
+
+
+def test_yaml_key_order_reads_other_scripts_digits_as_go_yaml() -> None:
+    from istio_agent.ctl.configdump import render
+
+    # Arabic-Indic digit two (U+0662) is Nd: go-yaml takes it as rune-'0', a large number
+    assert render._key_less("a9", "a\u0662")
+    assert not render._key_less("a\u0662", "a9")
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"), [("json", '"healthyPanicThreshold": {\n'), ("yaml", "value: NaN\n")]
+)
+def test_a_nan_string_in_a_double_field_prints_as_istioctl(
+    tmp_path: Path, output: str, expected: str
+) -> None:
+    result = run(
+        tmp_path,
+        cluster_dump({"common_lb_config": {"healthy_panic_threshold": {"value": "NaN"}}}),
+        "cluster",
+        "-o",
+        output,
+    )
+    assert result.exit_code == 0, result.output
+    assert expected in result.output
+    if output == "json":
+        assert '"value": "NaN"' in result.output
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "value", ["1e999999999", "-1", "4294967296", "1e10", "NaN", " 1", "1_0", "0x10", "1.5"]
+)
+def test_uint32_values_out_of_go_range_are_refused(tmp_path: Path, value: str) -> None:
+    result = run(
+        tmp_path, cluster_dump({"per_connection_buffer_limit_bytes": value}), "cluster", "-o", "json"
+    )
+    assert_refused(result, value)
+
+
+@pytest.mark.parametrize("value", ["4294967295", "1e3", 4294967295, 1.0e2])
+def test_uint32_values_in_go_range_are_read(tmp_path: Path, value: Any) -> None:
+    result = run(
+        tmp_path, cluster_dump({"per_connection_buffer_limit_bytes": value}), "cluster", "-o", "json"
+    )
+    assert result.exit_code == 0, result.output
+
+
+def test_a_port_beyond_uint32_is_refused(tmp_path: Path) -> None:
+    endpoint = {
+        "endpoint": {"address": {"socket_address": {"address": "1.2.3.4", "port_value": 99999999999999}}}
+    }
+    cluster = {"load_assignment": {"cluster_name": "x", "endpoints": [{"lb_endpoints": [endpoint]}]}}
+    for output in ("short", "json", "yaml"):
+        assert_refused(run(tmp_path, cluster_dump(cluster), "cluster", "-o", output), "99999999999999")
+
+
+def test_an_endpoint_weight_beyond_uint32_is_refused(tmp_path: Path) -> None:
+    status = {"address": {"envoy_internal_address": {"server_listener_name": "l"}}, "weight": 4294967296}
+    document = {"cluster_statuses": [{"name": "c", "host_statuses": [status]}]}
+    for output in ("short", "json", "yaml"):
+        assert_refused(run(tmp_path, document, "endpoint", "-o", output), "4294967296")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("int32", 2147483648),
+        ("int32", -2147483649),
+        ("int64", "9223372036854775808"),
+        ("uint64", "18446744073709551616"),
+        ("uint64", -1),
+    ],
+)
+def test_integer_ranges_are_gos(field: str, value: Any) -> None:
+    from istio_agent.ctl.configdump import descriptors
+    from istio_agent.ctl.configdump.messages import MessageError, read
+
+    desc = descriptors.message(f"google.protobuf.{field.capitalize().replace('Uint', 'UInt')}Value")
+    assert desc is not None
+    with pytest.raises(MessageError):
+        read(desc, value)
+
+
+def test_a_double_beyond_float64_is_refused_but_infinity_is_read() -> None:
+    from istio_agent.ctl.configdump import descriptors
+    from istio_agent.ctl.configdump.messages import MessageError, read
+
+    desc = descriptors.message("google.protobuf.DoubleValue")
+    assert desc is not None
+    with pytest.raises(MessageError):
+        read(desc, "1e999")
+    assert read(desc, "Infinity") == float("inf")

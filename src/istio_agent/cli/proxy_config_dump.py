@@ -95,6 +95,8 @@ def _run(
         click.echo(render(data), nl=False)
     except ConfigDumpError as err:
         raise click.ClickException(str(err)) from None
+    except RecursionError:  # what reading stopped short of, printing met
+        raise click.ClickException("the document is nested too deeply to print") from None
 
 
 def _common(function: Callable[..., None]) -> Callable[..., None]:
@@ -347,12 +349,18 @@ def all_config(
 ) -> None:
     """Every table from TARGET's config dump (with EDS); json|yaml print the dump itself."""
     from istio_agent.ctl.configdump import clusters, endpoints, full, listeners, render, routes
+    from istio_agent.ctl.configdump.source import ConfigDumpError
 
     def show(data: bytes) -> str:
         if output == "json":
             return data.decode("utf-8", "replace") + "\n"
         if output == "yaml":
-            return render.json_to_yaml(data.decode("utf-8", "replace")) + "\n"
+            if not data.strip():
+                return "null\n\n"  # JSONToYAML reads nothing as YAML's null
+            try:
+                return render.json_to_yaml(data.decode("utf-8", "replace")) + "\n"
+            except ValueError as err:
+                raise ConfigDumpError(f"error converting JSON to YAML: {err}") from None
         return full.summary(
             _dump(data),
             clusters.ClusterFilter(fqdn, port, subset, direction),

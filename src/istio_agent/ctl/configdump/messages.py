@@ -198,10 +198,18 @@ def _zero(field: FieldDescriptor) -> Any:
 
 
 def _map_key(field: FieldDescriptor, key: str) -> Any:
+    """A map key as protojson reads it: ``true``/``false``, or decimal digits (``strconv.ParseInt``)
+    in the key type's range."""
     if field.type == FieldDescriptor.TYPE_BOOL:
+        if key not in ("true", "false"):
+            raise MessageError(f"{field.full_name}: invalid value for bool key: {key!r}")
         return key == "true"
     if field.type in _INT64 or field.type in _INT32:
-        return int(key)
+        low, high = _RANGES[field.type]
+        number = int(key) if re.fullmatch(r"[+-]?[0-9]{1,25}", key) else None
+        if number is None or not low <= number <= high:
+            raise MessageError(f"{field.full_name}: invalid value for integer key: {key!r}")
+        return number
     return key
 
 
@@ -243,9 +251,9 @@ def _scalar(field: FieldDescriptor, value: Any) -> Any:
     kind = field.type
     try:
         if kind in _INT64:
-            return str(_integer(value))
+            return str(_integer(value, kind))
         if kind in _INT32:
-            return _integer(value)
+            return _integer(value, kind)
         if kind == FieldDescriptor.TYPE_DOUBLE:
             return _float(value)
         if kind == FieldDescriptor.TYPE_FLOAT:
@@ -265,29 +273,67 @@ def _scalar(field: FieldDescriptor, value: Any) -> Any:
     raise MessageError(f"{field.full_name}: unsupported field type {kind}")
 
 
-def _integer(value: Any) -> int:
+_RANGES = {
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
+}
+"""What protojson accepts for each integer type (a value outside is an error, not wrapped)."""
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
+
+def _integer(value: Any, kind: int = FieldDescriptor.TYPE_INT64) -> int:
+    """A JSON number, or a string holding one, that is a whole number in the field's range
+    (protojson: ``1e3`` and ``"2.0"`` are read, ``" 1"``, ``"0x1"`` and overflow are not)."""
+    low, high = _RANGES[kind]
     if isinstance(value, bool):
         raise ValueError("not an integer")
     if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        number = Decimal(value)
-        if number == number.to_integral_value():
-            return int(number)
-    raise ValueError("not an integer")
+        number = value
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("not an integer")
+        number = int(value)
+    elif isinstance(value, str) and _JSON_NUMBER.fullmatch(value):
+        decimal = Decimal(value)
+        if decimal.adjusted() > 20:  # beyond every range: never build the huge integer
+            raise ValueError("out of range")
+        if decimal != decimal.to_integral_value():
+            raise ValueError("not an integer")
+        number = int(decimal)
+    else:
+        raise ValueError("not an integer")
+    if not low <= number <= high:
+        raise ValueError("out of range")
+    return number
 
 
 def _float(value: Any) -> float:
+    """A JSON number, or a string holding one or ``NaN``/``Infinity``/``-Infinity``; what overflows
+    float64 is an error (Go's ``ParseFloat`` range error), not an infinity."""
     if isinstance(value, bool):
         raise ValueError("not a number")
-    if isinstance(value, (int, float)):
-        return float(value)
     if isinstance(value, str):
         special = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-        return special[value] if value in special else float(value)
-    raise ValueError("not a number")
+        if value in special:
+            return special[value]
+        if not _JSON_NUMBER.fullmatch(value):
+            raise ValueError("not a number")
+        number = float(value)
+    elif isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        raise ValueError("not a number")
+    if not math.isfinite(number):
+        raise ValueError("out of range")
+    return number
 
 
 def float32(value: float) -> float:
@@ -409,6 +455,8 @@ def plain(node: Any) -> Any:
         return {key: plain(value) for key, value in node.items()}
     if isinstance(node, list):
         return [plain(item) for item in node]
+    if isinstance(node, float) and not math.isfinite(node):
+        return "NaN" if math.isnan(node) else "Infinity" if node > 0 else "-Infinity"
     return node
 
 

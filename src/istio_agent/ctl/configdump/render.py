@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import yaml
 
 from istio_agent.ctl.configdump.messages import plain
+from istio_agent.ctl.configdump.source import read_json
 from istio_agent.goformat import json_marshal
 
 
@@ -41,8 +41,9 @@ _HTML_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u(003c|003e|0026)")
 
 # -- YAML ------------------------------------------------------------------------------------------------
 def json_to_yaml(text: str) -> str:
-    """``sigs.k8s.io/yaml.JSONToYAML`` of JSON text (ends with a newline, as go-yaml's)."""
-    value = json.loads(text, parse_int=int, parse_float=float)
+    """``sigs.k8s.io/yaml.JSONToYAML`` of JSON text (ends with a newline, as go-yaml's); ValueError
+    for text that is not JSON."""
+    value = read_json(text)
     if value is None:
         return "null\n"
     return yaml.dump(
@@ -174,6 +175,8 @@ def _key_compare(a: str, b: str) -> int:
 
 
 def _key_less(a: str, b: str) -> bool:
+    """Runs of decimal digits (any script's, ``unicode.IsDigit``) compare by value, each digit
+    counted as its code point minus ``'0'`` in int64 arithmetic, as go-yaml does."""
     for i in range(min(len(a), len(b))):
         ca, cb = a[i], b[i]
         if ca == cb:
@@ -186,18 +189,18 @@ def _key_less(a: str, b: str) -> bool:
         an = bn = 0
         if ca == "0" or cb == "0":
             j = i - 1
-            while j >= 0 and a[j].isdigit():
+            while j >= 0 and a[j].isdecimal():
                 if a[j] != "0":
                     an = bn = 1
                     break
                 j -= 1
         ai = i
-        while ai < len(a) and a[ai].isdigit():
-            an = an * 10 + int(a[ai])
+        while ai < len(a) and a[ai].isdecimal():
+            an = _int64(an * 10 + ord(a[ai]) - 48)
             ai += 1
         bi = i
-        while bi < len(b) and b[bi].isdigit():
-            bn = bn * 10 + int(b[bi])
+        while bi < len(b) and b[bi].isdecimal():
+            bn = _int64(bn * 10 + ord(b[bi]) - 48)
             bi += 1
         if an != bn:
             return an < bn
@@ -205,3 +208,8 @@ def _key_less(a: str, b: str) -> bool:
             return ai < bi
         return ca < cb
     return len(a) < len(b)
+
+
+def _int64(value: int) -> int:
+    """Go's int64 wrap-around."""
+    return (value + 2**63) % 2**64 - 2**63

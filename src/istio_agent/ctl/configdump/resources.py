@@ -24,6 +24,8 @@ def as_message(full_name: str, raw: Any) -> Msg:
         node = read(desc, body)
     except MessageError as err:
         raise ConfigDumpError(f"unmarshal {full_name}: {err}") from None
+    except RecursionError:
+        raise ConfigDumpError(f"unmarshal {full_name}: nested too deeply") from None
     assert isinstance(node, Msg)
     return node
 

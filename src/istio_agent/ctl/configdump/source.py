@@ -96,12 +96,33 @@ async def fetch_ok(address: str, target: str, timeout: float) -> bytes:
 def parse(data: bytes, key: str) -> dict[str, Any]:
     """The JSON object with a ``key`` list (``configs`` for a dump), as istioctl's Prime reads it."""
     try:
-        document = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        document = read_json(data)
+    except ValueError as err:
         raise ConfigDumpError(f"error unmarshalling config dump response from Envoy: {err}") from None
     if not isinstance(document, dict) or not isinstance(document.get(key, []), list):
         raise ConfigDumpError(f'error unmarshalling config dump response from Envoy: no "{key}" list')
     return document
+
+
+def read_json(data: bytes | str) -> Any:
+    """JSON as Go's ``encoding/json`` reads it; ValueError for what it refuses (``NaN``, numbers
+    Python will not convert) or what is nested too deeply for Python."""
+    try:
+        return json.loads(data, parse_constant=_refuse_constant, parse_int=_int)
+    except RecursionError:
+        raise ValueError("the document is nested too deeply") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(str(err)) from None
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > 400:  # no field holds it; Python would refuse past 4300 digits anyway
+        raise ValueError(f"a {len(text)}-digit integer is out of range")
+    return int(text)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"invalid character {name[0]!r} looking for beginning of value")
 
 
 class Dump:
