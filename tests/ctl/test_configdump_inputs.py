@@ -294,3 +294,17 @@ def test_a_double_beyond_float64_is_refused_but_infinity_is_read() -> None:
     with pytest.raises(MessageError):
         read(desc, "1e999")
     assert read(desc, "Infinity") == float("inf")
+
+
+# -- zero enums -------------------------------------------------------------------------------------------
+def test_a_zero_enum_is_left_out_unless_a_oneof_member(tmp_path: Path) -> None:
+    # jsonpb leaves zero values out; Cluster.type is in the cluster_discovery_type oneof, lb_policy is not
+    cluster = {"lb_policy": "ROUND_ROBIN", "type": "STATIC", "connect_timeout": "0s"}
+    result = run(tmp_path, cluster_dump(cluster), "cluster", "-o", "json")
+    assert result.exit_code == 0, result.output
+    assert "lbPolicy" not in result.output
+    assert '"type": "STATIC"' in result.output and '"connectTimeout": "0s"' in result.output
+    result = run(tmp_path, cluster_dump({"lb_policy": 0}), "cluster", "-o", "json")
+    assert "lbPolicy" not in result.output
+    result = run(tmp_path, cluster_dump({"lb_policy": "RANDOM"}), "cluster", "-o", "json")
+    assert '"lbPolicy": "RANDOM"' in result.output

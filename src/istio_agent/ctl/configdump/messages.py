@@ -175,7 +175,7 @@ def _field(field: FieldDescriptor, value: Any) -> Any:
     converted = _single(field, value)
     if converted is _UNSET:
         return _UNSET
-    if field.message_type is None and not _present(field) and _is_zero(converted):
+    if field.message_type is None and not _present(field) and _is_zero(field, converted):
         return _UNSET
     return converted
 
@@ -185,7 +185,10 @@ def _present(field: FieldDescriptor) -> bool:
     return field.containing_oneof is not None or bool(getattr(field, "has_presence", False))
 
 
-def _is_zero(value: Any) -> bool:
+def _is_zero(field: FieldDescriptor, value: Any) -> bool:
+    if field.enum_type is not None:  # read as its name when known: zero is the number 0
+        known = field.enum_type.values_by_name.get(value) if isinstance(value, str) else None
+        return (known.number if known is not None else value) == 0
     return value in (0, "", False, "0") and not (isinstance(value, float) and math.copysign(1, value) < 0)
 
 
