@@ -308,3 +308,19 @@ def test_a_zero_enum_is_left_out_unless_a_oneof_member(tmp_path: Path) -> None:
     assert "lbPolicy" not in result.output
     result = run(tmp_path, cluster_dump({"lb_policy": "RANDOM"}), "cluster", "-o", "json")
     assert '"lbPolicy": "RANDOM"' in result.output
+
+
+# -- all: the tables before a missing section are printed, then istioctl's error -----------------------------
+def test_all_prints_the_tables_before_a_missing_section(tmp_path: Path) -> None:
+    golden = Path(__file__).parent / "testdata" / "istioctl" / "proxyconfig" / "config_dump.json"
+    document = json.loads(golden.read_text())
+    secrets = "type.googleapis.com/envoy.admin.v3.SecretsConfigDump"
+    document["configs"] = [c for c in document["configs"] if c.get("@type") != secrets]
+    full = CliRunner().invoke(main, ["proxy-config", "all", "-f", str(golden)]).output
+    result = run(tmp_path, document, "all")
+    assert result.exit_code == 1
+    printed, _, error = result.output.partition("Error: ")
+    assert error == f"config dump has no configuration type {secrets}\n"
+    assert printed and full.startswith(printed)
+    assert printed.rstrip("\n").splitlines()[-1].startswith("route/")
+    assert printed.endswith("\n\n")

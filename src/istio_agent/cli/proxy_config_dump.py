@@ -94,6 +94,7 @@ def _run(
         data = runtime.run(read_bytes(_source(target, file, timeout), view))
         click.echo(render(data), nl=False)
     except ConfigDumpError as err:
+        click.echo(getattr(err, "printed", ""), nl=False)  # what istioctl wrote before failing
         raise click.ClickException(str(err)) from None
     except RecursionError:  # what reading stopped short of, printing met
         raise click.ClickException("the document is nested too deeply to print") from None
