@@ -18,7 +18,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from istio_agent.ctl.secrets import SECRETS_DUMP_TYPE, SecretsError, fetch_dump
+from istio_agent.ctl.secrets import SecretsError, fetch_dump, secrets_dump
 from istio_agent.pem import PemError, parse_certificates
 
 ROOTCA = "ROOTCA"
@@ -62,14 +62,10 @@ def _trusted_ca(secret: Any) -> bytes:
 
 def root_ca(dump: dict[str, Any]) -> bytes:
     """The ROOTCA bundle (PEM) of an Envoy config dump, as istioctl finds it."""
-    section = next(
-        (c for c in dump.get("configs") or [] if isinstance(c, dict) and c.get("@type") == SECRETS_DUMP_TYPE),
-        None,
-    )
-    if section is None:
-        raise RootCAError(
-            f"sidecar doesn't support secrets: config dump has no configuration type {SECRETS_DUMP_TYPE}"
-        )
+    try:
+        section = secrets_dump(dump, "sidecar doesn't support secrets")
+    except SecretsError as err:
+        raise RootCAError(str(err)) from None
     for entry in section.get("dynamic_active_secrets") or []:
         if isinstance(entry, dict) and entry.get("name") == ROOTCA:
             try:

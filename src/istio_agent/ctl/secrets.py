@@ -154,12 +154,22 @@ def parse_dump(text: str | bytes, source: str) -> dict[str, Any]:
     return _json_with_list(text, "configs", f"{source} is not an Envoy config dump")
 
 
+SECRET_LISTS = ("dynamic_active_secrets", "dynamic_warming_secrets", "static_secrets")
+
+
 def secrets_dump(dump: dict[str, Any], source: str) -> dict[str, Any]:
-    """The SecretsConfigDump section (istioctl's error when there is none)."""
-    for config in dump["configs"]:
-        if isinstance(config, dict) and config.get("@type") == SECRETS_DUMP_TYPE:
-            return config
-    raise SecretsError(f"{source}: config dump has no configuration type {SECRETS_DUMP_TYPE}")
+    """The SecretsConfigDump section, the last as every config-dump view takes it (istioctl's
+    getSection; its error when there is none); SecretsError when a secret list is not a list."""
+    from istio_agent.ctl.configdump.source import ConfigDumpError, Dump
+
+    try:
+        section = Dump(dump).section("SecretsConfigDump")
+    except ConfigDumpError as err:
+        raise SecretsError(f"{source}: {err}") from None
+    for key in SECRET_LISTS:
+        if not isinstance(section.get(key) or [], list):
+            raise SecretsError(f"{source}: the secrets section's {key} is not a list")
+    return section
 
 
 def read_dump_file(path: str) -> dict[str, Any]:
