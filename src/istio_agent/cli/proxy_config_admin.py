@@ -11,8 +11,8 @@ import click
 
 from istio_agent.cli import runtime
 from istio_agent.cli.aliases import AliasedGroup
+from istio_agent.ctl.configdump.source import DEFAULT_ADMIN
 
-DEFAULT_ADMIN = "127.0.0.1:15000"
 LEVEL_HELP = (
     "Comma-separated minimum per-logger level of messages to output, in the form of "
     "[<logger>:]<level>,[<logger>:]<level>,... or <level> to change all active loggers, where logger "

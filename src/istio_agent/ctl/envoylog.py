@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from istio_agent.config.proxy_config import split_host_port
+from istio_agent.ctl.configdump.source import DEFAULT_ADMIN
 
 LEVELS = ("trace", "debug", "info", "warning", "error", "critical", "off")
 """Envoy's levels, in istioctl's order (its help text lists them so)."""
@@ -30,7 +31,6 @@ LEVEL_NAMES = {**{level: level for level in LEVELS}, "warn": "warning"}
 ALL_LOGGERS = "level"
 """The pseudo logger name that sets every logger (Envoy's ``/logging?level=``)."""
 RESET_LEVEL = "warning"
-DEFAULT_ADMIN = "127.0.0.1:15000"
 MAX_ANSWER = 1024 * 1024
 _NAME_LEVEL = re.compile(r"[:=]")
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from istio_agent.ctl import secrets, secretsview
+from istio_agent.ctl.configdump.source import DEFAULT_ADMIN
 
 OUTPUTS = ("short", "json", "yaml", "items")
 
@@ -20,7 +21,7 @@ OUTPUTS = ("short", "json", "yaml", "items")
 class SecretQuery:
     """What the operator asked: an admin address or a dump file, the format, and whether to compare."""
 
-    address: str = secrets.DEFAULT_ADMIN
+    address: str = DEFAULT_ADMIN
     file: str | None = None
     output: str = "short"
     verbose: bool = False
@@ -34,10 +35,10 @@ def resolve_target(target: str | None, file: str | None) -> tuple[str, str | Non
     if file is not None and target is not None:
         raise secrets.SecretsError("give either an admin address or -f FILE, not both")
     if file is not None:
-        return secrets.DEFAULT_ADMIN, file
+        return DEFAULT_ADMIN, file
     if target is not None and os.path.isfile(target):
-        return secrets.DEFAULT_ADMIN, target
-    return target or secrets.DEFAULT_ADMIN, None
+        return DEFAULT_ADMIN, target
+    return target or DEFAULT_ADMIN, None
 
 
 async def run(

@@ -36,7 +36,6 @@ SPIFFE_VALIDATOR_TYPE = (
 CONFIG_DUMP_TARGET = "/config_dump?mask=dynamic_active_secrets,dynamic_warming_secrets,static_secrets"
 """Only the secrets, as istioctl asks (it leaves out static secrets, which we list too)."""
 AGENT_SECRETS_TARGET = "/debug/secrets"
-DEFAULT_ADMIN = "127.0.0.1:15000"
 DEFAULT_AGENT = "127.0.0.1:15020"
 MAX_DUMP = 64 * 1024 * 1024
 WORKLOAD_SECRET = "default"

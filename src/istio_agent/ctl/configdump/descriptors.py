@@ -15,7 +15,6 @@ from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import Descriptor
 
 PACKAGES = ("envoy", "xds", "udpa", "validate")
-TYPE_PREFIX = "type.googleapis.com/"
 
 
 @cache

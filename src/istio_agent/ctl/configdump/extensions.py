@@ -10,9 +10,9 @@ from istio_agent.ctl.configdump.messages import Msg, jsonpb_text
 from istio_agent.ctl.configdump.resources import dig, section_message, text
 from istio_agent.ctl.configdump.source import ConfigDumpError, Dump
 from istio_agent.goformat import tabwrite
+from istio_agent.xds.types import TYPE_PREFIX
 
 EXTENSION = "envoy.config.core.v3.TypedExtensionConfig"
-TYPE_PREFIX = "type.googleapis.com/"
 
 
 def ecds_dump(dump: Dump) -> Msg:

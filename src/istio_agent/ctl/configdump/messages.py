@@ -10,7 +10,8 @@ indentation jsonpb writes differently); :func:`plain` drops the markers; :func:`
 jsonpb's own indented text (``protomarshal.ToJSONWithIndent``, quirks included).
 
 An ``Any`` whose type this process does not know (Istio's own extensions) keeps its content as
-Envoy wrote it: Go would fail on it or know it; this keeps the dump readable.
+Envoy wrote it. istioctl resolves types non-strictly: an unknown one becomes a dynamic value and
+the view goes on; keeping Envoy's JSON goes on likewise and keeps the dump readable.
 """
 
 from __future__ import annotations
