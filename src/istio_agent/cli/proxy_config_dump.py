@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
-from click.parser import _OptionParser, _ParsingState
 
 from istio_agent.cli.aliases import AliasedGroup
 
@@ -23,39 +22,46 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class GoBoolOption(click.Option):
     """A Go bool flag (pflag): bare it is true; a value only as ``--name=VALUE``, one of
-    ``strconv.ParseBool``'s; the word after a bare flag stays a positional argument."""
-
-
-class _GoBoolParser(_OptionParser):
-    def _match_long_opt(self, opt: str, explicit_value: str | None, state: _ParsingState) -> None:
-        option = self._long_opt.get(opt)
-        if explicit_value is None or option is None or not isinstance(option.obj, GoBoolOption):
-            super()._match_long_opt(opt, explicit_value, state)
-            return
-        from istio_agent.config.env import parse_go_bool
-
-        try:
-            if explicit_value != explicit_value.strip():  # parse_go_bool strips; Go does not
-                raise ValueError(explicit_value)
-            value = parse_go_bool(explicit_value)
-        except ValueError:
-            raise click.BadOptionUsage(
-                opt,
-                f'invalid argument "{explicit_value}" for "{opt}" flag: '
-                f'strconv.ParseBool: parsing "{explicit_value}": invalid syntax',
-            ) from None
-        state.opts[option.dest] = value  # type: ignore[index]
-        state.order.append(option.obj)
+    ``strconv.ParseBool``'s; the word after a bare flag stays a positional argument. Parsed by
+    :class:`GoFlagCommand`, which hands click the normalised ``--name=true|false``."""
 
 
 class GoFlagCommand(click.Command):
     """A command whose :class:`GoBoolOption` flags parse as pflag's bool flags."""
 
-    def make_parser(self, ctx: click.Context) -> _OptionParser:
-        parser = _GoBoolParser(ctx)
-        for param in self.get_params(ctx):
-            param.add_to_parser(parser, ctx)
-        return parser
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        names = {
+            name
+            for param in self.params
+            if isinstance(param, GoBoolOption)
+            for name in param.opts
+            if name.startswith("--")
+        }
+        normalised: list[str] = []
+        for index, arg in enumerate(args):
+            if arg == "--":
+                normalised += args[index:]
+                break
+            flag, equals, value = arg.partition("=")
+            if flag in names:
+                arg = f"{flag}={str(_go_bool(flag, value) if equals else True).lower()}"
+            normalised.append(arg)
+        return super().parse_args(ctx, normalised)
+
+
+def _go_bool(flag: str, text: str) -> bool:
+    """``strconv.ParseBool`` exactly (no spaces), with pflag's error."""
+    from istio_agent.config.env import parse_go_bool
+
+    try:
+        if text != text.strip():  # parse_go_bool strips; Go does not
+            raise ValueError(text)
+        return parse_go_bool(text)
+    except ValueError:
+        raise click.BadOptionUsage(
+            flag,
+            f'invalid argument "{text}" for "{flag}" flag: strconv.ParseBool: parsing "{text}": invalid syntax',
+        ) from None
 
 
 def _verbose() -> Callable[[F], F]:
@@ -66,7 +72,7 @@ def _verbose() -> Callable[[F], F]:
             "--verbose",
             "verbose",
             cls=GoBoolOption,
-            is_flag=True,
+            type=click.BOOL,
             default=True,
             show_default=True,
             help="Output more information (--verbose=false for less)",
