@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -139,9 +138,11 @@ class FileCheck:
 # -- reading -------------------------------------------------------------------------------------------
 def _json_with_list(text: str | bytes, key: str, what: str) -> dict[str, Any]:
     """A JSON object with a list under ``key``; otherwise SecretsError saying ``what`` it is not."""
+    from istio_agent.ctl.configdump.source import read_json
+
     try:
-        document = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        document = read_json(text)
+    except ValueError as err:  # JSONDecodeError is one
         raise SecretsError(f"{what}: not JSON ({err})") from None
     if not isinstance(document, dict) or not isinstance(document.get(key), list):
         raise SecretsError(f'{what}: no "{key}" list at the top')

@@ -24,7 +24,6 @@ PATHS = {
     "eds": "/config_dump?include_eds=true",
     "ecds": "/config_dump?include_eds=true",
     "endpoint": "/clusters?format=json",
-    "secret": "/config_dump?mask=dynamic_active_secrets,dynamic_warming_secrets,static_secrets",
 }
 
 
