@@ -22,7 +22,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from istio_agent.config.proxy_config import split_host_port
 from istio_agent.ctl.configdump.source import DEFAULT_ADMIN
 
 LEVELS = ("trace", "debug", "info", "warning", "error", "critical", "off")
@@ -31,7 +30,6 @@ LEVEL_NAMES = {**{level: level for level in LEVELS}, "warn": "warning"}
 ALL_LOGGERS = "level"
 """The pseudo logger name that sets every logger (Envoy's ``/logging?level=``)."""
 RESET_LEVEL = "warning"
-MAX_ANSWER = 1024 * 1024
 _NAME_LEVEL = re.compile(r"[:=]")
 
 
@@ -91,26 +89,15 @@ def updates(levels: dict[str, str]) -> list[str]:
 
 async def post_logging(address: str, query: str, timeout: float) -> str:
     """POST ``/logging[?query]``; Envoy's answer, or istioctl's error for a failure or a non-200."""
-    from istio_agent.http.client import URL, HTTPError, fetch
+    from istio_agent.ctl.configdump.source import ConfigDumpError, get
 
     try:
-        host, port = split_host_port(address)
-    except ValueError as err:
-        raise LogLevelError(f"Envoy's admin address {err}") from None
-    url = URL("http", host, port, "/logging" + (f"?{query}" if query else ""))
-    try:
-        answer = await fetch(
-            "POST", url, headers=[("Host", url.address)], timeout=timeout, max_body=MAX_ANSWER
-        )
-    except TimeoutError:
-        raise LogLevelError(
-            f"failed to execute command on Envoy: {address} did not answer within {timeout:g}s"
-        ) from None
-    except (HTTPError, OSError) as err:
-        raise LogLevelError(f"failed to execute command on Envoy: {address}: {err}") from None
-    if answer.status != 200:
-        raise LogLevelError(f"failed to execute command on Envoy: unexpected status code: {answer.status}")
-    return answer.body.decode(errors="replace")
+        status, body = await get(address, "/logging" + (f"?{query}" if query else ""), timeout, method="POST")
+    except ConfigDumpError as err:
+        raise LogLevelError(f"failed to execute command on Envoy: {err}") from None
+    if status != 200:
+        raise LogLevelError(f"failed to execute command on Envoy: unexpected status code: {status}")
+    return body.decode(errors="replace")
 
 
 def _configuring(address: str, err: LogLevelError) -> LogLevelError:

@@ -62,9 +62,12 @@ def read_file(path: str, limit: int = MAX_DOCUMENT) -> bytes:
     return data
 
 
-async def get(address: str, target: str, timeout: float, what: str = "Envoy's admin") -> tuple[int, bytes]:
-    """(status, body) of a GET of ``target`` at an admin-style ``HOST:PORT`` on loopback or a pod;
-    ConfigDumpError naming ``what`` when it cannot be asked or does not answer in time."""
+async def get(
+    address: str, target: str, timeout: float, what: str = "Envoy's admin", *, method: str = "GET"
+) -> tuple[int, bytes]:
+    """(status, body) of a request (a GET unless ``method`` says otherwise) of ``target`` at an
+    admin-style ``HOST:PORT``; ConfigDumpError naming ``what`` when it cannot be asked or does not
+    answer in time."""
     from istio_agent.http.client import URL, HTTPError, fetch
 
     try:
@@ -74,11 +77,11 @@ async def get(address: str, target: str, timeout: float, what: str = "Envoy's ad
     url = URL("http", host, port, target)
     try:
         answer = await fetch(
-            "GET", url, headers=[("Host", url.address)], timeout=timeout, max_body=MAX_DOCUMENT
+            method, url, headers=[("Host", url.address)], timeout=timeout, max_body=MAX_DOCUMENT
         )
     except TimeoutError:
         raise ConfigDumpError(f"{what} at {address} did not answer within {timeout:g}s") from None
-    except HTTPError as err:
+    except (HTTPError, OSError) as err:
         raise ConfigDumpError(f"{what} at {address}: {err}") from None
     return answer.status, answer.body
 
