@@ -16,8 +16,9 @@ resolv.conf naming the upstream. Rows:
   and the agent interleaved row by row, so both see the same machine;
 * **(b) forwarded**: A queries for the upstream-only names, straight to the upstream, through
   dnsmasq as a plain forwarder (no cache; the peer for what forwarding costs) and through the agent.
-  The dnsmasq forwarder runs beside the agent, and the three are measured ``--rounds`` times, each
-  round in another order, so every ratio compares two servers on the same machine at the same time;
+  The dnsmasq forwarder runs beside the agent, and the three are measured ``--rounds`` times: the
+  unlimited rows one after another (each round in another order), the fixed-rate rows of the three
+  at the same time (one dnsperf each), so every ratio compares servers under the same conditions;
   **(b')** the same through an agent with ``DNS_CACHE=true`` (after the warm-up pass the
   cache holds every name, so this row measures cache hits).
 
@@ -58,6 +59,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -399,12 +401,30 @@ class Bench:
     ) -> None:
         warm_up(server, datafile)
         for rate in (None, self.rate) if fixed_rate else (None,):
-            load = f"{rate:,} q/s" if rate is not None else "unlimited"
-            if round_ > 1:
-                load += f", round {round_}"
             result = run_dnsperf(server, datafile, self.seconds, rate, pid, clients)
-            self.rows.append(Row(scenario, target, load, result))
-            print(f"  {scenario} / {target} / {load}: {result.qps:,.0f} q/s", file=sys.stderr, flush=True)
+            self.record(scenario, target, rate, round_, result)
+
+    def record(
+        self, scenario: str, target: str, rate: int | None, round_: int, result: DnsperfResult
+    ) -> None:
+        load = f"{rate:,} q/s" if rate is not None else "unlimited"
+        if round_ > 1:
+            load += f", round {round_}"
+        self.rows.append(Row(scenario, target, load, result))
+        print(f"  {scenario} / {target} / {load}: {result.qps:,.0f} q/s", file=sys.stderr, flush=True)
+
+    def measure_together(
+        self, scenario: str, targets: list[tuple[str, DnsAddress, int]], datafile: Path, round_: int
+    ) -> None:
+        """The fixed-rate rows of several targets at the same time, one dnsperf each: same machine, same moment."""
+        with ThreadPoolExecutor(len(targets)) as pool:
+            running = [
+                pool.submit(run_dnsperf, server, datafile, self.seconds, self.rate, pid)
+                for _, server, pid in targets
+            ]
+            results = [future.result() for future in running]
+        for (target, _, _), result in zip(targets, results, strict=True):
+            self.record(scenario, target, self.rate, round_, result)
 
     def skip(self, scenario: str, target: str, reason: str) -> None:
         for load in ("unlimited", f"{self.rate:,} q/s") if scenario != TABLE_MANY else ("unlimited",):
@@ -481,7 +501,13 @@ def start_dnsmasq_forwarder(base: Path, upstream: Dnsmasq) -> Dnsmasq:
 def measure_forwarding(
     bench: Bench, upstream: Dnsmasq, forwarder: Dnsmasq, agent: Agent, datafile: Path
 ) -> None:
-    """(b): direct, dnsmasq as forwarder and the agent, ``bench.rounds`` times, each round in another order."""
+    """(b): direct, dnsmasq as forwarder and the agent, ``bench.rounds`` times.
+
+    In each round the unlimited rows (CPU per query) run one after another, in another order each
+    round; the fixed-rate rows (latency) run at the same time, one dnsperf per target, so the added
+    latencies compare two forwarders under the same conditions rather than five seconds apart (one
+    after another, the added p50 of either moved by tens of µs between rows).
+    """
     assert upstream.process is not None and forwarder.process is not None
     targets = [
         (DIRECT, upstream.address, upstream.process.pid),
@@ -491,7 +517,8 @@ def measure_forwarding(
     for round_ in range(1, bench.rounds + 1):
         shift = (round_ - 1) % len(targets)
         for target, address_, pid in targets[shift:] + targets[:shift]:
-            bench.measure(FORWARD, target, address_, datafile, pid, round_=round_)
+            bench.measure(FORWARD, target, address_, datafile, pid, fixed_rate=False, round_=round_)
+        bench.measure_together(FORWARD, targets, datafile, round_)
 
 
 def run(bench: Bench, base: Path, names: int, *, table_only: bool = False) -> None:
