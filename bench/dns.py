@@ -16,9 +16,9 @@ resolv.conf naming the upstream. Rows:
   and the agent interleaved row by row, so both see the same machine;
 * **(b) forwarded**: A queries for the upstream-only names, straight to the upstream, through
   dnsmasq as a plain forwarder (no cache; the peer for what forwarding costs) and through the agent.
-  The dnsmasq forwarder runs beside the agent, and the three are measured ``--rounds`` times: the
-  unlimited rows one after another (each round in another order), the fixed-rate rows of the three
-  at the same time (one dnsperf each), so every ratio compares servers under the same conditions;
+  The dnsmasq forwarder runs beside the agent. The unlimited rows are measured ``--rounds`` times
+  (each round in another order); the fixed-rate rows in 1-s slices, the three targets taking turns,
+  ``--rounds`` x ``--seconds`` seconds each, so each ratio compares forwarders a second apart;
   **(b')** the same through an agent with ``DNS_CACHE=true`` (after the warm-up pass the
   cache holds every name, so this row measures cache hits).
 
@@ -59,7 +59,6 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +94,8 @@ GOAL_QPS_RATIO = 1.1
 GOAL_P99_MS = 2.0
 GOAL_FORWARD_ADDED_RATIO = 1.5
 """(b): the agent's added p50 at the fixed rate over dnsmasq-as-forwarder's (issue 23)."""
+LATENCY_SLICE = 1.0
+"""Seconds of one fixed-rate (b) row; the three targets take turns slice by slice (``measure_forwarding``)."""
 GOAL_FORWARD_CPU_RATIO = 2.0
 """(b): the agent's CPU per forwarded query at unlimited rate over dnsmasq-as-forwarder's (issue 23)."""
 TABLE_BUILD_HOSTS = 10_000
@@ -405,26 +406,21 @@ class Bench:
             self.record(scenario, target, rate, round_, result)
 
     def record(
-        self, scenario: str, target: str, rate: int | None, round_: int, result: DnsperfResult
+        self,
+        scenario: str,
+        target: str,
+        rate: int | None,
+        round_: int,
+        result: DnsperfResult,
+        *,
+        quiet: bool = False,
     ) -> None:
         load = f"{rate:,} q/s" if rate is not None else "unlimited"
         if round_ > 1:
             load += f", round {round_}"
         self.rows.append(Row(scenario, target, load, result))
-        print(f"  {scenario} / {target} / {load}: {result.qps:,.0f} q/s", file=sys.stderr, flush=True)
-
-    def measure_together(
-        self, scenario: str, targets: list[tuple[str, DnsAddress, int]], datafile: Path, round_: int
-    ) -> None:
-        """The fixed-rate rows of several targets at the same time, one dnsperf each: same machine, same moment."""
-        with ThreadPoolExecutor(len(targets)) as pool:
-            running = [
-                pool.submit(run_dnsperf, server, datafile, self.seconds, self.rate, pid)
-                for _, server, pid in targets
-            ]
-            results = [future.result() for future in running]
-        for (target, _, _), result in zip(targets, results, strict=True):
-            self.record(scenario, target, self.rate, round_, result)
+        if not quiet:
+            print(f"  {scenario} / {target} / {load}: {result.qps:,.0f} q/s", file=sys.stderr, flush=True)
 
     def skip(self, scenario: str, target: str, reason: str) -> None:
         for load in ("unlimited", f"{self.rate:,} q/s") if scenario != TABLE_MANY else ("unlimited",):
@@ -501,12 +497,14 @@ def start_dnsmasq_forwarder(base: Path, upstream: Dnsmasq) -> Dnsmasq:
 def measure_forwarding(
     bench: Bench, upstream: Dnsmasq, forwarder: Dnsmasq, agent: Agent, datafile: Path
 ) -> None:
-    """(b): direct, dnsmasq as forwarder and the agent, ``bench.rounds`` times.
+    """(b): direct, dnsmasq as forwarder and the agent: throughput rounds, then interleaved latency slices.
 
-    In each round the unlimited rows (CPU per query) run one after another, in another order each
-    round; the fixed-rate rows (latency) run at the same time, one dnsperf per target, so the added
-    latencies compare two forwarders under the same conditions rather than five seconds apart (one
-    after another, the added p50 of either moved by tens of µs between rows).
+    The unlimited rows (CPU per query) run ``bench.rounds`` times, each round in another order. The
+    fixed-rate rows (latency) run in slices of ``LATENCY_SLICE`` seconds, the three targets in turn
+    (another order each slice) for ``bench.rounds * bench.seconds`` seconds each: with 5-s rows one
+    after another the added p50 of either forwarder moved by tens of µs between rows as the machine
+    changed, so a ratio of two rows was noise (0.7-6x within a run). Running them at the same time
+    instead was no better: on 2 cores the contention between them hid the difference (both ~1x).
     """
     assert upstream.process is not None and forwarder.process is not None
     targets = [
@@ -518,7 +516,13 @@ def measure_forwarding(
         shift = (round_ - 1) % len(targets)
         for target, address_, pid in targets[shift:] + targets[:shift]:
             bench.measure(FORWARD, target, address_, datafile, pid, fixed_rate=False, round_=round_)
-        bench.measure_together(FORWARD, targets, datafile, round_)
+    slices = max(1, round(bench.rounds * bench.seconds / LATENCY_SLICE))
+    for slice_ in range(1, slices + 1):
+        shift = (slice_ - 1) % len(targets)
+        for target, address_, pid in targets[shift:] + targets[:shift]:
+            result = run_dnsperf(address_, datafile, LATENCY_SLICE, bench.rate, pid)
+            bench.record(FORWARD, target, bench.rate, slice_, result, quiet=True)
+    print(f"  {FORWARD}: {slices} latency slices of {LATENCY_SLICE:g} s per target", file=sys.stderr)
 
 
 def run(bench: Bench, base: Path, names: int, *, table_only: bool = False) -> None:
@@ -610,6 +614,29 @@ def _ms(value: float) -> str:
     return "n/a" if value != value else f"{value:.3f} ms"
 
 
+def _slices_merged(bench: Bench) -> list[Row]:
+    """The rows to print: (b)'s fixed-rate slices of each target as one row (all their queries)."""
+    fixed = f"{bench.rate:,} q/s"
+    rows: list[Row] = []
+    for row in bench.rows:
+        if row.scenario != FORWARD or not row.load.startswith(fixed) or row.result is None:
+            rows.append(row)
+        elif row.load == fixed:  # the first slice: stands for all of this target's
+            slices = bench.by_round(FORWARD, row.target, fixed)
+            merged = DnsperfResult(
+                latencies=[value for r in slices.values() for value in r.latencies],
+                rcodes=sum((r.rcodes for r in slices.values()), Counter()),
+                sent=sum(r.sent for r in slices.values()),
+                completed=sum(r.completed for r in slices.values()),
+                lost=sum(r.lost for r in slices.values()),
+                qps=statistics.mean(r.qps for r in slices.values()),
+                server_cpu=sum(r.server_cpu for r in slices.values()),
+            )
+            merged.average_latency = statistics.mean(merged.latencies) if merged.latencies else float("nan")
+            rows.append(Row(row.scenario, row.target, f"{fixed}, {len(slices)} slices", merged))
+    return rows
+
+
 def _verdict(met: bool) -> str:
     return "MET" if met else "NOT MET"
 
@@ -689,7 +716,7 @@ def report(bench: Bench, names: int) -> None:
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     order = [TABLE, TABLE_MANY, FORWARD, FORWARD_CACHE]
     for row in sorted(
-        bench.rows, key=lambda row: order.index(row.scenario)
+        _slices_merged(bench), key=lambda row: order.index(row.scenario)
     ):  # stable: targets keep run order
         r = row.result
         if r is None:

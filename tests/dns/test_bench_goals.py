@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from bench.dns import DIRECT, DNSMASQ_FORWARDER, FORWARD, Bench, DnsperfResult, Row, forwarding_goals
+from bench.dns import (
+    DIRECT,
+    DNSMASQ_FORWARDER,
+    FORWARD,
+    Bench,
+    DnsperfResult,
+    Row,
+    _slices_merged,
+    forwarding_goals,
+)
 
 
 def result(p50_us: float = 0.0, cpu_us: float = 0.0, queries: int = 1000) -> DnsperfResult:
@@ -51,3 +60,19 @@ def test_a_goal_missed_says_not_met() -> None:
 
 def test_without_the_forwarding_rows_nothing_is_judged() -> None:
     assert all("not measured" in line for line in forwarding_goals(Bench(seconds=1, rate=1000)))
+
+
+def test_the_latency_slices_of_a_target_print_as_one_row_of_all_their_queries() -> None:
+    bench = bench_with(
+        [
+            round_(direct=30, dnsmasq=80, agent=100, dnsmasq_cpu=10, agent_cpu=19),
+            round_(direct=40, dnsmasq=80, agent=140, dnsmasq_cpu=10, agent_cpu=25),
+        ]
+    )
+    rows = [row for row in _slices_merged(bench) if row.load.startswith("1,000 q/s")]
+    assert [(row.target, row.load) for row in rows] == [
+        (target, "1,000 q/s, 2 slices") for target in (DIRECT, DNSMASQ_FORWARDER, "agent")
+    ]
+    assert (
+        rows[2].result is not None and rows[2].result.completed == 2000 and len(rows[2].result.latencies) == 6
+    )
