@@ -320,6 +320,10 @@ def running_agent(
     extra = {"DNS_PROXY_ADDR": f"{listen.host}:{listen.port}", "ISTIO_AGENT_RESOLV_CONF": str(resolv_conf)}
     if cache:
         extra["DNS_CACHE"] = "true"
+    if (
+        "PYTHONPATH" in os.environ
+    ):  # so a previous build can be measured: PYTHONPATH=<its src> python -m bench.dns
+        extra["PYTHONPATH"] = os.environ["PYTHONPATH"]
     env = {**workload.env(mesh.discovery_address), **extra}
     name = f"pilot-agent {workload.name}"
     log = workload.workdir / "agent.log"
