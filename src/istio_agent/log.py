@@ -2,57 +2,29 @@
 
 Every subsystem logs through a *scope* (``sds``, ``cache``, ``ca``, ...), as Istio does, so
 ``--log_output_level sds:debug,default:info`` works the same way. Scope loggers are ordinary
-``logging`` loggers named ``istio.<scope>``.
+``logging`` loggers named ``istio.<scope>``. The line itself is :mod:`istio_agent.logline`'s (the
+one encoding, shared with the CNI plugin, which writes its lines without ``logging``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TextIO
+
+from istio_agent import logline
+from istio_agent.logline import DEFAULT_SCOPE, ROOT
 
 if TYPE_CHECKING:  # only for an annotation: short-lived processes (the CNI plugin) log without asyncio
     import asyncio
 
-ROOT = "istio"
-DEFAULT_SCOPE = "default"
 DEFAULT_OUTPUT_LEVELS = "default:info,grpc:none"
-
-# Istio level names -> logging levels. "none" silences a scope entirely.
-_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warn": logging.WARNING,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "fatal": logging.CRITICAL,
-    "none": logging.CRITICAL + 10,
-}
-_NAMES = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn", logging.ERROR: "error"}
 
 
 def scope(name: str) -> logging.Logger:
     """The logger of an Istio log scope."""
     return logging.getLogger(f"{ROOT}.{name}")
-
-
-def _scope_of(record: logging.LogRecord) -> str:
-    if record.name == ROOT:
-        return DEFAULT_SCOPE
-    if record.name.startswith(ROOT + "."):
-        return record.name[len(ROOT) + 1 :]
-    return record.name
-
-
-def _timestamp(record: logging.LogRecord) -> str:
-    return datetime.fromtimestamp(record.created, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _level(record: logging.LogRecord) -> str:
-    return _NAMES.get(record.levelno, "fatal" if record.levelno >= logging.CRITICAL else "info")
 
 
 class IstioFormatter(logging.Formatter):
@@ -62,22 +34,17 @@ class IstioFormatter(logging.Formatter):
         message = record.getMessage()
         if record.exc_info:
             message += "\n" + self.formatException(record.exc_info)
-        return f"{_timestamp(record)}\t{_level(record)}\t{_scope_of(record)}\t{message}"
+        return logline.console_line(record.created, record.levelno, logline.scope_name(record.name), message)
 
 
 class JsonFormatter(logging.Formatter):
     """Istio's ``--log_as_json`` encoding: one JSON object per line."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": _timestamp(record),
-            "level": _level(record),
-            "scope": _scope_of(record),
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["error"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
+        error = self.formatException(record.exc_info) if record.exc_info else None
+        return logline.json_line(
+            record.created, record.levelno, logline.scope_name(record.name), record.getMessage(), error
+        )
 
 
 def parse_output_levels(spec: str) -> dict[str, int]:
@@ -86,11 +53,11 @@ def parse_output_levels(spec: str) -> dict[str, int]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, level = item.rpartition(":")
         name = name or DEFAULT_SCOPE
-        if level.lower() not in _LEVELS:
+        if level.lower() not in logline.LEVELS:
             raise ValueError(
-                f"invalid log level {level!r} for scope {name!r}; use one of {', '.join(_LEVELS)}"
+                f"invalid log level {level!r} for scope {name!r}; use one of {', '.join(logline.LEVELS)}"
             )
-        levels[name] = _LEVELS[level.lower()]
+        levels[name] = logline.LEVELS[level.lower()]
     return levels
 
 

@@ -40,9 +40,9 @@ from istio_agent.cni.netns import CommandError, Deadline
 from istio_agent.cni.nslock import LockError, namespace_lock
 from istio_agent.cni.rules import BUILTIN, Rule, build, render
 from istio_agent.config.env import ConfigError
-from istio_agent.log import scope
+from istio_agent.logline import Scope
 
-log = scope("cni")
+log = Scope("cni")
 FAMILIES = ("v4", "v6")
 ISTIO_PREFIX = "ISTIO_"
 ROLLBACK_SECONDS = 5.0

@@ -36,7 +36,7 @@ from istio_agent.cni.netns import (
     run,
 )
 from istio_agent.config.env import ConfigError
-from istio_agent.log import scope
+from istio_agent.logline import Scope
 
 FLAVORS = ("legacy", "nft", "")
 """Binary name infixes: ``iptables-legacy-save``, ``iptables-nft-save``, ``iptables-save``."""
@@ -51,7 +51,7 @@ LOCKFILE_ENV = (1, 8, 6)
 NODE_LOCK = Path("/run/xtables.lock")
 """The lock file of iptables before 1.8.6 (and the default after): the node's, shared with kube-proxy."""
 _VERSION = re.compile(r"v(\d+(?:\.\d+)+)")
-log = scope("cni")
+log = Scope("cni")
 
 
 @dataclass(frozen=True)

@@ -7,18 +7,18 @@ plugin skips, the common case on a node, costs no import of the rule-set setting
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 from istio_agent.config.env import parse_go_bool
+from istio_agent.logline import Scope
 
 PROXY_CONTAINER = "istio-proxy"
 INIT_CONTAINER = "istio-init"
 STATUS_ANNOTATION = "sidecar.istio.io/status"
 INJECT = "sidecar.istio.io/inject"
 
-log = logging.getLogger("istio.cni-plugin")
+log = Scope("cni-plugin")
 
 
 def containers(pod: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:

@@ -15,11 +15,11 @@ from pathlib import Path
 from istio_agent.cni import netlink
 from istio_agent.cni.capture_config import CaptureConfig
 from istio_agent.cni.netns import NO_DEADLINE, CommandError, Deadline, NamespaceError, in_namespace
-from istio_agent.log import scope
+from istio_agent.logline import Scope
 
 BIND_V6 = "::6/128"
 FAMILIES = ("v4", "v6")
-log = scope("cni")
+log = Scope("cni")
 
 
 def _step(

@@ -47,7 +47,7 @@ from istio_agent.controlplane.xdsgen import (
     Snapshot,
 )
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 from istio_agent.xds.flavour import (
     ADS_SERVICE,
     DELTA,
@@ -415,7 +415,7 @@ class AdsServer:
         authorize: Authorizer | None = None,
         control_plane_id: str = "agentctl-controlplane",
         observer: PushObserver | None = None,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         named_fn: NamedFn = build_grpc_resources,
         debug_access: debug.DebugAccess | None = None,
     ) -> None:

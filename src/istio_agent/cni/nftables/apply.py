@@ -35,9 +35,9 @@ from istio_agent.cni.netns import CommandError, Deadline, NamespaceError, in_new
 from istio_agent.cni.nftables.builder import TABLES, render_config
 from istio_agent.cni.nslock import LockError, namespace_lock
 from istio_agent.config.env import ConfigError
-from istio_agent.log import scope
+from istio_agent.logline import Scope
 
-log = scope("cni")
+log = Scope("cni")
 ROLLBACK_SECONDS = 5.0
 """Putting the tables back after a failed step gets its own budget: the caller's may be spent."""
 MISSING_NFT = "nativeNftables is enabled, but the nft binary is missing"
