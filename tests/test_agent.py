@@ -16,6 +16,7 @@ from envoy.service.secret.v3 import sds_pb2_grpc
 from istio_agent.agent import Agent, AgentSettings, plan_sds
 from istio_agent.config import ConfigError, Env, SecuritySettings, XdsSettings
 from istio_agent.config.probes import parse_readiness_probe
+from istio_agent.metrics import Registry
 from istio_agent.security.manager import SecretManager
 from istio_agent.security.sds import SdsServer
 from istio_agent.xds.proxy import XdsProxy
@@ -85,7 +86,7 @@ async def test_workload_credentials_are_served_without_a_ca(short_tmp: Path) -> 
     plan = await plan_sds(settings)
     assert not plan.uses_ca and plan.settings.file_mounted_certs
 
-    async with Agent(AgentSettings(security=settings)):
+    async with Agent(AgentSettings(security=settings), registry=Registry()):
         secrets = await fetch(settings.sds_socket_path, ["default", "ROOTCA"])
     assert secrets["default"].tls_certificate.certificate_chain.inline_bytes == to_pem(leaf)
     assert secrets["ROOTCA"].validation_context.trusted_ca.inline_bytes.strip() == to_pem(ca_cert).strip()
@@ -127,7 +128,9 @@ async def test_vm_health_checks_reach_istiod_over_the_xds_proxy(short_tmp: Path)
         )
         health = parse_readiness_probe({"tcpSocket": {"port": port, "host": "127.0.0.1"}, "periodSeconds": 1})
         # No CA is reachable: only the xDS side and the health checks matter here.
-        agent = Agent(AgentSettings(security=settings, xds=xds, health=health, serve_sds=False))
+        agent = Agent(
+            AgentSettings(security=settings, xds=xds, health=health, serve_sds=False), registry=Registry()
+        )
         await agent.start()
         try:
             async with grpc.aio.insecure_channel(f"unix:{xds.socket_path}") as channel:
@@ -163,7 +166,7 @@ async def test_a_fake_ca_can_be_swapped_in(short_tmp: Path) -> None:
         return cas[-1]
 
     settings = settings_for(short_tmp, CA_ADDR="127.0.0.1:1")  # never dialled: the fake answers
-    async with Agent(AgentSettings(security=settings), ca_client=factory):
+    async with Agent(AgentSettings(security=settings), ca_client=factory, registry=Registry()):
         secrets = await fetch(settings.sds_socket_path, ["default"])
     assert b"BEGIN CERTIFICATE" in secrets["default"].tls_certificate.certificate_chain.inline_bytes
     assert cas[0].calls >= 1 and cas[0].closed  # stopping the agent closed the CA client
@@ -195,7 +198,7 @@ async def test_stop_is_the_reverse_of_start_and_every_step_runs(
     xds = XdsSettings(
         socket_path=short_tmp / "etc/istio/proxy/XDS", discovery_address="127.0.0.1:1", plaintext=True
     )
-    agent = Agent(AgentSettings(security=settings, xds=xds), ca_client=fake_ca_for)
+    agent = Agent(AgentSettings(security=settings, xds=xds), ca_client=fake_ca_for, registry=Registry())
     await agent.start()
     await agent.stop()
     assert stopped == ["xds", "sds", "manager"]  # started manager, sds, xds; the SDS failure did not stop it
@@ -219,7 +222,7 @@ async def test_a_start_that_fails_stops_what_had_started(
     xds = XdsSettings(
         socket_path=short_tmp / "etc/istio/proxy/XDS", discovery_address="127.0.0.1:1", plaintext=True
     )
-    agent = Agent(AgentSettings(security=settings, xds=xds), ca_client=factory)
+    agent = Agent(AgentSettings(security=settings, xds=xds), ca_client=factory, registry=Registry())
     with pytest.raises(OSError, match="could not listen"):
         await agent.start()
     assert cas[0].closed  # the secret manager was stopped (it closes the CA client)
@@ -235,7 +238,7 @@ async def test_the_mock_credential_fetcher_authenticates_xds_too(short_tmp: Path
             socket_path=short_tmp / "etc/istio/proxy/XDS", discovery_address=istiod.address, plaintext=True
         )
         async with (
-            Agent(AgentSettings(security=settings, xds=xds), ca_client=fake_ca_for),
+            Agent(AgentSettings(security=settings, xds=xds), ca_client=fake_ca_for, registry=Registry()),
             grpc.aio.insecure_channel(f"unix:{xds.socket_path}") as channel,
         ):
             envoy = EnvoyStream(channel)

@@ -23,6 +23,7 @@ from istio_agent.agent import Agent, AgentSettings
 from istio_agent.config import ConfigError, Env, SecuritySettings, XdsSettings
 from istio_agent.config.grpc import GrpcBootstrapSettings
 from istio_agent.config.status import StatusSettings
+from istio_agent.metrics import Registry
 from istio_agent.protos import proxy_config_pb2
 from istio_agent.xds.types import PROXY_CONFIG
 from tests.security.fakes import FakeCA, pem
@@ -90,7 +91,7 @@ async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> No
 async def test_proxyless_runs_no_envoy_and_no_sds_and_writes_what_grpc_needs(short_tmp: Path) -> None:
     settings = proxyless(short_tmp)
     ca = GatedCA(settings.security.spiffe_id)
-    async with Agent(settings, ca_client=lambda _s: ca) as agent:
+    async with Agent(settings, ca_client=lambda _s: ca, registry=Registry()) as agent:
         assert agent.envoy is None and agent.sds_server is None
         assert not settings.security.sds_socket_path.exists()
         out = settings.security.output_certs
@@ -113,7 +114,7 @@ async def test_readiness_names_the_missing_file_then_becomes_ready(short_tmp: Pa
     settings = proxyless(short_tmp)
     ca = GatedCA(settings.security.spiffe_id)
     ca.gate.clear()  # the CA does not answer yet: no certificates
-    async with Agent(settings, ca_client=lambda _s: ca) as agent:
+    async with Agent(settings, ca_client=lambda _s: ca, registry=Registry()) as agent:
         assert agent.readiness is not None
         out = settings.security.output_certs
         assert out is not None
@@ -126,7 +127,7 @@ async def test_readiness_names_the_missing_file_then_becomes_ready(short_tmp: Pa
 async def test_readiness_says_when_the_bootstrap_does_not_load(short_tmp: Path) -> None:
     settings = proxyless(short_tmp)
     ca = GatedCA(settings.security.spiffe_id)
-    async with Agent(settings, ca_client=lambda _s: ca) as agent:
+    async with Agent(settings, ca_client=lambda _s: ca, registry=Registry()) as agent:
         assert agent.readiness is not None
         path = settings.grpc_bootstrap.path  # type: ignore[union-attr]
         path.write_text("{corrupt")  # before readiness ever loaded it
@@ -137,7 +138,7 @@ async def test_readiness_says_when_the_bootstrap_does_not_load(short_tmp: Path) 
 async def test_certificates_are_rotated_in_output_certs(short_tmp: Path) -> None:
     settings = proxyless(short_tmp, SECRET_TTL="2s")
     ca = GatedCA(settings.security.spiffe_id)
-    async with Agent(settings, ca_client=lambda _s: ca):
+    async with Agent(settings, ca_client=lambda _s: ca, registry=Registry()):
         out = settings.security.output_certs
         assert out is not None
         await eventually(lambda: (out / "key.pem").exists() and (out / "cert-chain.pem").exists())
@@ -154,7 +155,7 @@ async def test_output_certs_not_writable_is_a_start_error_naming_the_path(short_
     with pytest.raises(
         ConfigError, match=rf"OUTPUT_CERTS {blocker}/data is not writable: {blocker}/data: Not a directory"
     ):
-        await Agent(settings, ca_client=lambda s: GatedCA(s.spiffe_id)).start()
+        await Agent(settings, ca_client=lambda s: GatedCA(s.spiffe_id), registry=Registry()).start()
 
 
 async def test_a_bootstrap_that_cannot_be_written_stops_the_start(short_tmp: Path) -> None:
@@ -165,7 +166,7 @@ async def test_a_bootstrap_that_cannot_be_written_stops_the_start(short_tmp: Pat
     settings = dataclasses.replace(
         settings, grpc_bootstrap=dataclasses.replace(settings.grpc_bootstrap, path=blocker / "b.json")
     )
-    agent = Agent(settings, ca_client=lambda s: GatedCA(s.spiffe_id))
+    agent = Agent(settings, ca_client=lambda s: GatedCA(s.spiffe_id), registry=Registry())
     with pytest.raises(
         ConfigError, match=rf"failed generating gRPC XDS bootstrap {blocker}/b.json: {blocker}"
     ):
@@ -193,7 +194,7 @@ async def running_proxyless(workdir: Path, *, pcds: bool = False) -> AsyncIterat
         if pcds:
             settings = dataclasses.replace(settings, xds=dataclasses.replace(xds, pcds_enabled=True))
         ca = GatedCA(settings.security.spiffe_id)
-        async with Agent(settings, ca_client=lambda _s: ca):
+        async with Agent(settings, ca_client=lambda _s: ca, registry=Registry()):
             await eventually(lambda: all((out / name).exists() for name in CERT_FILES))
             yield Running(settings, istiod, bootstrap.path, xds.socket_path)
     finally:

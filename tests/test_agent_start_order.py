@@ -20,6 +20,7 @@ from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.ctl.local import free_port
 from istio_agent.envoy.process import EnvoyProcess
 from istio_agent.host import LocalHost
+from istio_agent.metrics import Registry
 from istio_agent.security.sds import SdsServer
 from istio_agent.xds.proxy import XdsProxy
 from tests.test_agent import fake_ca_for, settings_for
@@ -81,6 +82,7 @@ async def test_envoy_starts_on_listening_sockets_before_their_servers_and_is_ser
         agent = Agent(
             AgentSettings(security=security, proxy_config=proxy_config, xds=xds, bootstrap=bootstrap),
             ca_client=fake_ca_for,
+            registry=Registry(),
         )
         await agent.start()
         try:

@@ -60,7 +60,7 @@ def recorder() -> Recorder:
 
 @pytest.fixture
 async def watcher(recorder: Recorder) -> AsyncIterator[FileWatcher]:
-    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50))
+    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50), registry=Registry())
     await w.start()
     yield w
     await w.stop()
@@ -196,7 +196,7 @@ async def test_change_just_before_a_new_watch_is_not_lost(
 
 async def test_events_spread_over_a_burst_give_one_call(tmp_path: Path, recorder: Recorder) -> None:
     cert, key = make_pair(tmp_path)
-    w = FileWatcher(recorder, debounce=timedelta(seconds=1))
+    w = FileWatcher(recorder, debounce=timedelta(seconds=1), registry=Registry())
     await w.start()
     try:
         w.watch("default", [cert, key])
@@ -317,7 +317,7 @@ async def test_relative_path_is_watched_as_absolute(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "cert.pem", "cert v1")
-    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50))
+    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50), registry=Registry())
     w.watch("default", [Path("cert.pem")])  # before start is fine
     w.watch("default", [Path("./cert.pem"), tmp_path / "cert.pem"])
     assert w.watched_paths("default") == {tmp_path / "cert.pem"}
@@ -406,7 +406,7 @@ async def test_failing_callback_does_not_stop_later_calls(
 
 async def test_stop_leaves_nothing_running(tmp_path: Path, recorder: Recorder) -> None:
     cert, key = make_pair(tmp_path)
-    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50))
+    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50), registry=Registry())
     await w.start()
     w.watch("default", [cert, key])
     write(cert, "cert v2")  # a pending call is dropped by stop()
@@ -420,7 +420,7 @@ async def test_stop_leaves_nothing_running(tmp_path: Path, recorder: Recorder) -
 
 async def test_restart_after_stop(tmp_path: Path, recorder: Recorder) -> None:
     cert, key = make_pair(tmp_path)
-    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50))
+    w = FileWatcher(recorder, debounce=timedelta(milliseconds=50), registry=Registry())
     w.watch("default", [cert, key])
     await w.start()
     await w.stop()
@@ -488,7 +488,7 @@ async def test_failed_watch_is_counted_and_retried(
 
 def test_negative_debounce_is_rejected(recorder: Recorder) -> None:
     with pytest.raises(ValueError, match="debounce"):
-        FileWatcher(recorder, debounce=timedelta(milliseconds=-1))
+        FileWatcher(recorder, debounce=timedelta(milliseconds=-1), registry=Registry())
 
 
 class TestTraceLinks:
@@ -519,7 +519,7 @@ class TestTraceLinks:
 
 
 async def test_nothing_watched_holds_no_inotify_instance(recorder: Recorder) -> None:
-    w = FileWatcher(recorder)
+    w = FileWatcher(recorder, registry=Registry())
     await w.start()
     try:
         assert w._inotify is None  # instances are limited per user; an agent with no files holds none

@@ -38,7 +38,7 @@ from istio_agent.envoy.process import EnvoyProcess
 from istio_agent.envoy.supervisor import EnvoySupervisor
 from istio_agent.istiod.tokens import TokenSource, token_source_for
 from istio_agent.log import report_failure, scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 
 if TYPE_CHECKING:  # imported when used: not needed to start Envoy
     from istio_agent.config.probes import ReadinessProbeConfig
@@ -136,7 +136,7 @@ class Agent:
         *,
         ca_client: CAClientFactory | None = None,
         dialer: DialerFactory | None = None,
-        registry: Registry = REGISTRY,
+        registry: Registry,
     ) -> None:
         """``ca_client``: Istio's CA client by default; ``dialer``: the xDS proxy's UpstreamDialer by default."""
         self._settings = settings

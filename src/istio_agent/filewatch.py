@@ -40,7 +40,7 @@ from pathlib import Path
 
 from istio_agent.inotify import IN_DELETE_SELF, IN_IGNORED, IN_MOVE_SELF, IN_Q_OVERFLOW, Inotify
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 
 log = scope("cache")
 
@@ -150,7 +150,7 @@ class FileWatcher:
         on_change: Callable[[str], None],
         *,
         debounce: timedelta = timedelta(milliseconds=100),
-        registry: Registry = REGISTRY,
+        registry: Registry,
     ) -> None:
         if debounce < timedelta(0):
             raise ValueError(f"file watcher debounce must not be negative, got {debounce}")

@@ -280,7 +280,9 @@ async def test_servicer_hook_registers_on_both_servers(mesh_file: Path, state: P
             (grpc.method_handlers_generic_handler("test.Echo", {"Echo": handler}),)
         )
 
-    cp = ControlPlane(mesh_file, state, address="127.0.0.1:0", secure_address="127.0.0.1:0")
+    cp = ControlPlane(
+        mesh_file, state, address="127.0.0.1:0", secure_address="127.0.0.1:0", registry=Registry()
+    )
     cp.add_servicer_hook(hook)
     await cp.start()
     try:
@@ -299,7 +301,7 @@ async def test_port_in_use_is_a_clear_error(mesh_file: Path, state: Path) -> Non
         busy.listen()
         port = busy.getsockname()[1]
         for address, secure in ((f"127.0.0.1:{port}", "127.0.0.1:0"), ("127.0.0.1:0", f"127.0.0.1:{port}")):
-            cp = ControlPlane(mesh_file, state, address=address, secure_address=secure)
+            cp = ControlPlane(mesh_file, state, address=address, secure_address=secure, registry=Registry())
             with pytest.raises(
                 ControlPlaneError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"
             ):
@@ -307,7 +309,7 @@ async def test_port_in_use_is_a_clear_error(mesh_file: Path, state: Path) -> Non
 
 
 async def test_bad_address_is_a_clear_error(mesh_file: Path, state: Path) -> None:
-    cp = ControlPlane(mesh_file, state, address="localhost")
+    cp = ControlPlane(mesh_file, state, address="localhost", registry=Registry())
     with pytest.raises(ControlPlaneError, match="expected HOST:PORT"):
         await cp.start()
 

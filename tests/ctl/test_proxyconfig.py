@@ -19,6 +19,7 @@ from istio_agent.cli.agentctl import main
 from istio_agent.ctl.local import free_port
 from istio_agent.ctl.proxyconfig import SecretQuery, resolve_target, run
 from istio_agent.ctl.secrets import SecretsError
+from istio_agent.metrics import Registry
 from istio_agent.security.debug import secrets_view
 from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT
 from istio_agent.status.readiness import Readiness
@@ -80,7 +81,9 @@ async def test_diff_against_the_agents_status_server(tmp_path: Path) -> None:
         tmp_path, SECRET_TTL="2s", SECRET_GRACE_PERIOD_RATIO_JITTER="0", OUTPUT_CERTS=str(out_dir)
     )
     manager, recorder = await started(settings, ca)
-    server = StatusServer("127.0.0.1", 0, Readiness([]), secrets=lambda: secrets_view(manager))
+    server = StatusServer(
+        "127.0.0.1", 0, Readiness([]), secrets=lambda: secrets_view(manager), registry=Registry()
+    )
     await server.start()
     try:
         item = await manager.generate(WORKLOAD_KEY_CERT)
@@ -172,7 +175,7 @@ async def test_an_address_that_accepts_but_never_answers_times_out() -> None:
 
 async def test_something_that_is_not_envoys_admin_is_named() -> None:
     """The agent's status port given as Envoy's admin: a 404, said with its body."""
-    server = StatusServer("127.0.0.1", 0, Readiness([]))
+    server = StatusServer("127.0.0.1", 0, Readiness([]), registry=Registry())
     await server.start()
     try:
         address = f"127.0.0.1:{server.port}"

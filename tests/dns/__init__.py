@@ -1,5 +1,8 @@
-def sample(name: str, labels: dict[str, str] | None = None) -> float:
-    """A sample of the process's default registry (what these DNS objects count into when built bare)."""
-    from istio_agent.metrics import PREFIX, REGISTRY
+from __future__ import annotations
 
-    return REGISTRY.sample(PREFIX + name, labels) or 0.0
+from istio_agent.metrics import PREFIX, Registry
+
+
+def sample(registry: Registry, name: str, labels: dict[str, str] | None = None) -> float:
+    """A sample of ``registry`` under the agent's metric prefix (0 when nothing was counted yet)."""
+    return registry.sample(PREFIX + name, labels) or 0.0

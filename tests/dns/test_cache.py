@@ -13,6 +13,7 @@ import pytest
 
 from istio_agent.dns.cache import AnswerCache, cacheable_ttl
 from istio_agent.dns.wire import Query, parse_query
+from istio_agent.metrics import Registry
 from tests.dns import sample
 
 SOA = "ns1.example.com. hostmaster.example.com. 1 7200 900 1209600 {minimum}"
@@ -66,7 +67,7 @@ def ttls(message: bytes) -> list[int]:
 
 def test_hit_has_the_clients_id_and_ttls_aged_in_whole_seconds() -> None:
     clock = Clock()
-    cache = AnswerCache(clock=clock)
+    cache = AnswerCache(clock=clock, registry=Registry())
     cache.put(parsed(qid=7), reply(query(qid=7)))
 
     hit = cache.get(parsed(qid=0xABCD))
@@ -89,7 +90,7 @@ def test_hit_has_the_clients_id_and_ttls_aged_in_whole_seconds() -> None:
 
 def test_entry_lives_for_the_smallest_ttl() -> None:
     clock = Clock()
-    cache = AnswerCache(clock=clock)
+    cache = AnswerCache(clock=clock, registry=Registry())
     q = query("multi.example.com.")
     cache.put(parse_query(q), reply(q, answers=((300, "A", "10.0.0.1"), (40, "TXT", '"x"'))))
     clock.now += 39.5
@@ -102,7 +103,7 @@ def test_entry_lives_for_the_smallest_ttl() -> None:
 
 def test_nxdomain_lives_for_the_soa_minimum() -> None:
     clock = Clock()
-    cache = AnswerCache(clock=clock)
+    cache = AnswerCache(clock=clock, registry=Registry())
     q = query("nope.example.com.")
     cache.put(parse_query(q), reply(q, answers=(), soa=(600, 60), rcode=dns.rcode.NXDOMAIN))
     clock.now += 30
@@ -120,7 +121,7 @@ def test_nxdomain_lives_for_the_soa_minimum() -> None:
 
 def test_nodata_lives_for_the_soa_ttl_when_smaller() -> None:
     clock = Clock()
-    cache = AnswerCache(clock=clock)
+    cache = AnswerCache(clock=clock, registry=Registry())
     q = query("v4only.example.com.", "AAAA")
     cache.put(parse_query(q), reply(q, answers=(), soa=(20, 3600)))
     clock.now += 19.9
@@ -144,7 +145,7 @@ def test_not_cached(kind: str) -> None:
         "zero-ttl": lambda: reply(q, answers=((0, "A", "10.0.0.1"),)),
         "garbage": lambda: q[:2] + b"\x81\x80" + b"\x00\x01" * 4 + b"\xff" * 7,
     }[kind]()
-    cache = AnswerCache()
+    cache = AnswerCache(registry=Registry())
     assert cacheable_ttl(message) is None
     cache.put(parse_query(q), message)
     assert len(cache) == 0
@@ -152,7 +153,7 @@ def test_not_cached(kind: str) -> None:
 
 
 def test_key_is_case_insensitive_and_echoes_the_clients_case() -> None:
-    cache = AnswerCache(clock=Clock())
+    cache = AnswerCache(clock=Clock(), registry=Registry())
     cache.put(parsed("www.example.com."), reply(query("www.example.com.")))
     hit = cache.get(parsed("WwW.ExAmPlE.cOm.", qid=9))
     assert hit is not None
@@ -160,7 +161,7 @@ def test_key_is_case_insensitive_and_echoes_the_clients_case() -> None:
 
 
 def test_key_separates_type_class_do_bit_and_edns() -> None:
-    cache = AnswerCache(clock=Clock())
+    cache = AnswerCache(clock=Clock(), registry=Registry())
     plain = query()
     cache.put(parse_query(plain), reply(plain))
     assert cache.get(parsed(qtype="AAAA")) is None
@@ -175,7 +176,7 @@ def test_key_separates_type_class_do_bit_and_edns() -> None:
 
 def test_opt_record_is_not_aged() -> None:
     clock = Clock()
-    cache = AnswerCache(clock=clock)
+    cache = AnswerCache(clock=clock, registry=Registry())
     q = query(use_edns=0, want_dnssec=True, payload=1232)
     response = dns.message.make_response(dns.message.from_wire(q))
     response.answer.append(dns.rrset.from_text("www.example.com.", 300, "IN", "A", "10.0.0.1"))
@@ -191,7 +192,7 @@ def test_opt_record_is_not_aged() -> None:
 
 
 def test_bounded_size_evicts_the_oldest() -> None:
-    cache = AnswerCache(max_entries=2, clock=Clock())
+    cache = AnswerCache(max_entries=2, clock=Clock(), registry=Registry())
     names = ["a.example.", "b.example.", "c.example."]
     for name in names:
         cache.put(parsed(name), reply(query(name)))
@@ -203,7 +204,7 @@ def test_bounded_size_evicts_the_oldest() -> None:
 
 def test_replacing_an_entry_refreshes_it() -> None:
     clock = Clock()
-    cache = AnswerCache(max_entries=2, clock=clock)
+    cache = AnswerCache(max_entries=2, clock=clock, registry=Registry())
     cache.put(parsed("a.example."), reply(query("a.example."), answers=((10, "A", "10.0.0.1"),)))
     cache.put(parsed("b.example."), reply(query("b.example.")))
     clock.now += 5
@@ -217,23 +218,24 @@ def test_replacing_an_entry_refreshes_it() -> None:
 
 
 def test_hit_and_miss_counters() -> None:
-    cache = AnswerCache(clock=Clock())
-    hits, misses = sample("dns_cache_hits_total"), sample("dns_cache_misses_total")
+    registry = Registry()
+    cache = AnswerCache(clock=Clock(), registry=registry)
+    hits, misses = sample(registry, "dns_cache_hits_total"), sample(registry, "dns_cache_misses_total")
     assert cache.get(parsed("count.example.")) is None
     cache.put(parsed("count.example."), reply(query("count.example.")))
     assert cache.get(parsed("count.example.")) is not None
     assert cache.get(parsed("count.example.")) is not None
-    assert sample("dns_cache_hits_total") == hits + 2
-    assert sample("dns_cache_misses_total") == misses + 1
+    assert sample(registry, "dns_cache_hits_total") == hits + 2
+    assert sample(registry, "dns_cache_misses_total") == misses + 1
 
 
 def test_bad_size_is_rejected() -> None:
     with pytest.raises(ValueError, match="at least 1"):
-        AnswerCache(max_entries=0)
+        AnswerCache(max_entries=0, registry=Registry())
 
 
 def test_cd_bit_and_edns_options_keep_replies_apart() -> None:
-    cache = AnswerCache()
+    cache = AnswerCache(registry=Registry())
     plain = query("www.example.com.")
     cache.put(parse_query(plain), reply(plain))
     checking_disabled = dns.message.make_query("www.example.com.", "A")

@@ -18,6 +18,7 @@ import pytest
 from istio_agent.config.dns import DnsSettings
 from istio_agent.dns.proxy import BUILD_IN_THREAD_FROM, SAVED_TABLE, DnsProxy, DnsStartError, listen_addresses
 from istio_agent.dns.resolvconf import ResolvConf
+from istio_agent.metrics import Registry
 from istio_agent.protos import nds_pb2
 from tests.dns import sample
 from tests.dns.conftest import MANY_COUNT, MANY_NAME
@@ -57,8 +58,13 @@ def settings(resolv_conf: Path, **overrides: object) -> DnsSettings:
 
 
 @pytest.fixture
-async def proxy(upstream_resolv_conf: Path, tmp_path: Path) -> AsyncIterator[DnsProxy]:
-    dns_proxy = DnsProxy(settings(upstream_resolv_conf), workdir=tmp_path)
+def registry() -> Registry:
+    return Registry()
+
+
+@pytest.fixture
+async def proxy(upstream_resolv_conf: Path, tmp_path: Path, registry: Registry) -> AsyncIterator[DnsProxy]:
+    dns_proxy = DnsProxy(settings(upstream_resolv_conf), workdir=tmp_path, registry=registry)
     await dns_proxy.start()
     try:
         yield dns_proxy
@@ -149,14 +155,14 @@ async def test_a_stalled_tcp_client_does_not_block_others(proxy: DnsProxy) -> No
 
 
 async def test_the_table_survives_a_restart(upstream_resolv_conf: Path, tmp_path: Path) -> None:
-    first = DnsProxy(settings(upstream_resolv_conf), workdir=tmp_path)
+    first = DnsProxy(settings(upstream_resolv_conf), workdir=tmp_path, registry=Registry())
     await first.start()
     first.update(name_table())
     await first.stop()
     # in a pod only the istio-data volume (/var/lib/istio/data) is writable and outlives a restart
     written = [path.relative_to(tmp_path) for path in (tmp_path / "var").rglob("*") if path.is_file()]
     assert written == [Path("var/lib/istio/data/dns-name-table.pb")] == [SAVED_TABLE]
-    second = DnsProxy(settings(upstream_resolv_conf), workdir=tmp_path)
+    second = DnsProxy(settings(upstream_resolv_conf), workdir=tmp_path, registry=Registry())
     await second.start()
     try:
         assert addresses(await ask(second, "productpage.")) == ["10.0.0.1"]
@@ -166,26 +172,30 @@ async def test_the_table_survives_a_restart(upstream_resolv_conf: Path, tmp_path
         await second.stop()
 
 
-async def test_metrics_count_queries_by_type_and_rcode(proxy: DnsProxy) -> None:
-    before = sample("dns_requests_total")
+async def test_metrics_count_queries_by_type_and_rcode(proxy: DnsProxy, registry: Registry) -> None:
+    before = sample(registry, "dns_requests_total")
     proxy.update(name_table())
     await ask(proxy, "productpage.")
     await ask(proxy, "nowhere.upstream.test.")
-    assert sample("dns_requests_total") == before + 2
-    assert sample("dns_queries_total", {"qtype": "A", "rcode": "NOERROR", "source": "table"}) >= 1
-    assert sample("dns_queries_total", {"qtype": "A", "rcode": "NXDOMAIN", "source": "upstream"}) >= 1
-    assert sample("dns_name_table_size") > 0
+    assert sample(registry, "dns_requests_total") == before + 2
+    assert sample(registry, "dns_queries_total", {"qtype": "A", "rcode": "NOERROR", "source": "table"}) >= 1
+    assert (
+        sample(registry, "dns_queries_total", {"qtype": "A", "rcode": "NXDOMAIN", "source": "upstream"}) >= 1
+    )
+    assert sample(registry, "dns_name_table_size") > 0
 
 
 async def test_bad_start_up_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DnsStartError, match=r"failed to start local DNS server: .*missing\.conf"):
-        DnsProxy(settings(tmp_path / "missing.conf"), workdir=tmp_path)
+        DnsProxy(settings(tmp_path / "missing.conf"), workdir=tmp_path, registry=Registry())
     resolv = tmp_path / "resolv.conf"
     resolv.write_text("nameserver 127.0.0.1\n")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
         taken.bind(("127.0.0.1", 0))
         busy = DnsProxy(
-            settings(resolv, listen_address=f"127.0.0.1:{taken.getsockname()[1]}"), workdir=tmp_path
+            settings(resolv, listen_address=f"127.0.0.1:{taken.getsockname()[1]}"),
+            workdir=tmp_path,
+            registry=Registry(),
         )
         with pytest.raises(DnsStartError, match=r"failed to start local DNS server: .*127\.0\.0\.1"):
             await busy.start()
@@ -230,17 +240,21 @@ async def test_a_big_table_is_built_aside_and_a_newer_table_wins(proxy: DnsProxy
 async def test_with_dns_cache_a_repeated_upstream_name_is_answered_by_the_agent(
     upstream_resolv_conf: Path, tmp_path: Path
 ) -> None:
-    cached = DnsProxy(settings(upstream_resolv_conf, cache=True), workdir=tmp_path)
+    registry = Registry()
+    cached = DnsProxy(settings(upstream_resolv_conf, cache=True), workdir=tmp_path, registry=registry)
     await cached.start()
     try:
         cached.update(name_table())
-        hits = sample("dns_queries_total", {"qtype": "A", "rcode": "NOERROR", "source": "cache"})
-        upstream = sample("dns_upstream_requests_total")
+        hits = sample(registry, "dns_queries_total", {"qtype": "A", "rcode": "NOERROR", "source": "cache"})
+        upstream = sample(registry, "dns_upstream_requests_total")
         first = await ask(cached, "www.upstream.test.")
         second = await ask(cached, "WWW.upstream.test.", tcp=True)
         assert addresses(first) == addresses(second) == ["192.0.2.10"]
         assert str(second.question[0].name) == "WWW.upstream.test."  # the client's spelling
-        assert sample("dns_upstream_requests_total") == upstream + 1
-        assert sample("dns_queries_total", {"qtype": "A", "rcode": "NOERROR", "source": "cache"}) == hits + 1
+        assert sample(registry, "dns_upstream_requests_total") == upstream + 1
+        assert (
+            sample(registry, "dns_queries_total", {"qtype": "A", "rcode": "NOERROR", "source": "cache"})
+            == hits + 1
+        )
     finally:
         await cached.stop()

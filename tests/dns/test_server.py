@@ -22,6 +22,7 @@ from istio_agent.dns.server import DnsResolver, DnsServer
 from istio_agent.dns.table import LookupTable
 from istio_agent.dns.upstream import Forwarder
 from istio_agent.dns.wire import Query
+from istio_agent.metrics import Registry
 from istio_agent.protos import nds_pb2
 
 pytestmark = pytest.mark.both_loops
@@ -62,7 +63,7 @@ def valid_query() -> bytes:
     st.sampled_from([None, 65535]),
 )
 def test_any_bytes_get_a_reply_a_query_or_nothing(data: bytes, limit: int | None) -> None:
-    resolver = DnsResolver(Forwarder([]))
+    resolver = DnsResolver(Forwarder([], registry=Registry()))
     resolver.table = table()
     for _ in range(2):  # the second time through the remembered-reply path
         result = resolver.answer_now(data, limit)
@@ -73,7 +74,7 @@ def test_any_bytes_get_a_reply_a_query_or_nothing(data: bytes, limit: int | None
 
 
 async def test_repeated_questions_reuse_replies_but_multi_address_answers_still_rotate() -> None:
-    resolver = DnsResolver(Forwarder([]))
+    resolver = DnsResolver(Forwarder([], registry=Registry()))
     resolver.table = table()
     query = valid_query()
     first = resolver.answer_now(query, None)
@@ -98,7 +99,7 @@ def receive_all(sock: socket.socket, count: int) -> list[bytes]:
 
 
 def table_resolver() -> DnsResolver:
-    resolver = DnsResolver(Forwarder([]))  # no upstream: forwarded names get SERVFAIL
+    resolver = DnsResolver(Forwarder([], registry=Registry()))  # no upstream: forwarded names get SERVFAIL
     resolver.table = table()
     return resolver
 
@@ -106,7 +107,7 @@ def table_resolver() -> DnsResolver:
 @contextlib.asynccontextmanager
 async def serving_on_loopback(resolver: DnsResolver) -> AsyncIterator[tuple[DnsServer, tuple[str, int]]]:
     """A server on a free UDP/TCP port of 127.0.0.1 and its UDP address, stopped afterwards."""
-    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    server = DnsServer(resolver, [("127.0.0.1", 0)], registry=Registry())
     await server.start()
     try:
         yield server, ("127.0.0.1", server.bound[0][2])
@@ -197,7 +198,7 @@ async def test_a_query_that_fails_costs_only_itself(monkeypatch: pytest.MonkeyPa
 
 
 async def test_a_question_asked_again_skips_the_parse_yet_gets_its_own_id_and_a_new_table() -> None:
-    resolver = DnsResolver(Forwarder([]))
+    resolver = DnsResolver(Forwarder([], registry=Registry()))
     resolver.table = table()
     query = dns.message.make_query("reviews.ns1.svc.cluster.local.", "A", id=1).to_wire()
     first = resolver.answer_now(query, None)
@@ -235,10 +236,10 @@ async def test_a_flood_of_forwarded_queries_does_not_starve_table_answers(
     silent_upstream: tuple[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(dns_server, "MAX_PENDING_FORWARDS", 50)
-    forwarder = Forwarder([silent_upstream], timeout=5)
+    forwarder = Forwarder([silent_upstream], timeout=5, registry=Registry())
     resolver = DnsResolver(forwarder)
     resolver.table = table()
-    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    server = DnsServer(resolver, [("127.0.0.1", 0)], registry=Registry())
     await server.start()
     try:
         udp_port = server.bound[0][2]
@@ -258,9 +259,9 @@ async def test_a_flood_of_forwarded_queries_does_not_starve_table_answers(
 
 
 async def test_tcp_garbage_and_stalls_cost_only_their_own_connection() -> None:
-    resolver = DnsResolver(Forwarder([]))
+    resolver = DnsResolver(Forwarder([], registry=Registry()))
     resolver.table = table()
-    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    server = DnsServer(resolver, [("127.0.0.1", 0)], registry=Registry())
     await server.start()
     try:
         tcp_port = server.bound[1][2]
@@ -286,10 +287,10 @@ async def test_tcp_garbage_and_stalls_cost_only_their_own_connection() -> None:
 
 def test_before_the_first_table_queries_get_servfail_or_go_upstream_on_port_53_as_root() -> None:
     query = valid_query()
-    waiting = DnsResolver(Forwarder([]))
+    waiting = DnsResolver(Forwarder([], registry=Registry()))
     reply = waiting.answer_now(query, None)
     assert isinstance(reply, bytes) and reply[3] & 0x0F == dns.rcode.SERVFAIL
-    forwarding = DnsResolver(Forwarder([]), respond_before_sync=True)  # ":53" as root
+    forwarding = DnsResolver(Forwarder([], registry=Registry()), respond_before_sync=True)  # ":53" as root
     assert isinstance(forwarding.answer_now(query, None), Query)
 
 
@@ -309,9 +310,9 @@ async def test_a_tcp_client_that_stops_reading_is_dropped(monkeypatch: pytest.Mo
     info = name_table.table["big.example"]
     info.ips.extend(f"10.{i >> 8}.{i & 255}.1" for i in range(3000))
     info.registry = "External"
-    resolver = DnsResolver(Forwarder([]))
+    resolver = DnsResolver(Forwarder([], registry=Registry()))
     resolver.table = LookupTable.build(name_table, proxy_namespace="", proxy_domain="", search_domains=[])
-    server = DnsServer(resolver, [("127.0.0.1", 0)])
+    server = DnsServer(resolver, [("127.0.0.1", 0)], registry=Registry())
     await server.start()
     clients = []
     try:
@@ -342,7 +343,7 @@ def test_odd_labels_never_match_a_wildcard_and_go_upstream() -> None:
     for host, ip in (("*.wildcard", "10.0.0.1"), ("*.foo.wildcard", "10.0.0.2")):
         name_table.table[host].ips.append(ip)
         name_table.table[host].registry = "External"
-    resolver = DnsResolver(Forwarder([]))
+    resolver = DnsResolver(Forwarder([], registry=Registry()))
     resolver.table = LookupTable.build(name_table, proxy_namespace="", proxy_domain="", search_domains=[])
     plain = resolver.answer_now(dns.message.make_query("x.foo.wildcard.", "A").to_wire(), None)
     assert isinstance(plain, bytes) and "10.0.0.2" in dns.message.from_wire(plain).to_text()

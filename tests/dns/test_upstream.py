@@ -22,6 +22,7 @@ from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.udp_pool import PoolLimits, RandomIds, Sent, UdpPool
 from istio_agent.dns.upstream import Forwarder, UpstreamError, _UdpForward, shuffled
 from istio_agent.dns.wire import parse_query
+from istio_agent.metrics import Registry
 from tests.dns import sample
 
 Respond = Callable[[bytes], list[bytes]]
@@ -204,10 +205,14 @@ async def forward(forwarder: Forwarder, query: bytes, *, tcp: bool = False) -> b
 
 
 async def test_udp_query_is_forwarded_with_its_own_id_and_the_reply_relayed(fakes: Any) -> None:
+    registry = Registry()
     fake = await fakes(answer("10.1.2.3"))
-    forwarder = Forwarder([fake.address], timeout=2)
+    forwarder = Forwarder([fake.address], timeout=2, registry=registry)
     query = make_query("WwW.Example.COM.", qid=0xBEEF, use_edns=0, want_dnssec=True)
-    before = sample("dns_upstream_requests_total"), sample("dns_upstream_request_duration_seconds_count")
+    before = (
+        sample(registry, "dns_upstream_requests_total"),
+        sample(registry, "dns_upstream_request_duration_seconds_count"),
+    )
 
     reply = await forward(forwarder, query)
 
@@ -216,13 +221,13 @@ async def test_udp_query_is_forwarded_with_its_own_id_and_the_reply_relayed(fake
     assert reply[:2] == query[:2]
     assert answer_ips(reply) == ["10.1.2.3"]
     assert reply[:2] == b"\xbe\xef"
-    assert sample("dns_upstream_requests_total") == before[0] + 1
-    assert sample("dns_upstream_request_duration_seconds_count") == before[1] + 1
+    assert sample(registry, "dns_upstream_requests_total") == before[0] + 1
+    assert sample(registry, "dns_upstream_request_duration_seconds_count") == before[1] + 1
 
 
 async def test_tcp_in_tcp_out(fakes: Any) -> None:
     fake = await fakes(answer("10.9.9.9"))
-    forwarder = Forwarder([fake.address], timeout=2)
+    forwarder = Forwarder([fake.address], timeout=2, registry=Registry())
     query = make_query()
     reply = await forward(forwarder, query, tcp=True)
     assert fake.queries == [("tcp", query)]
@@ -232,7 +237,7 @@ async def test_tcp_in_tcp_out(fakes: Any) -> None:
 async def test_big_reply_over_tcp(fakes: Any) -> None:
     ips = tuple(f"10.0.{i // 250}.{i % 250}" for i in range(200))
     fake = await fakes(lambda q: [make_reply(q, ips=ips)])
-    reply = await forward(Forwarder([fake.address], timeout=2), make_query(), tcp=True)
+    reply = await forward(Forwarder([fake.address], timeout=2, registry=Registry()), make_query(), tcp=True)
     assert len(reply) > 3000
     assert len(answer_ips(reply)) == 200
 
@@ -242,7 +247,7 @@ async def test_big_udp_reply_is_relayed_whole(fakes: Any) -> None:
     ips = tuple(f"10.0.{i // 250}.{i % 250}" for i in range(200))
     fake = await fakes(lambda q: [make_reply(q, ips=ips)])
     query = make_query()  # no EDNS: Istio would read 512 bytes of it and fail
-    reply = await forward(Forwarder([fake.address], timeout=2), query)
+    reply = await forward(Forwarder([fake.address], timeout=2, registry=Registry()), query)
     assert len(reply) > 3000
     assert len(answer_ips(reply)) == 200
 
@@ -257,13 +262,13 @@ async def test_udp_reply_with_wrong_id_is_ignored(fakes: Any) -> None:
         return [bytes(bad), make_reply(query, ips=("10.0.0.7",))]
 
     fake = await fakes(wrong_id_first)
-    reply = await forward(Forwarder([fake.address], timeout=2), make_query())
+    reply = await forward(Forwarder([fake.address], timeout=2, registry=Registry()), make_query())
     assert answer_ips(reply) == ["10.0.0.7"]
 
 
 async def test_udp_reply_from_another_address_is_ignored(fakes: Any) -> None:
     fake = await fakes(answer("10.0.0.8"), spoof=answer("6.6.6.6"), delay=0.05)
-    reply = await forward(Forwarder([fake.address], timeout=2), make_query())
+    reply = await forward(Forwarder([fake.address], timeout=2, registry=Registry()), make_query())
     assert answer_ips(reply) == ["10.0.0.8"]
 
 
@@ -271,7 +276,7 @@ async def test_garbage_fails_the_attempt_without_waiting_for_the_timeout(
     fakes: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = await fakes(garbage)
-    forwarder = Forwarder([fake.address], timeout=5)
+    forwarder = Forwarder([fake.address], timeout=5, registry=Registry())
     start = time.monotonic()
     with caplog.at_level(logging.INFO, logger="istio.dns"), pytest.raises(UpstreamError) as failed:
         await forward(forwarder, make_query())
@@ -285,7 +290,10 @@ async def test_garbage_fails_the_attempt_without_waiting_for_the_timeout(
 async def test_reply_to_another_question_is_rejected(fakes: Any) -> None:
     fake = await fakes(lambda q: [make_reply(make_query("evil.example.", qid=0x1234))])
     with pytest.raises(UpstreamError):  # ignored as a spoof, so the attempt times out
-        await forward(Forwarder([fake.address], timeout=0.3), make_query("www.example.com.", qid=0x1234))
+        await forward(
+            Forwarder([fake.address], timeout=0.3, registry=Registry()),
+            make_query("www.example.com.", qid=0x1234),
+        )
 
 
 async def test_tcp_reply_with_wrong_id_is_an_error(fakes: Any) -> None:
@@ -296,42 +304,46 @@ async def test_tcp_reply_with_wrong_id_is_an_error(fakes: Any) -> None:
 
     fake = await fakes(wrong_id)
     with pytest.raises(UpstreamError, match="ID"):
-        await forward(Forwarder([fake.address], timeout=5), make_query(), tcp=True)
+        await forward(Forwarder([fake.address], timeout=5, registry=Registry()), make_query(), tcp=True)
 
 
 # --- timeouts, failures, failover ----------------------------------------------------------------
 
 
 async def test_silent_server_times_out(fakes: Any) -> None:
+    registry = Registry()
     fake = await fakes(silent)
-    before = sample("dns_upstream_failures_total"), sample("dns_upstream_request_duration_seconds_count")
+    before = (
+        sample(registry, "dns_upstream_failures_total"),
+        sample(registry, "dns_upstream_request_duration_seconds_count"),
+    )
     start = time.monotonic()
     with pytest.raises(UpstreamError, match="timeout") as failed:
-        await forward(Forwarder([fake.address], timeout=0.3), make_query())
+        await forward(Forwarder([fake.address], timeout=0.3, registry=registry), make_query())
     assert 0.25 < time.monotonic() - start < 1.5
     assert failed.value.errors == [(f"127.0.0.1:{fake.port}", "i/o timeout after 0.3s")]
-    assert sample("dns_upstream_failures_total") == before[0] + 1
-    assert sample("dns_upstream_request_duration_seconds_count") == before[1] + 1
+    assert sample(registry, "dns_upstream_failures_total") == before[0] + 1
+    assert sample(registry, "dns_upstream_request_duration_seconds_count") == before[1] + 1
 
 
 async def test_tcp_silent_server_times_out(fakes: Any) -> None:
     fake = await fakes(silent)
     with pytest.raises(UpstreamError, match="timeout"):
-        await forward(Forwarder([fake.address], timeout=0.3), make_query(), tcp=True)
+        await forward(Forwarder([fake.address], timeout=0.3, registry=Registry()), make_query(), tcp=True)
 
 
 async def test_refused_port_fails_fast() -> None:
     port = free_port()  # nothing listens there
     start = time.monotonic()
     with pytest.raises(UpstreamError) as failed:
-        await forward(Forwarder([("127.0.0.1", port)], timeout=5), make_query())
+        await forward(Forwarder([("127.0.0.1", port)], timeout=5, registry=Registry()), make_query())
     assert time.monotonic() - start < 2
     assert "refused" in str(failed.value).lower()
 
 
 async def test_error_message_lists_every_server(fakes: Any) -> None:
     quiet, broken = await fakes(silent), await fakes(garbage)
-    forwarder = Forwarder([quiet.address, broken.address], timeout=0.3)
+    forwarder = Forwarder([quiet.address, broken.address], timeout=0.3, registry=Registry())
     with pytest.raises(UpstreamError) as failed:
         await forward(forwarder, make_query())
     assert sorted(server for server, _ in failed.value.errors) == sorted(
@@ -345,7 +357,9 @@ async def test_error_message_lists_every_server(fakes: Any) -> None:
 async def test_sequential_fails_over_on_transport_error(fakes: Any) -> None:
     quiet, good = await fakes(silent), await fakes(answer("10.0.0.2"))
     # Two servers: an odd ID keeps resolv.conf order, so the silent one is asked first.
-    forwarder = Forwarder([quiet.address, good.address], timeout=0.3, next_id=fixed_ids(1))
+    forwarder = Forwarder(
+        [quiet.address, good.address], timeout=0.3, next_id=fixed_ids(1), registry=Registry()
+    )
     reply = await forward(forwarder, make_query())
     assert answer_ips(reply) == ["10.0.0.2"]
     assert len(quiet.queries) == 1 and len(good.queries) == 1
@@ -354,7 +368,9 @@ async def test_sequential_fails_over_on_transport_error(fakes: Any) -> None:
 @pytest.mark.parametrize("rcode", [dns.rcode.SERVFAIL, dns.rcode.REFUSED, dns.rcode.NXDOMAIN])
 async def test_sequential_does_not_fail_over_on_rcode(fakes: Any, rcode: int) -> None:
     failing, good = await fakes(answer(rcode=rcode)), await fakes(answer("10.0.0.2"))
-    forwarder = Forwarder([failing.address, good.address], timeout=2, next_id=fixed_ids(1))
+    forwarder = Forwarder(
+        [failing.address, good.address], timeout=2, next_id=fixed_ids(1), registry=Registry()
+    )
     reply = await forward(forwarder, make_query())
     assert dns.message.from_wire(reply).rcode() == rcode
     assert good.queries == []
@@ -362,15 +378,15 @@ async def test_sequential_does_not_fail_over_on_rcode(fakes: Any, rcode: int) ->
 
 async def test_sequential_order_is_shuffled_per_query(fakes: Any) -> None:
     servers = [await fakes(answer(f"10.0.0.{i}")) for i in range(3)]
-    forwarder = Forwarder([s.address for s in servers], timeout=2)
+    forwarder = Forwarder([s.address for s in servers], timeout=2, registry=Registry())
     firsts = {answer_ips(await forward(forwarder, make_query(qid=i)))[0] for i in range(60)}
     assert firsts == {"10.0.0.0", "10.0.0.1", "10.0.0.2"}
 
 
 async def test_injected_ids_pin_the_order(fakes: Any) -> None:
     first, second = await fakes(answer("10.0.0.1")), await fakes(answer("10.0.0.2"))
-    keep = Forwarder([first.address, second.address], next_id=fixed_ids(1))
-    swap = Forwarder([first.address, second.address], next_id=fixed_ids(2))
+    keep = Forwarder([first.address, second.address], next_id=fixed_ids(1), registry=Registry())
+    swap = Forwarder([first.address, second.address], next_id=fixed_ids(2), registry=Registry())
     assert answer_ips(await forward(keep, make_query())) == ["10.0.0.1"]
     assert answer_ips(await forward(swap, make_query())) == ["10.0.0.2"]
 
@@ -400,7 +416,7 @@ def test_shuffle_follows_the_id_sequence() -> None:
 
 async def test_parallel_first_reply_wins(fakes: Any) -> None:
     slow, fast = await fakes(answer("10.0.0.1"), delay=3), await fakes(answer("10.0.0.2"))
-    forwarder = Forwarder([slow.address, fast.address], parallel=True, timeout=5)
+    forwarder = Forwarder([slow.address, fast.address], parallel=True, timeout=5, registry=Registry())
     start = time.monotonic()
     reply = await forward(forwarder, make_query())
     assert time.monotonic() - start < 1.5
@@ -410,20 +426,20 @@ async def test_parallel_first_reply_wins(fakes: Any) -> None:
 
 async def test_parallel_any_rcode_wins(fakes: Any) -> None:
     failing, slow = await fakes(answer(rcode=dns.rcode.SERVFAIL)), await fakes(answer("10.0.0.2"), delay=0.5)
-    forwarder = Forwarder([slow.address, failing.address], parallel=True, timeout=5)
+    forwarder = Forwarder([slow.address, failing.address], parallel=True, timeout=5, registry=Registry())
     reply = await forward(forwarder, make_query())
     assert dns.message.from_wire(reply).rcode() == dns.rcode.SERVFAIL
 
 
 async def test_parallel_errors_do_not_win(fakes: Any) -> None:
     broken, slow = await fakes(garbage), await fakes(answer("10.0.0.2"), delay=0.3)
-    forwarder = Forwarder([broken.address, slow.address], parallel=True, timeout=5)
+    forwarder = Forwarder([broken.address, slow.address], parallel=True, timeout=5, registry=Registry())
     assert answer_ips(await forward(forwarder, make_query())) == ["10.0.0.2"]
 
 
 async def test_parallel_cancels_the_losers(fakes: Any) -> None:
     slow, fast = await fakes(answer("10.0.0.1"), delay=5), await fakes(answer("10.0.0.2"))
-    forwarder = Forwarder([slow.address, fast.address], parallel=True, timeout=10)
+    forwarder = Forwarder([slow.address, fast.address], parallel=True, timeout=10, registry=Registry())
     reply = await forward(forwarder, make_query(), tcp=True)
     assert answer_ips(reply) == ["10.0.0.2"]
     async with asyncio.timeout(2):
@@ -432,7 +448,7 @@ async def test_parallel_cancels_the_losers(fakes: Any) -> None:
 
 async def test_parallel_all_failing(fakes: Any) -> None:
     a, b = await fakes(silent), await fakes(garbage)
-    forwarder = Forwarder([a.address, b.address], parallel=True, timeout=0.3)
+    forwarder = Forwarder([a.address, b.address], parallel=True, timeout=0.3, registry=Registry())
     with pytest.raises(UpstreamError) as failed:
         await forward(forwarder, make_query())
     assert len(failed.value.errors) == 2
@@ -440,13 +456,14 @@ async def test_parallel_all_failing(fakes: Any) -> None:
 
 @pytest.mark.parametrize("parallel", [False, True])
 async def test_zero_servers_fail_at_once(parallel: bool) -> None:
+    registry = Registry()
     """Beyond Istio: parallel mode with no nameservers does not hang the query."""
-    forwarder = Forwarder([], parallel=parallel, timeout=5, retries=3)
-    before = sample("dns_upstream_failures_total")
+    forwarder = Forwarder([], parallel=parallel, timeout=5, retries=3, registry=registry)
+    before = sample(registry, "dns_upstream_failures_total")
     async with asyncio.timeout(1):
         with pytest.raises(UpstreamError, match="no upstream nameservers"):
             await forward(forwarder, make_query())
-    assert sample("dns_upstream_failures_total") == before + 1
+    assert sample(registry, "dns_upstream_failures_total") == before + 1
 
 
 # --- retries -------------------------------------------------------------------------------------
@@ -466,21 +483,23 @@ def fail_first(times: int) -> Respond:
 async def test_no_retries_by_default(fakes: Any) -> None:
     fake = await fakes(fail_first(1))
     with pytest.raises(UpstreamError):
-        await forward(Forwarder([fake.address], timeout=2), make_query())
+        await forward(Forwarder([fake.address], timeout=2, registry=Registry()), make_query())
     assert len(fake.queries) == 1
 
 
 @pytest.mark.parametrize("tcp", [False, True])
 async def test_retries_add_rounds(fakes: Any, tcp: bool) -> None:
     fake = await fakes(fail_first(2))
-    reply = await forward(Forwarder([fake.address], timeout=2, retries=2), make_query(), tcp=tcp)
+    reply = await forward(
+        Forwarder([fake.address], timeout=2, retries=2, registry=Registry()), make_query(), tcp=tcp
+    )
     assert answer_ips(reply) == ["10.0.0.5"]
     assert len(fake.queries) == 3
 
 
 async def test_retries_exhausted(fakes: Any) -> None:
     a, b = await fakes(garbage), await fakes(garbage)
-    forwarder = Forwarder([a.address, b.address], timeout=2, retries=2)
+    forwarder = Forwarder([a.address, b.address], timeout=2, retries=2, registry=Registry())
     with pytest.raises(UpstreamError) as failed:
         await forward(forwarder, make_query())
     assert len(failed.value.errors) == 6  # every attempt of every round is reported
@@ -489,13 +508,13 @@ async def test_retries_exhausted(fakes: Any) -> None:
 
 def test_bad_settings_are_rejected() -> None:
     with pytest.raises(ValueError, match="timeout"):
-        Forwarder([("127.0.0.1", 53)], timeout=0)
+        Forwarder([("127.0.0.1", 53)], timeout=0, registry=Registry())
     with pytest.raises(ValueError, match="retries"):
-        Forwarder([("127.0.0.1", 53)], retries=-1)
+        Forwarder([("127.0.0.1", 53)], retries=-1, registry=Registry())
 
 
 def test_server_labels() -> None:
-    forwarder = Forwarder([("10.0.0.1", 53), ("fd00::1", 5353)])
+    forwarder = Forwarder([("10.0.0.1", 53), ("fd00::1", 5353)], registry=Registry())
     assert forwarder.servers == ["10.0.0.1:53", "[fd00::1]:5353"]
 
 
@@ -503,14 +522,15 @@ def test_server_labels() -> None:
 
 
 async def test_cached_answer_skips_the_upstream(fakes: Any) -> None:
+    registry = Registry()
     fake = await fakes(answer("10.0.0.3"))
-    forwarder = Forwarder([fake.address], timeout=2, cache=AnswerCache())
-    before = sample("dns_upstream_requests_total")
+    forwarder = Forwarder([fake.address], timeout=2, cache=AnswerCache(registry=registry), registry=registry)
+    before = sample(registry, "dns_upstream_requests_total")
     await forward(forwarder, make_query("www.example.com.", qid=1))
     second = make_query("WWW.example.COM.", qid=2)
     reply = await forward(forwarder, second)
     assert len(fake.queries) == 1
-    assert sample("dns_upstream_requests_total") == before + 1  # a hit is not an upstream request
+    assert sample(registry, "dns_upstream_requests_total") == before + 1  # a hit is not an upstream request
     assert reply[:2] == b"\x00\x02"
     assert str(dns.message.from_wire(reply).question[0].name) == "WWW.example.COM."  # the client's case
     assert answer_ips(reply) == ["10.0.0.3"]
@@ -518,7 +538,9 @@ async def test_cached_answer_skips_the_upstream(fakes: Any) -> None:
 
 async def test_servfail_is_not_cached(fakes: Any) -> None:
     fake = await fakes(answer(rcode=dns.rcode.SERVFAIL))
-    forwarder = Forwarder([fake.address], timeout=2, cache=AnswerCache())
+    forwarder = Forwarder(
+        [fake.address], timeout=2, cache=AnswerCache(registry=Registry()), registry=Registry()
+    )
     for qid in (1, 2):
         await forward(forwarder, make_query(qid=qid))
     assert len(fake.queries) == 2
@@ -536,16 +558,18 @@ def open_sockets(forwarder: Forwarder) -> int:
 
 
 async def test_reply_to_another_question_is_ignored_and_the_right_one_taken(fakes: Any) -> None:
+    registry = Registry()
+
     def other_question_first(query: bytes) -> list[bytes]:
         spoof = make_reply(query[:2] + make_query("evil.example.")[2:], ips=("6.6.6.6",))
         return [spoof, make_reply(query, ips=("10.0.0.9",))]
 
     fake = await fakes(other_question_first)
-    forwarder = Forwarder([fake.address], timeout=2)
-    before = sample("dns_upstream_unmatched_replies_total")
+    forwarder = Forwarder([fake.address], timeout=2, registry=registry)
+    before = sample(registry, "dns_upstream_unmatched_replies_total")
     reply = await forward(forwarder, make_query())
     assert answer_ips(reply) == ["10.0.0.9"]
-    assert sample("dns_upstream_unmatched_replies_total") == before + 1
+    assert sample(registry, "dns_upstream_unmatched_replies_total") == before + 1
     forwarder.close()
 
 
@@ -556,7 +580,9 @@ async def test_many_concurrent_queries_share_few_sockets(fakes: Any) -> None:
         return [make_reply(query, ips=(f"10.1.{index // 250}.{index % 250}",))]
 
     fake = await fakes(by_name, delay=0.02)  # replies come back out of order, all in flight at once
-    forwarder = Forwarder([fake.address], timeout=5, pool_limits=PoolLimits(sockets=2, queries=1000))
+    forwarder = Forwarder(
+        [fake.address], timeout=5, pool_limits=PoolLimits(sockets=2, queries=1000), registry=Registry()
+    )
     queries = [make_query(f"q{i}.example.", qid=i) for i in range(120)]  # within the fake's receive buffer
     replies = await asyncio.gather(*(forward(forwarder, query) for query in queries))
     for i, reply in enumerate(replies):
@@ -571,7 +597,11 @@ async def test_many_concurrent_queries_share_few_sockets(fakes: Any) -> None:
 async def test_an_id_in_flight_on_the_socket_is_not_reused(fakes: Any) -> None:
     fake = await fakes(answer("10.0.0.4"), delay=0.1)
     forwarder = Forwarder(
-        [fake.address], timeout=2, pool_limits=PoolLimits(sockets=1), query_ids=fixed_ids(7, 7, 7, 9)
+        [fake.address],
+        timeout=2,
+        pool_limits=PoolLimits(sockets=1),
+        query_ids=fixed_ids(7, 7, 7, 9),
+        registry=Registry(),
     )
     first, second = await asyncio.gather(
         forward(forwarder, make_query(qid=1)), forward(forwarder, make_query(qid=2))
@@ -583,7 +613,9 @@ async def test_an_id_in_flight_on_the_socket_is_not_reused(fakes: Any) -> None:
 
 async def test_a_socket_is_replaced_after_its_queries(fakes: Any) -> None:
     fake = await fakes(answer("10.0.0.6"))
-    forwarder = Forwarder([fake.address], timeout=2, pool_limits=PoolLimits(sockets=1, queries=3))
+    forwarder = Forwarder(
+        [fake.address], timeout=2, pool_limits=PoolLimits(sockets=1, queries=3), registry=Registry()
+    )
     for qid in range(7):
         await forward(forwarder, make_query(qid=qid))
     used = ports(fake)
@@ -595,7 +627,9 @@ async def test_a_socket_is_replaced_after_its_queries(fakes: Any) -> None:
 
 async def test_a_socket_is_replaced_after_its_lifetime(fakes: Any) -> None:
     fake = await fakes(answer("10.0.0.6"))
-    forwarder = Forwarder([fake.address], timeout=2, pool_limits=PoolLimits(sockets=1, lifetime=0.05))
+    forwarder = Forwarder(
+        [fake.address], timeout=2, pool_limits=PoolLimits(sockets=1, lifetime=0.05), registry=Registry()
+    )
     await forward(forwarder, make_query(qid=1))
     await forward(forwarder, make_query(qid=2))
     await asyncio.sleep(0.06)
@@ -608,7 +642,9 @@ async def test_a_socket_is_replaced_after_its_lifetime(fakes: Any) -> None:
 @pytest.mark.both_loops
 async def test_a_replaced_socket_stays_open_for_its_queries_in_flight(fakes: Any) -> None:
     fake = await fakes(answer("10.0.0.7"), delay=0.2)
-    forwarder = Forwarder([fake.address], timeout=2, pool_limits=PoolLimits(sockets=1, queries=1))
+    forwarder = Forwarder(
+        [fake.address], timeout=2, pool_limits=PoolLimits(sockets=1, queries=1), registry=Registry()
+    )
     first = asyncio.ensure_future(forward(forwarder, make_query(qid=1)))
     await asyncio.sleep(0.05)
     second = asyncio.ensure_future(forward(forwarder, make_query(qid=2)))  # replaces the first one's socket
@@ -621,16 +657,17 @@ async def test_a_replaced_socket_stays_open_for_its_queries_in_flight(fakes: Any
 
 
 async def test_a_late_reply_is_dropped_and_counted(fakes: Any) -> None:
+    registry = Registry()
     fake = await fakes(answer("10.0.0.8"), delay=0.3)
-    forwarder = Forwarder([fake.address], timeout=0.1, pool_limits=PoolLimits(sockets=1))
-    before = sample("dns_upstream_unmatched_replies_total")
+    forwarder = Forwarder([fake.address], timeout=0.1, pool_limits=PoolLimits(sockets=1), registry=registry)
+    before = sample(registry, "dns_upstream_unmatched_replies_total")
     with pytest.raises(UpstreamError, match="timeout"):
         await forward(forwarder, make_query(qid=1))
     for _ in range(50):
-        if sample("dns_upstream_unmatched_replies_total") > before:
+        if sample(registry, "dns_upstream_unmatched_replies_total") > before:
             break
         await asyncio.sleep(0.02)
-    assert sample("dns_upstream_unmatched_replies_total") == before + 1
+    assert sample(registry, "dns_upstream_unmatched_replies_total") == before + 1
     fake.delay = 0
     reply = await forward(forwarder, make_query("other.example.", qid=2))  # the same socket answers on
     assert reply[:2] == b"\x00\x02" and answer_ips(reply) == ["10.0.0.8"]
@@ -640,7 +677,7 @@ async def test_a_late_reply_is_dropped_and_counted(fakes: Any) -> None:
 
 async def test_closing_fails_the_queries_in_flight(fakes: Any) -> None:
     fake = await fakes(silent)
-    forwarder = Forwarder([fake.address], timeout=5)
+    forwarder = Forwarder([fake.address], timeout=5, registry=Registry())
     query = asyncio.ensure_future(forward(forwarder, make_query()))
     await asyncio.sleep(0.05)
     forwarder.close()
@@ -758,47 +795,55 @@ async def forward_on_callbacks(forwarder: Forwarder, query: bytes) -> bytes:
 
 @pytest.mark.both_loops
 async def test_callbacks_relay_the_reply_with_the_clients_id_and_count_it(fakes: Any) -> None:
+    registry = Registry()
     fake = await fakes(answer("10.1.2.3"))
-    forwarder = Forwarder([fake.address], timeout=2)
+    forwarder = Forwarder([fake.address], timeout=2, registry=registry)
     query = make_query("WwW.Example.COM.", qid=0xBEEF, use_edns=0)
-    before = sample("dns_upstream_requests_total"), sample("dns_upstream_request_duration_seconds_count")
+    before = (
+        sample(registry, "dns_upstream_requests_total"),
+        sample(registry, "dns_upstream_request_duration_seconds_count"),
+    )
     reply = await forward_on_callbacks(forwarder, query)
     [(transport, sent)] = fake.queries
     assert (transport, sent[2:]) == ("udp", query[2:]) and sent[:2] != b"" and reply[:2] == b"\xbe\xef"
     assert answer_ips(reply) == ["10.1.2.3"]
-    assert sample("dns_upstream_requests_total") == before[0] + 1
-    assert sample("dns_upstream_request_duration_seconds_count") == before[1] + 1
+    assert sample(registry, "dns_upstream_requests_total") == before[0] + 1
+    assert sample(registry, "dns_upstream_request_duration_seconds_count") == before[1] + 1
 
 
 async def test_callbacks_fail_over_after_a_timeout_and_a_late_reply_is_dropped(fakes: Any) -> None:
+    registry = Registry()
     slow, good = await fakes(answer("10.0.0.1"), delay=0.4), await fakes(answer("10.0.0.2"))
-    forwarder = Forwarder([slow.address, good.address], timeout=0.2, next_id=fixed_ids(1))
-    before = sample("dns_upstream_unmatched_replies_total")
+    forwarder = Forwarder([slow.address, good.address], timeout=0.2, next_id=fixed_ids(1), registry=registry)
+    before = sample(registry, "dns_upstream_unmatched_replies_total")
     started = time.monotonic()
     reply = await forward_on_callbacks(forwarder, make_query())
     assert answer_ips(reply) == ["10.0.0.2"] and 0.15 < time.monotonic() - started < 1.5
     for _ in range(50):  # the slow server's reply arrives after its query gave up on it
-        if sample("dns_upstream_unmatched_replies_total") > before:
+        if sample(registry, "dns_upstream_unmatched_replies_total") > before:
             break
         await asyncio.sleep(0.02)
-    assert sample("dns_upstream_unmatched_replies_total") == before + 1
+    assert sample(registry, "dns_upstream_unmatched_replies_total") == before + 1
 
 
 async def test_callbacks_fail_with_every_servers_error(fakes: Any) -> None:
+    registry = Registry()
     quiet, broken = await fakes(silent), await fakes(garbage)
-    forwarder = Forwarder([quiet.address, broken.address], timeout=0.3)
-    before = sample("dns_upstream_failures_total")
+    forwarder = Forwarder([quiet.address, broken.address], timeout=0.3, registry=registry)
+    before = sample(registry, "dns_upstream_failures_total")
     with pytest.raises(UpstreamError) as failed:
         await forward_on_callbacks(forwarder, make_query())
     assert sorted(server for server, _ in failed.value.errors) == sorted(
         [f"127.0.0.1:{quiet.port}", f"127.0.0.1:{broken.port}"]
     )
-    assert sample("dns_upstream_failures_total") == before + 1
+    assert sample(registry, "dns_upstream_failures_total") == before + 1
 
 
 async def test_callbacks_stop_at_once_when_the_forwarder_closes(fakes: Any) -> None:
     first, second = await fakes(silent), await fakes(answer("10.0.0.2"))
-    forwarder = Forwarder([first.address, second.address], timeout=5, next_id=fixed_ids(1))
+    forwarder = Forwarder(
+        [first.address, second.address], timeout=5, next_id=fixed_ids(1), registry=Registry()
+    )
     pending = asyncio.ensure_future(forward_on_callbacks(forwarder, make_query()))
     await asyncio.sleep(0.05)
     forwarder.close()
@@ -811,7 +856,9 @@ async def test_callbacks_stop_at_once_when_the_forwarder_closes(fakes: Any) -> N
 async def test_a_forwarded_query_leaves_nothing_for_the_garbage_collector(fakes: Any) -> None:
     """Each query freed by reference counting: a cycle per query made the collector run every ~40."""
     quiet, good = await fakes(silent), await fakes(answer("10.0.0.2"))
-    forwarder = Forwarder([quiet.address, good.address], timeout=0.05, next_id=fixed_ids(1))
+    forwarder = Forwarder(
+        [quiet.address, good.address], timeout=0.05, next_id=fixed_ids(1), registry=Registry()
+    )
     gc.collect()
     gc.disable()
     try:
@@ -836,14 +883,14 @@ async def test_a_forwarded_query_leaves_nothing_for_the_garbage_collector(fakes:
 async def test_callbacks_are_declined_where_the_coroutine_path_is_needed(
     servers: list[tuple[str, int]], options: dict[str, Any]
 ) -> None:
-    forwarder = Forwarder(servers, **options)
+    forwarder = Forwarder(servers, registry=Registry(), **options)
     query = make_query()
     assert not forwarder.forward_soon(query, parse_query(query), Receiver(lambda result: None), None)
 
 
 async def test_callbacks_answer_once_even_when_the_receiver_fails(fakes: Any) -> None:
     fake = await fakes(answer("10.0.0.1"))
-    forwarder = Forwarder([fake.address], timeout=0.2)
+    forwarder = Forwarder([fake.address], timeout=0.2, registry=Registry())
     calls: list[str] = []
 
     def on_done(result: bytes | UpstreamError) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from istio_agent.config import XdsSettings
 from istio_agent.envoy import sockets
+from istio_agent.metrics import Registry
 from istio_agent.security.sds import SdsServer
 from istio_agent.xds.proxy import XdsProxy
 from tests.security.test_sds import FakeSecretProvider
@@ -73,7 +74,7 @@ async def test_the_xds_proxy_serves_a_client_that_connected_before_it_started(sh
         ready = asyncio.ensure_future(channel.channel_ready())
         await asyncio.sleep(0.2)
         assert not ready.done()
-        proxy = XdsProxy(settings, listener=listener)
+        proxy = XdsProxy(settings, listener=listener, registry=Registry())
         await proxy.start()
         try:
             await asyncio.wait_for(ready, 5)

@@ -18,6 +18,7 @@ from istio_agent.config.bootstrap import BootstrapSettings
 from istio_agent.ctl.local import free_port
 from istio_agent.envoy.process import EnvoyProcess, EnvoyStartError
 from istio_agent.envoy.supervisor import EnvoySupervisor
+from istio_agent.metrics import Registry
 from tests.bootstrap import make_settings
 
 
@@ -88,7 +89,7 @@ async def test_without_restart_the_first_exit_is_final(
     short_tmp: Path, envoy_logs: pytest.LogCaptureFixture
 ) -> None:
     runs = Runs(short_tmp, "exit 3")
-    supervisor = EnvoySupervisor(runs, restart=False, backoff=RecordingBackoff(0.01))
+    supervisor = EnvoySupervisor(runs, restart=False, backoff=RecordingBackoff(0.01), registry=Registry())
     await supervisor.start()
     assert supervisor.pid is not None
     assert await asyncio.wait_for(supervisor.wait(), 10) == 3
@@ -104,7 +105,7 @@ async def test_restarts_with_growing_backoff_and_a_fresh_bootstrap(
 ) -> None:
     runs = Runs(short_tmp, 'if [ "$n" -lt 4 ]; then exit 3; fi; exec sleep 60')
     backoff = RecordingBackoff(0.05)
-    supervisor = EnvoySupervisor(runs, restart=True, backoff=backoff)
+    supervisor = EnvoySupervisor(runs, restart=True, backoff=backoff, registry=Registry())
     await supervisor.start()
     first_pid = supervisor.pid
     await eventually(lambda: supervisor.restarts == 3, "three restarts")  # the fourth run stays up
@@ -129,7 +130,7 @@ async def test_restarts_with_growing_backoff_and_a_fresh_bootstrap(
 async def test_a_long_run_resets_the_backoff(short_tmp: Path) -> None:
     runs = Runs(short_tmp, 'if [ "$n" -lt 4 ]; then sleep 0.3; exit 1; fi; exec sleep 60')
     backoff = RecordingBackoff(0.05)
-    supervisor = EnvoySupervisor(runs, restart=True, backoff=backoff, stable_after=0.1)
+    supervisor = EnvoySupervisor(runs, restart=True, backoff=backoff, stable_after=0.1, registry=Registry())
     await supervisor.start()
     await eventually(lambda: supervisor.restarts == 3, "three restarts")
     assert backoff.delays == [0.05, 0.05, 0.05]  # every run lasted longer than stable_after
@@ -138,7 +139,7 @@ async def test_a_long_run_resets_the_backoff(short_tmp: Path) -> None:
 
 async def test_stop_during_the_backoff_wait(short_tmp: Path, envoy_logs: pytest.LogCaptureFixture) -> None:
     runs = Runs(short_tmp, "exit 2")
-    supervisor = EnvoySupervisor(runs, restart=True, backoff=RecordingBackoff(30.0))
+    supervisor = EnvoySupervisor(runs, restart=True, backoff=RecordingBackoff(30.0), registry=Registry())
     await supervisor.start()
     await eventually(lambda: "restarting it in 30.0s" in envoy_logs.text, "the backoff wait")
     started = time.monotonic()
@@ -150,7 +151,7 @@ async def test_stop_during_the_backoff_wait(short_tmp: Path, envoy_logs: pytest.
 async def test_a_failed_restart_is_retried(short_tmp: Path, envoy_logs: pytest.LogCaptureFixture) -> None:
     runs = Runs(short_tmp, 'if [ "$n" -lt 2 ]; then exit 1; fi; exec sleep 60')
     backoff = RecordingBackoff(0.05)
-    supervisor = EnvoySupervisor(runs, restart=True, backoff=backoff)
+    supervisor = EnvoySupervisor(runs, restart=True, backoff=backoff, registry=Registry())
     await supervisor.start()
     runs.fail_next = 2  # the next two launches fail (e.g. the bootstrap cannot be written)
     await eventually(lambda: supervisor.restarts == 1, "a restart")
@@ -165,7 +166,7 @@ async def test_an_envoy_that_cannot_be_executed_fails_start(short_tmp: Path) -> 
     not_executable = short_tmp / "missing-envoy"
     not_executable.write_text("not a program\n")  # found (a file), but exec fails
     runs.settings = dataclasses.replace(runs.settings, binary=not_executable)
-    supervisor = EnvoySupervisor(runs, restart=True)
+    supervisor = EnvoySupervisor(runs, restart=True, registry=Registry())
     with pytest.raises(EnvoyStartError, match="missing-envoy"):
         await supervisor.start()
     with pytest.raises(RuntimeError, match="not started"):
@@ -175,7 +176,7 @@ async def test_an_envoy_that_cannot_be_executed_fails_start(short_tmp: Path) -> 
 
 async def test_drain_listeners_goes_to_the_running_envoy_only(short_tmp: Path) -> None:
     runs = Runs(short_tmp, "exit 0")
-    supervisor = EnvoySupervisor(runs)
+    supervisor = EnvoySupervisor(runs, registry=Registry())
     await supervisor.drain_listeners()  # not started: nothing to do, no error
     await supervisor.start()
     assert await asyncio.wait_for(supervisor.wait(), 10) == 0

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from istio_agent.config.probes import ExecCheck, HTTPGetCheck, ReadinessProbeConfig, TCPCheck
 from istio_agent.health.checker import UNHEALTHY_PLACEHOLDER, HealthChecker
+from istio_agent.metrics import Registry
 from istio_agent.probe.workload import HEALTHY, ProbeOutcome, ProbeResult, build_probers
 from tests.aiohttp_apps import serve_app
 
@@ -100,7 +101,7 @@ async def test_tcp_unhealthy_healthy_unhealthy() -> None:
     port = free_port()
     events = Events()
     cfg = ReadinessProbeConfig(check=TCPCheck(port=port), period=PERIOD, timeout=0.5)
-    checker = HealthChecker(cfg, build_probers(cfg, default_host="127.0.0.1"), events)
+    checker = HealthChecker(cfg, build_probers(cfg, default_host="127.0.0.1"), events, registry=Registry())
     task = asyncio.create_task(checker.run())
     try:
         await events.wait_for(1)
@@ -141,7 +142,7 @@ async def flapping_app() -> AsyncIterator[int]:
 async def test_http_alternating_gives_four_alternating_events(flapping_app: int) -> None:
     events = Events()
     cfg = ReadinessProbeConfig(check=HTTPGetCheck(port=flapping_app), period=PERIOD, timeout=0.5)
-    checker = HealthChecker(cfg, build_probers(cfg, default_host="127.0.0.1"), events)
+    checker = HealthChecker(cfg, build_probers(cfg, default_host="127.0.0.1"), events, registry=Registry())
     waiter = asyncio.ensure_future(events.wait_for(4))
     await run_until(checker, waiter)
     assert events.items[:4] == [
@@ -158,7 +159,7 @@ async def test_http_alternating_gives_four_alternating_events(flapping_app: int)
 async def test_only_transitions_are_emitted() -> None:
     prober = Scripted([HEALTHY, HEALTHY, bad(), bad(), HEALTHY, HEALTHY, HEALTHY])
     events = Events()
-    checker = HealthChecker(config(), [prober], events)
+    checker = HealthChecker(config(), [prober], events, registry=Registry())
     await run_until(checker, asyncio.ensure_future(prober.wait_calls(9)))
     assert events.items == [(True, ""), (False, "down"), (True, "")]
 
@@ -170,7 +171,9 @@ async def test_thresholds() -> None:
         [HEALTHY, HEALTHY, bad("a"), HEALTHY, HEALTHY, HEALTHY, bad("b"), HEALTHY, bad("c"), bad("d")]
     )
     events = Events()
-    checker = HealthChecker(config(success_threshold=3, failure_threshold=2), [prober], events)
+    checker = HealthChecker(
+        config(success_threshold=3, failure_threshold=2), [prober], events, registry=Registry()
+    )
     await run_until(checker, asyncio.ensure_future(prober.wait_calls(12)))
     assert events.items == [(True, ""), (False, "d")]
 
@@ -179,7 +182,7 @@ async def test_first_failing_prober_wins_and_later_probers_are_skipped() -> None
     first = Scripted([bad("envoy not ready"), HEALTHY])
     second = Scripted([bad("app down"), HEALTHY])
     events = Events()
-    checker = HealthChecker(config(timeout=0.7), [first, second], events)
+    checker = HealthChecker(config(timeout=0.7), [first, second], events, registry=Registry())
     await run_until(checker, asyncio.ensure_future(events.wait_for(2)))
     # Round 1: `first` fails (event) and `second` is skipped; round 2: `second` fails, but the state is
     # unchanged (no event); round 3: both pass.
@@ -191,7 +194,7 @@ async def test_first_failing_prober_wins_and_later_probers_are_skipped() -> None
 async def test_unhealthy_without_error_gets_placeholder() -> None:
     prober = Scripted([bad(None)])
     events = Events()
-    checker = HealthChecker(config(), [prober], events)
+    checker = HealthChecker(config(), [prober], events, registry=Registry())
     await run_until(checker, asyncio.ensure_future(events.wait_for(1)))
     assert events.items == [(False, UNHEALTHY_PLACEHOLDER)]
 
@@ -215,7 +218,7 @@ async def test_raising_prober_and_raising_callback_do_not_kill_the_loop() -> Non
             done.set_result(None)
         raise ValueError("handler bug")
 
-    checker = HealthChecker(config(), [Broken()], on_event)
+    checker = HealthChecker(config(), [Broken()], on_event, registry=Registry())
     await run_until(checker, done)
     assert seen == [(False, "RuntimeError: boom"), (True, "")]
 
@@ -224,7 +227,7 @@ async def test_initial_delay_then_immediate_probe() -> None:
     prober = Scripted([HEALTHY])
     events = Events()
     loop = asyncio.get_running_loop()
-    checker = HealthChecker(config(initial_delay=0.3, period=30), [prober], events)
+    checker = HealthChecker(config(initial_delay=0.3, period=30), [prober], events, registry=Registry())
     started = loop.time()
     task = asyncio.create_task(checker.run())
     await events.wait_for(1)
@@ -237,7 +240,7 @@ async def test_initial_delay_then_immediate_probe() -> None:
 
 async def test_stop_during_initial_delay_and_during_probe() -> None:
     prober = Scripted([HEALTHY])
-    checker = HealthChecker(config(initial_delay=60), [prober], Events())
+    checker = HealthChecker(config(initial_delay=60), [prober], Events(), registry=Registry())
     task = asyncio.create_task(checker.run())
     await asyncio.sleep(0)
     checker.stop()
@@ -259,7 +262,7 @@ async def test_stop_during_initial_delay_and_during_probe() -> None:
             return HEALTHY
 
     events = Events()
-    checker = HealthChecker(config(timeout=60), [Hanging()], events)
+    checker = HealthChecker(config(timeout=60), [Hanging()], events, registry=Registry())
     task = asyncio.create_task(checker.run())
     await entered.wait()
     checker.stop()
@@ -278,7 +281,7 @@ async def test_a_broken_prober_is_logged_with_its_traceback_once(caplog: pytest.
             raise RuntimeError("boom")
 
     prober = AlwaysBroken()
-    checker = HealthChecker(config(), [prober], lambda healthy, message: None)
+    checker = HealthChecker(config(), [prober], lambda healthy, message: None, registry=Registry())
     task = asyncio.get_running_loop().create_task(checker.run())
     while prober.calls < 3:
         await asyncio.sleep(0.01)

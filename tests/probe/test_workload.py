@@ -14,6 +14,7 @@ from aiohttp import web
 
 from istio_agent.config.probes import ExecCheck, GRPCCheck, HTTPGetCheck, ReadinessProbeConfig, TCPCheck
 from istio_agent.envoy.readiness import EnvoyReadiness
+from istio_agent.metrics import Registry
 from istio_agent.probe.workload import (
     GRPC_CONFIG_NIL,
     USER_AGENT,
@@ -327,7 +328,7 @@ async def test_envoy_prober_and_build_probers() -> None:
     app.router.add_get("/stats", stats)
     runner, port = await start_app(app)
     try:
-        envoy = EnvoyReadiness("127.0.0.1", port, started_at=time.monotonic())
+        envoy = EnvoyReadiness("127.0.0.1", port, started_at=time.monotonic(), registry=Registry())
         config = ReadinessProbeConfig(check=ExecCheck(("true",)))
         probers = build_probers(config, default_host="127.0.0.1", envoy=envoy)
         assert isinstance(probers[0], EnvoyProber) and isinstance(probers[1], ExecProber)

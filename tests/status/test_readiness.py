@@ -177,7 +177,7 @@ async def test_admin_errors_are_readable(admin: FakeAdmin) -> None:
 
 
 async def test_closed_admin_port_is_an_error_not_a_crash() -> None:
-    envoy = EnvoyReadiness("127.0.0.1", free_port(), started_at=time.monotonic())
+    envoy = EnvoyReadiness("127.0.0.1", free_port(), started_at=time.monotonic(), registry=Registry())
     error = await envoy.check()
     assert error is not None and error.startswith("failed to get Envoy stats: ")
 
@@ -204,7 +204,10 @@ async def test_ipv6_admin_host() -> None:
         except OSError:
             pytest.skip("cannot bind ::1")
         port = runner.addresses[0][1]
-        assert await EnvoyReadiness("::1", port, started_at=time.monotonic()).check() is None
+        assert (
+            await EnvoyReadiness("::1", port, started_at=time.monotonic(), registry=Registry()).check()
+            is None
+        )
     finally:
         await runner.cleanup()
 
@@ -353,7 +356,7 @@ async def test_real_envoy_without_xds_is_live_but_has_no_config(tmp_path: Path) 
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
-        envoy = EnvoyReadiness("127.0.0.1", admin_port, started_at=time.monotonic())
+        envoy = EnvoyReadiness("127.0.0.1", admin_port, started_at=time.monotonic(), registry=Registry())
         deadline = time.monotonic() + 30
         live_error: str | None = "not checked"
         while time.monotonic() < deadline and process.returncode is None:

@@ -66,6 +66,7 @@ def build(calls: Calls, host: str = "127.0.0.1", **kwargs: object) -> StatusServ
         "ndsz": lambda: calls.ndsz,
         "secrets": lambda: calls.secrets,
         "on_quit": on_quit,
+        "registry": Registry(),
     }
     options.update(kwargs)
     return StatusServer(host, 0, Readiness([calls.prober]), **options)  # type: ignore[arg-type]
@@ -200,7 +201,7 @@ async def test_unknown_paths_are_404(server: StatusServer, client: aiohttp.Clien
 
 
 async def test_missing_handlers_are_404(calls: Calls, client: aiohttp.ClientSession) -> None:
-    status_server = StatusServer("127.0.0.1", 0, Readiness([]))
+    status_server = StatusServer("127.0.0.1", 0, Readiness([]), registry=Registry())
     await status_server.start()
     try:
         for path in ("/metrics", "/stats/prometheus", "/app-health/a/livez", "/app-lifecycle/a/poststartz"):
@@ -537,7 +538,7 @@ async def test_bind_failure_names_the_address(calls: Calls) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        status_server = StatusServer("127.0.0.1", port, Readiness([]))
+        status_server = StatusServer("127.0.0.1", port, Readiness([]), registry=Registry())
         with pytest.raises(OSError, match=f"status server cannot listen on 127.0.0.1:{port}"):
             await status_server.start()
         await status_server.stop()  # nothing to stop, no error

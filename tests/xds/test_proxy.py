@@ -526,7 +526,7 @@ async def test_connections_that_do_nothing_are_closed_and_streams_are_kept(
     short_tmp: Path, istiod: FakeIstiod
 ) -> None:
     limits = uds.ServerLimits(handshake_timeout=0.3, idle_timeout=0.5)
-    proxy = XdsProxy(settings_for(short_tmp, istiod.address), limits=limits)
+    proxy = XdsProxy(settings_for(short_tmp, istiod.address), limits=limits, registry=Registry())
     await proxy.start()
     channel = grpc.aio.insecure_channel(f"unix:{proxy.socket_path}")
     try:
@@ -550,7 +550,7 @@ async def test_connections_that_do_nothing_are_closed_and_streams_are_kept(
 
 
 async def test_stop_ends_streams_and_upstreams(short_tmp: Path, istiod: FakeIstiod) -> None:
-    proxy = XdsProxy(settings_for(short_tmp, istiod.address))
+    proxy = XdsProxy(settings_for(short_tmp, istiod.address), registry=Registry())
     await proxy.start()
     channel = grpc.aio.insecure_channel(f"unix:{proxy.socket_path}")
     try:
@@ -643,4 +643,4 @@ async def test_unbindable_socket_is_a_clear_error(short_tmp: Path, istiod: FakeI
     settings = settings_for(short_tmp, istiod.address, socket_path=short_tmp / "file" / "XDS")
     (short_tmp / "file").write_text("not a directory")
     with pytest.raises(OSError, match="XDS"):
-        await XdsProxy(settings).start()
+        await XdsProxy(settings, registry=Registry()).start()

@@ -21,6 +21,7 @@ from istio_agent.controlplane.debug import DebugAccess
 from istio_agent.controlplane.mesh import MeshError
 from istio_agent.controlplane.tokens import DEFAULT_AUDIENCE, mint_token
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
+from istio_agent.metrics import REGISTRY
 
 if TYPE_CHECKING:
     from istio_agent.controlplane.server import ControlPlane
@@ -71,7 +72,9 @@ def controlplane(
         debug_access = DebugAccess.from_env(os.environ)
     except ValueError as err:
         raise click.ClickException(str(err)) from None
-    plane = ControlPlane(mesh_path, state_dir, address, secure_address, debug_access=debug_access)
+    plane = ControlPlane(
+        mesh_path, state_dir, address, secure_address, debug_access=debug_access, registry=REGISTRY
+    )
     try:
         runtime.run(_serve(plane, address, secure_address))
     except (ControlPlaneError, MeshError, StateError) as err:

@@ -29,6 +29,7 @@ from istio_agent.envoy.process import EnvoyStartError
 from istio_agent.host import LocalHost
 from istio_agent.log import DEFAULT_OUTPUT_LEVELS, configure, scope
 from istio_agent.memory import pin_mmap_threshold
+from istio_agent.metrics import REGISTRY
 
 if TYPE_CHECKING:
     from istio_agent.http.client import Client
@@ -175,7 +176,7 @@ async def _run_agent(settings: AgentSettings) -> int:
             stop_within, 0, f"the agent did not stop within {stop_within:g}s of SIGTERM"
         )
     )
-    agent = Agent(settings)
+    agent = Agent(settings, registry=REGISTRY)
     code = 0
     try:
         await agent.start()

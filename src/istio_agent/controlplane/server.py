@@ -46,9 +46,8 @@ from istio_agent.controlplane.tokens import TokenError, TokenVerifier
 from istio_agent.controlplane.xdsgen import ProxyNode, build_snapshot
 from istio_agent.filewatch import FileWatcher
 from istio_agent.log import report_failure, scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
-from istio_agent.xds.stream import abort
 
 log = scope("controlplane")
 
@@ -346,7 +345,8 @@ class _CertificateService(istio_ca_pb2_grpc.IstioCertificateServiceServicer):
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str
     ) -> NoReturn:
         self._plane.metrics.refused.labels(code=code.name).inc()
-        await abort(context, code, details)
+        await context.abort(code, details)
+        raise AssertionError("context.abort returned")  # it always raises
 
 
 class ControlPlane:
@@ -364,7 +364,7 @@ class ControlPlane:
         secure_address: str = DEFAULT_SECURE_ADDRESS,
         *,
         push_observer: PushObserver | None = None,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         keepalive_interval: timedelta = DEFAULT_KEEPALIVE_INTERVAL,
         keepalive_timeout: timedelta = DEFAULT_KEEPALIVE_TIMEOUT,
         debug_access: DebugAccess | None = None,

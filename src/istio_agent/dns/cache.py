@@ -24,7 +24,7 @@ from istio_agent.dns.wire import (
     Query,
     ttl_offsets,
 )
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 
 _MAX_TTL = 0x7FFFFFFF
 """RFC 2181 §8: a TTL with the top bit set counts as zero."""
@@ -129,7 +129,7 @@ class AnswerCache:
         max_entries: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
         *,
-        registry: Registry = REGISTRY,
+        registry: Registry,
     ) -> None:
         self._metrics = _CacheMetrics(registry)
         if max_entries < 1:

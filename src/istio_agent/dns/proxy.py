@@ -23,7 +23,7 @@ from istio_agent.dns.table import LookupTable
 from istio_agent.dns.upstream import Forwarder
 from istio_agent.files import write_atomic
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 from istio_agent.protos import nds_pb2
 
 log = scope("dns")
@@ -83,7 +83,7 @@ class DnsProxy:
     """Owns the resolver, its listeners and the current lookup table."""
 
     def __init__(
-        self, settings: DnsSettings, *, workdir: Path | None = None, registry: Registry = REGISTRY
+        self, settings: DnsSettings, *, workdir: Path | None = None, registry: Registry
     ) -> None:
         self._settings = settings
         self._registry = registry

@@ -38,7 +38,7 @@ from istio_agent.dns.wire import (
     truncate,
 )
 from istio_agent.log import scope
-from istio_agent.metrics import PREFIX, REGISTRY, Family, Registry
+from istio_agent.metrics import PREFIX, Family, Registry
 
 log = scope("dns")
 
@@ -425,7 +425,7 @@ class DnsServer:
     """UDP and TCP listeners for every listen address, all answering through one resolver."""
 
     def __init__(
-        self, resolver: DnsResolver, addresses: Sequence[tuple[str, int]], *, registry: Registry = REGISTRY
+        self, resolver: DnsResolver, addresses: Sequence[tuple[str, int]], *, registry: Registry
     ) -> None:
         self.resolver = resolver
         self._registry = registry

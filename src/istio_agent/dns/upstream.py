@@ -35,7 +35,7 @@ from istio_agent.dns.table import shuffle_by_ids
 from istio_agent.dns.udp_pool import PoolClosed, PoolLimits, RandomIds, UdpPool
 from istio_agent.dns.wire import Query, check_reply
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 
 log = scope("dns")
 
@@ -148,7 +148,7 @@ class Forwarder:
         next_id: Callable[[], int] | None = None,
         pool_limits: PoolLimits | None = None,
         query_ids: Callable[[], int] | None = None,
-        registry: Registry = REGISTRY,
+        registry: Registry,
     ) -> None:
         self._metrics = _ForwarderMetrics(registry)
         if timeout <= 0:

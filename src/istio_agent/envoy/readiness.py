@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from istio_agent.envoy.admin import AdminError, admin_request
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 
 log = scope("healthcheck")
 
@@ -67,7 +67,7 @@ class EnvoyReadiness:
     """Envoy has received its first CDS and LDS updates and is LIVE with workers started."""
 
     def __init__(
-        self, admin_host: str, admin_port: int, *, started_at: float, registry: Registry = REGISTRY
+        self, admin_host: str, admin_port: int, *, started_at: float, registry: Registry
     ) -> None:
         self._metrics = _ReadinessMetrics(registry)
         self._host, self._port = admin_host, admin_port

@@ -16,7 +16,7 @@ from istio_agent import goformat
 from istio_agent.backoff import ExponentialBackoff
 from istio_agent.envoy.process import EnvoyProcess
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 
 log = scope("envoy")
 
@@ -47,7 +47,7 @@ class EnvoySupervisor:
         restart: bool = False,
         backoff: ExponentialBackoff | None = None,
         stable_after: float = RESTART_STABLE_AFTER,
-        registry: Registry = REGISTRY,
+        registry: Registry,
     ) -> None:
         self._metrics = _SupervisorMetrics(registry)
         self._launch = launch

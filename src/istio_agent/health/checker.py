@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from istio_agent.config.probes import ReadinessProbeConfig
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 from istio_agent.probe.workload import HealthProber, ProbeOutcome, ProbeResult
 
 log = scope("healthcheck")
@@ -47,7 +47,7 @@ class HealthChecker:
         probers: Sequence[HealthProber],
         on_event: Callable[[bool, str], None],
         *,
-        registry: Registry = REGISTRY,
+        registry: Registry,
     ) -> None:
         self._config = config
         self._metrics = _CheckerMetrics(registry)

@@ -33,7 +33,7 @@ from typing import Any
 from istio_agent.http.messages import Handler, Request, Response, StreamResponse
 from istio_agent.http.server import BaseSite, Limits, ServerRunner, SockSite, TCPSite
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 from istio_agent.status.readiness import Readiness
 
 log = scope("status")
@@ -170,7 +170,7 @@ class StatusServer:
         on_drain: Callable[[], Awaitable[None]] | None = None,
         metrics_localhost_only: bool = False,
         limits: Limits | None = None,
-        registry: Registry = REGISTRY,
+        registry: Registry,
     ) -> None:
         self._host = host
         self._requested_port = port

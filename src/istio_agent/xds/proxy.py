@@ -32,7 +32,7 @@ from istio_agent import uds
 from istio_agent.config.xds import XdsSettings
 from istio_agent.envoy import sockets
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 from istio_agent.xds import types
 from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request, error_detail
 from istio_agent.xds.upstream import DialError, UpstreamDialer
@@ -188,7 +188,7 @@ class XdsProxy:
         *,
         handlers: Sequence[TypeHandler] = (),
         dialer: UpstreamDialer | None = None,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         limits: uds.ServerLimits | None = None,
         listener: sockets.Listener | None = None,
     ) -> None:
