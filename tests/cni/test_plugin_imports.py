@@ -113,6 +113,7 @@ async def test_a_pod_without_injection_is_read_without_logging_asyncio_or_pathli
     assert json.loads(stdout)["ips"], stdout  # the previous result, handed on
     assert "istio_agent.http.blocking" in modules  # the GET was made
     assert [m for m in OFF_THE_PATH if m in modules] == []
+    assert our_dataclasses(modules) - NOT_OURS_YET == set()
     [line] = [json.loads(line) for line in stderr.splitlines()]  # Istio's JSON line, one per ADD
     assert (line["level"], line["scope"]) == ("info", "cni-plugin")
     assert line["msg"].startswith("pod default/plain: no redirect:"), line

@@ -9,7 +9,6 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -273,7 +272,7 @@ async def test_rbac_denials_and_a_wrong_token(api: tuple[FakeKube, KubeClient]) 
     fake.forbidden.add(("patch", "pods/status"))
     with pytest.raises(KubeError, match='cannot patch resource "pods" subresource "status"'):
         await client.patch_pod_status("default", "a", {}, deadline=soon())
-    stranger = KubeClient(replace(parse_kubeconfig(fake.kubeconfig(), "test"), token="wrong"))
+    stranger = KubeClient(parse_kubeconfig(fake.kubeconfig(), "test")._replace(token="wrong"))
     with pytest.raises(KubeError, match="401") as unauthorized:
         await stranger.list_pods(deadline=soon())
     assert unauthorized.value.status == 401
@@ -285,7 +284,7 @@ async def test_the_token_file_is_read_for_each_request(
     fake, _ = api
     token = tmp_path / "token"
     token.write_text("stale\n")
-    client = KubeClient(replace(parse_kubeconfig(fake.kubeconfig(), "test"), token="", token_file=token))
+    client = KubeClient(parse_kubeconfig(fake.kubeconfig(), "test")._replace(token="", token_file=token))
     with pytest.raises(KubeError, match="401"):
         await client.list_pods(deadline=soon())
     token.write_text(TOKEN + "\n")  # rotated by the kubelet

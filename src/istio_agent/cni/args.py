@@ -7,7 +7,7 @@ sets ``IgnoreUnknown`` to a true value (containerd and CRI-O always do).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 AGENT_POD_PREFIX = "istio-cni-node-"
 
@@ -16,8 +16,10 @@ class ArgsError(ValueError):
     """CNI_ARGS does not parse; the message names the pair or key."""
 
 
-@dataclass(frozen=True)
-class K8sArgs:
+class K8sArgs(NamedTuple):
+    """The pod's identity (NamedTuple, not a dataclass: cheaper to define, and the plugin defines it
+    on every ADD)."""
+
     pod_name: str = ""
     pod_namespace: str = ""
     infra_container_id: str = ""

@@ -2,15 +2,17 @@
 
 One type for both sides, so the file install-cni writes is by construction what the plugin reads.
 The field names and their order are Istio's (``cni/pkg/plugin/plugin.go``, ``Config``): install-cni's
-standalone file is this object as it stands, and operators diff it against Istio's.
+standalone file is this object as it stands, and operators diff it against Istio's. The types are
+NamedTuples rather than dataclasses: the plugin defines them on every ADD, and a dataclass costs
+~0.4 ms of generated code at import (docs/performance.md, "CNI plugin ADD").
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from istio_agent.config.document import Keys, Node, config_errors
 
@@ -20,8 +22,7 @@ CNI_VERSION = "0.3.1"
 DEFAULT_RUN_DIR = "/var/run/istio-cni"
 
 
-@dataclass(frozen=True)
-class PluginConfig:
+class PluginConfig(NamedTuple):
     """The Istio-specific keys of the plugin's network config."""
 
     plugin_log_level: str = "info"
@@ -32,8 +33,8 @@ class PluginConfig:
     pod_namespace: str = ""
     native_nftables: bool = False
     enable_ambient_detection_retry: bool = False
-    ipam: dict[str, Any] = field(default_factory=dict)
-    dns: dict[str, Any] = field(default_factory=dict)
+    ipam: Mapping[str, Any] = MappingProxyType({})
+    dns: Mapping[str, Any] = MappingProxyType({})
     add_timeout: timedelta | None = None
     """Our own key (not Istio's): the one budget of an ADD, API calls and rule programming included.
     Written only when set, so by default the entry is Istio's byte for byte."""
@@ -65,8 +66,7 @@ class PluginConfig:
         return entry
 
 
-@dataclass(frozen=True)
-class NetworkConfig:
+class NetworkConfig(NamedTuple):
     """The network config a runtime hands the plugin on stdin: the standard keys and Istio's."""
 
     cni_version: str

@@ -1,10 +1,14 @@
 """An absolute http(s) URL and the HTTP stack's base error: what reading a config with a URL needs,
 without the stack itself (h11, ssl), so a short-lived process that may not make a request at all
-(the CNI plugin, for a pod it skips) does not import it."""
+(the CNI plugin, for a pod it skips) does not import it.
+
+:class:`URL` is a NamedTuple rather than a dataclass: the plugin imports this module on every ADD,
+and a dataclass costs ~0.4 ms of generated code at import (docs/performance.md, "CNI plugin ADD").
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urljoin, urlsplit
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -14,8 +18,7 @@ class HTTPError(Exception):
     """An HTTP exchange failed; the message says how (never with the body or credentials)."""
 
 
-@dataclass(frozen=True)
-class URL:
+class URL(NamedTuple):
     """An absolute http(s) URL, its target kept exactly as given (nothing is re-encoded)."""
 
     scheme: str

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -272,7 +271,7 @@ def in_cluster_client(settings: InstallSettings) -> KubeClient:
     try:
         config = parse_kubeconfig(kubeconfig.render(kubeconfig.build(settings)), "of the service account")
         return KubeClient(
-            replace(config, token="", token_file=settings.service_account_dir / "token"),
+            config._replace(token="", token_file=settings.service_account_dir / "token"),
             user_agent="install-cni",
         )
     except (kubeconfig.KubeconfigError, ConfigError) as err:
