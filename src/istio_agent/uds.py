@@ -142,6 +142,30 @@ async def start_server_on(server: grpc.aio.Server, path: Path, what: str) -> Non
     make_socket_accessible(path)
 
 
+def listen(path: Path, what: str, backlog: int = 128) -> socket.socket:
+    """A Unix socket listening on ``path`` (a stale file replaced), open to every local user.
+
+    Connections wait in the kernel's queue until a server serves the socket. Raises OSError
+    naming ``what``, the path and why when it cannot listen (a read-only directory in a pod that
+    lacks the volume).
+    """
+    try:
+        directory_error = prepare_socket_path(path)
+    except OSError as err:
+        raise OSError(err.errno, f"{what} could not listen on {path}: {err.strerror or err}") from err
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(os.fspath(path))
+        listener.listen(backlog)
+        make_socket_accessible(path)
+    except OSError as err:
+        listener.close()
+        reason = directory_error or err
+        raise OSError(err.errno, f"{what} could not listen on {path}: {reason}") from err
+    listener.setblocking(False)
+    return listener
+
+
 def _bind_refusal(path: Path) -> OSError | None:
     """Why the kernel refuses to bind ``path`` (grpc's error only says that binding failed); None if it binds."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:

@@ -21,6 +21,9 @@ from envoy.config.core.v3.base_pb2 import Node
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 
+from istio_agent.rpc import Status
+from istio_agent.rpc.call import Call
+from istio_agent.rpc.server import RpcServer
 from istio_agent.xds import flavour as xds_flavour
 from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request, Resource, Resources, Response
 from istio_agent.xds.stream import Change, Reply, Source, Stream, StreamError, StreamServer, require_node
@@ -40,7 +43,7 @@ class Clusters(Source[None, str]):
         self.broken = False
         self.sent_names: list[tuple[str, list[str]]] = []
 
-    async def open(self, request: Request, context: grpc.aio.ServicerContext, flavour: Flavour) -> None:
+    async def open(self, request: Request, call: Call, flavour: Flavour) -> None:
         require_node(request)
 
     def watched_type(self, stream: Stream[None, str], type_url: str) -> str | None:
@@ -92,7 +95,7 @@ class DebugTap(Source[None, None]):
     def __init__(self, istiod: FakeIstiod) -> None:
         self._istiod = istiod
 
-    async def open(self, request: Request, context: grpc.aio.ServicerContext, flavour: Flavour) -> None:
+    async def open(self, request: Request, call: Call, flavour: Flavour) -> None:
         return None  # no node needed: istiod answers for the pod's own proxy
 
     def is_query(self, type_url: str) -> bool:
@@ -102,7 +105,7 @@ class DebugTap(Source[None, None]):
         try:
             response = await self._istiod.query(request)
         except ConnectionError as err:
-            raise StreamError(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+            raise StreamError(Status.UNAVAILABLE, str(err)) from err
         if response is None:
             return None
         return Reply([Resource("", resource) for resource in response.resources], response.version_info)
@@ -110,16 +113,16 @@ class DebugTap(Source[None, None]):
 
 @pytest.fixture
 async def serve() -> AsyncIterator[Any]:
-    """serve(source) -> (core, open_stream): the core on a real gRPC server on loopback."""
-    servers: list[tuple[grpc.aio.Server, grpc.aio.Channel, StreamServer[Any, Any]]] = []
+    """serve(source) -> (core, open_stream): the core on the agent's gRPC server on loopback, grpcio's client."""
+    servers: list[tuple[RpcServer, grpc.aio.Channel, StreamServer[Any, Any]]] = []
     streams: list[EnvoyStream] = []
 
     async def factory(source: Source[Any, Any]) -> tuple[StreamServer[Any, Any], Callable[..., EnvoyStream]]:
         core: StreamServer[Any, Any] = StreamServer(source, name="test", log=log, describe="test server")
-        server = grpc.aio.server()
-        core.register(server, ADS_SERVICE, {SOTW.method: SOTW, DELTA.method: DELTA})
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server = RpcServer()
+        core.add_to(server, ADS_SERVICE, {SOTW.method: SOTW, DELTA.method: DELTA})
+        await server.start(host="127.0.0.1", port=0)
+        port = server.sockets()[0].getsockname()[1]
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         servers.append((server, channel, core))
 
@@ -252,5 +255,6 @@ async def test_close_ends_streams_with_ok_and_refuses_new_ones(serve: Any) -> No
     assert await client.status() == (grpc.StatusCode.OK, "")
     late = open_stream()
     await late.send(CDS, resource_names=["a"], node=NODE)
-    assert await late.status() == (grpc.StatusCode.UNAVAILABLE, "test server is shutting down")
+    got = await late.status()
+    assert got == (grpc.StatusCode.UNAVAILABLE, "test server is shutting down")
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("test-")]

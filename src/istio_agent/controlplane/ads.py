@@ -24,7 +24,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -48,6 +48,9 @@ from istio_agent.controlplane.xdsgen import (
 )
 from istio_agent.log import scope
 from istio_agent.metrics import Registry
+from istio_agent.rpc import Status
+from istio_agent.rpc.call import Call
+from istio_agent.rpc.grpcio import GrpcioCall
 from istio_agent.xds.flavour import (
     ADS_SERVICE,
     DELTA,
@@ -200,16 +203,20 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
 
     # -- streams ---------------------------------------------------------------------------------
 
-    async def open(self, request: Request, context: grpc.aio.ServicerContext, flavour: Flavour) -> _Proxy:
+    async def open(self, request: Request, call: Call, flavour: Flavour) -> _Proxy:
         require_node(request)
         try:
             node = ProxyNode.from_node(request.node)
         except (ValueError, json_format.Error) as err:
-            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"invalid node: {err}") from err
+            raise StreamError(Status.INVALID_ARGUMENT, f"invalid node: {err}") from err
         refusal = node_id_error(node.id, node.metadata)
         if refusal is not None:
-            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, refusal)
-        identity = await self._authorize(context, node) if self._authorize is not None else None
+            raise StreamError(Status.INVALID_ARGUMENT, refusal)
+        identity = (
+            await self._authorize(cast(GrpcioCall, call).context, node)
+            if self._authorize is not None
+            else None
+        )
         return _Proxy(
             node,
             grpc=is_grpc_node(node),
@@ -320,7 +327,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
                 proxy.view = self._compute(proxy, self.mesh)
             except ValueError as err:
                 raise StreamError(
-                    grpc.StatusCode.INTERNAL, f"cannot generate configuration for {proxy.node.id}: {err}"
+                    Status.INTERNAL, f"cannot generate configuration for {proxy.node.id}: {err}"
                 ) from err
         return proxy.view
 
@@ -377,14 +384,14 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
                     "port and are authenticated.",
                     debug.proxy_id(stream.data.node),
                 )
-                raise StreamError(grpc.StatusCode.UNAUTHENTICATED, debug.AUTHENTICATION_REQUIRED)
+                raise StreamError(Status.UNAUTHENTICATED, debug.AUTHENTICATION_REQUIRED)
             namespace = self.debug_access.namespace_filter(stream.data.identity)
             if type_url == debug.SYNCZ_TYPE:
                 proxies = ((other.data.node, other.watches) for other in self.streams())
                 return Reply(debug.syncz(proxies, namespace))
             return Reply(self._config_dump(stream.flavour.requested_names(request), namespace))
         if stream.data.debug_only:
-            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, debug.unknown_type(type_url))
+            raise StreamError(Status.INVALID_ARGUMENT, debug.unknown_type(type_url))
         log.warning("ADS: connection %d: %s; not answered", stream.id, debug.unknown_type(type_url))
         return None
 

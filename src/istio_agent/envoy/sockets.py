@@ -6,17 +6,19 @@ servers behind it; a socket that is not there yet would make Envoy retry after i
 agent binds both, starts Envoy, and only then imports and starts the servers, which serve the
 connections already waiting.
 
-grpcio cannot adopt a socket bound by someone else: its ``add_insecure_port`` binds the path itself.
-A :class:`Listener` is therefore a grpc server bound with the options of the server that will run
-on it and not started yet; this module imports grpc and nothing of the servers (no protos, no
-certificates). The SDS server and the xDS proxy take one in ``start`` or bind their own through
-the same functions.
+The SDS server runs on :class:`~istio_agent.rpc.server.RpcServer`, which serves a socket bound by
+someone else: its :class:`Listener` holds the listening socket. grpcio, which the xDS proxy still
+runs on, cannot adopt one (its ``add_insecure_port`` binds the path itself), so the xDS proxy's
+holds a grpc server bound with the options of the server that will run on it and not started
+yet. This module imports nothing of the servers (no protos, no certificates). The SDS server and
+the xDS proxy take one in ``start`` or bind their own through the same functions.
 """
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
-from typing import cast
+from typing import Generic, TypeVar, cast
 
 import grpc
 
@@ -26,33 +28,39 @@ from istio_agent.config.xds import XdsSettings
 SDS_MAX_CONCURRENT_STREAMS = 100000
 
 
-class Listener:
-    """A grpc server listening on ``path`` and not serving yet: connections wait in the kernel's queue.
+T = TypeVar("T", socket.socket, grpc.aio.Server)
 
-    The server that takes it over (``take``) owns it from then on; until then ``close`` ends it.
+
+class Listener(Generic[T]):
+    """``path`` listening and not served yet: connections wait in the kernel's queue.
+
+    It holds the listening socket, or (grpcio) a server bound and not started. The server that
+    takes it over (``take``) owns that from then on; until then ``close`` ends it.
     """
 
-    def __init__(self, server: grpc.aio.Server, path: Path) -> None:
+    def __init__(self, bound: T, path: Path) -> None:
         self.path = path
-        self._server: grpc.aio.Server | None = server
+        self._bound: T | None = bound
 
-    def take(self) -> grpc.aio.Server:
-        """The bound server, to register handlers on and start; its new owner stops it."""
-        server, self._server = self._server, None
-        if server is None:
+    def take(self) -> T:
+        """The socket or bound server, to serve; its new owner closes it."""
+        bound, self._bound = self._bound, None
+        if bound is None:
             raise RuntimeError(f"the listener on {self.path} was already taken or closed")
-        return server
+        return bound
 
     async def close(self) -> None:
         """Stop listening unless a server took the listener over (then a no-op).
 
-        grpc closes a bound port only when a started server stops, so it is started first: no
-        handler is registered, and the queued connections are closed with the socket.
+        grpc closes a bound port only when a started server stops, so such a server is started
+        first: no handler is registered, and the queued connections are closed with the socket.
         """
-        server, self._server = self._server, None
-        if server is not None:
-            await server.start()
-            await server.stop(None)
+        bound, self._bound = self._bound, None
+        if isinstance(bound, socket.socket):
+            bound.close()
+        elif bound is not None:
+            await bound.start()
+            await bound.stop(None)
 
 
 class _BindOnly:
@@ -75,21 +83,16 @@ class _BindOnly:
         await self._server.stop(grace)
 
 
-async def listen(path: Path, options: list[tuple[str, int]], what: str) -> Listener:
+async def listen(path: Path, options: list[tuple[str, int]], what: str) -> Listener[grpc.aio.Server]:
     """A grpc server with ``options`` listening on ``path``; raises OSError naming ``what`` as binding does."""
     server = grpc.aio.server(options=options)
     await uds.start_server_on(cast(grpc.aio.Server, _BindOnly(server)), path, what)
     return Listener(server, path)
 
 
-def sds_options(limits: uds.ServerLimits) -> list[tuple[str, int]]:
-    """The SDS server's grpc options."""
-    return [("grpc.max_concurrent_streams", SDS_MAX_CONCURRENT_STREAMS), *limits.grpc_options()]
-
-
-async def listen_sds(path: Path, limits: uds.ServerLimits | None = None) -> Listener:
-    """The SDS server's socket, listening."""
-    return await listen(path, sds_options(limits or uds.ServerLimits()), "SDS server")
+async def listen_sds(path: Path) -> Listener[socket.socket]:
+    """The SDS server's socket, listening; raises OSError naming the server, the path and why."""
+    return Listener(uds.listen(path, "SDS server"), path)
 
 
 def xds_limits(settings: XdsSettings) -> uds.ServerLimits:
@@ -109,7 +112,9 @@ def xds_options(settings: XdsSettings, limits: uds.ServerLimits) -> list[tuple[s
     ]
 
 
-async def listen_xds(settings: XdsSettings, limits: uds.ServerLimits | None = None) -> Listener:
+async def listen_xds(
+    settings: XdsSettings, limits: uds.ServerLimits | None = None
+) -> Listener[grpc.aio.Server]:
     """The xDS proxy's socket (``settings.socket_path``), listening."""
     options = xds_options(settings, limits or xds_limits(settings))
     return await listen(settings.socket_path, options, "xDS proxy")

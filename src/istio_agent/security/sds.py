@@ -16,11 +16,11 @@ its metrics and log lines.
 from __future__ import annotations
 
 import itertools
+import socket
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-import grpc
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
@@ -28,6 +28,9 @@ from istio_agent import uds
 from istio_agent.envoy import sockets
 from istio_agent.log import scope
 from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.rpc import Status
+from istio_agent.rpc.call import Call
+from istio_agent.rpc.server import RpcServer
 from istio_agent.security.model import ROOT_CERT, SecretError, SecretItem, SecretProvider
 from istio_agent.xds.flavour import (
     DELTA,
@@ -119,16 +122,14 @@ class _Secrets(Source[None, str]):
                 item = await self._provider.generate(name)
             except SecretError as err:
                 self._metrics.errors.inc()
-                raise StreamError(
-                    grpc.StatusCode.UNKNOWN, f"failed to generate secret for {name}: {err}"
-                ) from err
+                raise StreamError(Status.UNKNOWN, f"failed to generate secret for {name}: {err}") from err
             secrets[name] = self.to_secret(name, item)
         versions = {name: resource_version(secret) for name, secret in secrets.items()} if versioned else {}
         return Resources(list(secrets), secrets, versions)
 
     # -- the stream core's questions -----------------------------------------------------------------
 
-    async def open(self, request: Request, context: grpc.aio.ServicerContext, flavour: Flavour) -> None:
+    async def open(self, request: Request, call: Call, flavour: Flavour) -> None:
         require_node(request)
 
     def opened(self, stream: Stream[None, str], request: Request) -> None:
@@ -200,7 +201,7 @@ class SdsServer:
         crl_path: Path | None = None,
         registry: Registry = REGISTRY,
         limits: uds.ServerLimits | None = None,
-        listener: sockets.Listener | None = None,
+        listener: sockets.Listener[socket.socket] | None = None,
     ) -> None:
         """``limits``: how long connections that do nothing are kept (``uds.ServerLimits``' defaults).
 
@@ -215,7 +216,7 @@ class SdsServer:
         self._streams: StreamServer[None, str] = StreamServer(
             self._secrets, name="sds", log=log, describe="SDS server"
         )
-        self._server: grpc.aio.Server | None = None
+        self._server: RpcServer | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -231,17 +232,21 @@ class SdsServer:
             raise RuntimeError("SDS server already started")
         listener, self._listener = self._listener, None
         if listener is None:
-            listener = await sockets.listen_sds(self._socket_path, self._limits)
-        server = listener.take()
-        fetch = grpc.unary_unary_rpc_method_handler(
+            listener = await sockets.listen_sds(self._socket_path)
+        server = RpcServer(limits=self._limits, max_concurrent_streams=sockets.SDS_MAX_CONCURRENT_STREAMS)
+        self._streams.add_to(server, SDS_SERVICE, {"StreamSecrets": SOTW, "DeltaSecrets": DELTA})
+        server.add_unary(
+            f"/{SDS_SERVICE}/FetchSecrets",
             self.fetch,
-            request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
-            response_serializer=discovery_pb2.DiscoveryResponse.SerializeToString,
+            discovery_pb2.DiscoveryRequest,
+            discovery_pb2.DiscoveryResponse,
         )
-        self._streams.register(
-            server, SDS_SERVICE, {"StreamSecrets": SOTW, "DeltaSecrets": DELTA}, {"FetchSecrets": fetch}
-        )
-        await server.start()
+        sock = listener.take()
+        try:
+            await server.start(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         self._server = server
         log.info("SDS server listening on %s", self._socket_path)
 
@@ -261,7 +266,7 @@ class SdsServer:
     # --- FetchSecrets ---------------------------------------------------------------------------
 
     async def fetch(
-        self, request: discovery_pb2.DiscoveryRequest, context: grpc.aio.ServicerContext
+        self, request: discovery_pb2.DiscoveryRequest, call: Call
     ) -> discovery_pb2.DiscoveryResponse:
         """One SotW response for every name asked for; no node needed, nothing watched."""
         if request.type_url and request.type_url != SECRET_TYPE_URL:
@@ -270,8 +275,7 @@ class SdsServer:
             resources = await self._secrets.secrets(unique(request.resource_names))
         except StreamError as err:
             log.warning("SDS: fetch: %s", err.details)
-            await context.abort(err.code, err.details)
-            raise  # abort raises; this keeps type checkers aware of it
+            await call.abort(err.code, err.details)
         response = SOTW.response(
             SECRET_TYPE_URL,
             resources.pick(resources.names),

@@ -30,7 +30,7 @@ every ``istio.io/debug/*`` query to istiod::
         def __init__(self, istiod: Upstream) -> None:
             self._istiod = istiod
 
-        async def open(self, request, context, flavour) -> None:
+        async def open(self, request, call, flavour) -> None:
             return None  # istioctl's node is not needed: istiod sees the pod's own
 
         def is_query(self, type_url: str) -> bool:
@@ -40,7 +40,7 @@ every ``istio.io/debug/*`` query to istiod::
             try:
                 response = await self._istiod.query(request)  # may take seconds
             except UpstreamError as err:
-                raise StreamError(grpc.StatusCode.UNAVAILABLE, str(err)) from err
+                raise StreamError(Status.UNAVAILABLE, str(err)) from err
             if response is None:
                 return None  # timed out: nothing to send, the stream stays open
             return Reply([Resource("", r) for r in response.resources], response.version_info)
@@ -53,14 +53,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Hashable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, NoReturn, TypeVar
+from typing import Generic, TypeVar
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from google.protobuf.message import DecodeError
+from grpclib.exceptions import GRPCError
 
+from istio_agent.rpc import Status
+from istio_agent.rpc.call import Call, CallEnded
+from istio_agent.rpc.grpcio import GrpcioCall
+from istio_agent.rpc.server import RpcServer, ServerCall
 from istio_agent.xds.flavour import SOTW, Flavour, Request, Resource, Resources, Response, new_nonce
 from istio_agent.xds.watch import Decision, Policy, Verdict, Watch, delta_request, sotw_request
 
@@ -70,9 +75,7 @@ E = TypeVar("E")
 """A push event (a changed secret's name, a new mesh, ...)."""
 
 REQUEST_QUEUE_SIZE = 8
-WRITE_ERRORS = (grpc.RpcError, grpc.aio.UsageError, grpc.aio.InternalError, asyncio.InvalidStateError)
-"""What ``context.write`` raises when the client has gone away."""
-READ_ERRORS = (*WRITE_ERRORS, DecodeError)
+READ_ERRORS = (CallEnded, DecodeError)
 """What reading a stream raises when the client has gone away or sent something unreadable."""
 NO_RESOURCES = Resources((), {}, {})
 Change = tuple[str, Sequence[str] | None]
@@ -82,7 +85,7 @@ Change = tuple[str, Sequence[str] | None]
 class StreamError(Exception):
     """Ends one stream with ``code`` and ``details`` (never with key material or tokens in them)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: Status, details: str) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
@@ -91,7 +94,7 @@ class StreamError(Exception):
 def require_node(request: Request) -> None:
     """Istio's rule for a stream's first request: a node with an id (Envoy sends it only then)."""
     if not (request.HasField("node") and request.node.id):
-        raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, "missing node information")
+        raise StreamError(Status.INVALID_ARGUMENT, "missing node information")
 
 
 @dataclass(frozen=True)
@@ -148,8 +151,8 @@ class Source(Generic[C, E]):
     control_plane: base_pb2.ControlPlane | None = None
     """Set on every response (istiod identifies itself this way)."""
 
-    async def open(self, request: Request, context: grpc.aio.ServicerContext, flavour: Flavour) -> C:
-        """Accept a stream by its first request; raise StreamError (or abort ``context``) to refuse it."""
+    async def open(self, request: Request, call: Call, flavour: Flavour) -> C:
+        """Accept a stream by its first request; raise StreamError (or abort ``call``) to refuse it."""
         raise NotImplementedError
 
     def opened(self, stream: Stream[C, E], request: Request) -> None:
@@ -205,13 +208,11 @@ class Source(Generic[C, E]):
         """The client rejected a response: the last one of ``watch``'s type, or (None) an older one."""
 
 
-async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
-    await context.abort(code, details)
-    raise AssertionError("context.abort returned")  # it always raises
-
-
 class StreamServer(Generic[C, E]):
     """Serves the streams of one xDS service from a :class:`Source`; gRPC handlers call :meth:`serve`.
+
+    Served on an :class:`RpcServer` (:meth:`add_to`), or on grpcio (:meth:`register`) by the
+    servers that have not moved yet.
 
     ``name`` prefixes log lines and task names; ``describe`` names the server in stream errors.
     """
@@ -235,6 +236,22 @@ class StreamServer(Generic[C, E]):
         self._ids = itertools.count(1)
         self._closing = False
 
+    def add_to(self, server: RpcServer, service: str, streams: Mapping[str, Flavour]) -> None:
+        """Serve ``service``'s ``streams`` (method name -> flavour) on ``server``."""
+        for method, flavour in streams.items():
+            server.add_stream(
+                f"/{service}/{method}",
+                self._rpc_handler(flavour),
+                flavour.request_type,
+                flavour.response_type,
+            )
+
+    def _rpc_handler(self, flavour: Flavour) -> Callable[[ServerCall], Awaitable[None]]:
+        async def serve(call: ServerCall) -> None:
+            await self.serve(flavour, call)
+
+        return serve
+
     def register(
         self,
         server: grpc.aio.Server,
@@ -251,7 +268,7 @@ class StreamServer(Generic[C, E]):
 
     def _handler(self, flavour: Flavour) -> grpc.RpcMethodHandler:
         async def serve(requests: AsyncIterator[Request], context: grpc.aio.ServicerContext) -> None:
-            await self.serve(flavour, requests, context)
+            await self.serve(flavour, GrpcioCall(requests, context))
 
         return grpc.stream_stream_rpc_method_handler(
             serve,
@@ -283,32 +300,32 @@ class StreamServer(Generic[C, E]):
 
     # -- one stream ----------------------------------------------------------------------------------
 
-    async def serve(
-        self, flavour: Flavour, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
-    ) -> None:
-        """Serve one stream until the client is done, the server closes or the stream fails."""
-        if self._closing:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"{self._describe} is shutting down")
-        iterator = aiter(requests)
+    async def serve(self, flavour: Flavour, call: Call) -> None:
+        """Serve one stream until the client is done, the server closes or the stream fails.
+
+        Even a stream refused (the server closing, a bad first request) has its first request read
+        first: grpcio's client reports a stream reset after its status as INTERNAL when the server
+        had not read what the client was sending (seen with grpclib's reset, which HTTP/2 allows)."""
+        iterator = aiter(call)
         try:
             first = await anext(iterator)
         except StopAsyncIteration:
             return
         try:
-            data = await self._source.open(first, context, flavour)
+            data = await self._source.open(first, call, flavour)
         except StreamError as err:
             self._log.warning(
-                "%s: %s stream from %s refused: %s", self._prefix, flavour.label, context.peer(), err.details
+                "%s: %s stream from %s refused: %s", self._prefix, flavour.label, call.peer(), err.details
             )
-            await abort(context, err.code, err.details)
+            await call.abort(err.code, err.details)
         if self._closing:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, f"{self._describe} is shutting down")
+            await call.abort(Status.UNAVAILABLE, f"{self._describe} is shutting down")
 
         stream: Stream[C, E] = Stream(next(self._ids), flavour, data, self._queue_size)
         stream.requests.put_nowait(first)
         stream.tasks = [
             asyncio.create_task(self._read(stream, iterator), name=f"{self._name}-reader-{stream.id}"),
-            asyncio.create_task(self._work(stream, context), name=f"{self._name}-worker-{stream.id}"),
+            asyncio.create_task(self._work(stream, call), name=f"{self._name}-worker-{stream.id}"),
         ]
         stream.tasks[1].add_done_callback(lambda _: stream.done.set())
         self._streams[stream.id] = stream
@@ -323,20 +340,24 @@ class StreamServer(Generic[C, E]):
                 task.cancel()
             await asyncio.gather(*stream.tasks, return_exceptions=True)
         if stream.failure is not None:
-            await abort(context, stream.failure.code, stream.failure.details)
+            await call.abort(stream.failure.code, stream.failure.details)
 
     async def _read(self, stream: Stream[C, E], requests: AsyncIterator[Request]) -> None:
         try:
             async for request in requests:
                 await stream.requests.put(request)
                 stream.wake.set()
+        except GRPCError as err:  # a message refused as it was read (too large, undecodable)
+            self._log.warning("%s: stream %d: %s", self._prefix, stream.id, err.message)
+            stream.failure = StreamError(err.status, err.message or "")
+            stream.done.set()
         except READ_ERRORS as err:
             self._log.debug("%s: stream %d: read ended: %s", self._prefix, stream.id, err)
         finally:
             stream.reader_done = True
             stream.wake.set()
 
-    async def _work(self, stream: Stream[C, E], context: grpc.aio.ServicerContext) -> None:
+    async def _work(self, stream: Stream[C, E], call: Call) -> None:
         """The stream's only writer: requests first, then pending pushes, until the client is done."""
         while True:
             stream.wake.clear()
@@ -358,15 +379,13 @@ class StreamServer(Generic[C, E]):
             except Exception:
                 # A bug, not a client's doing: said once with its traceback; the other streams go on.
                 self._log.exception("%s: stream %d: internal error", self._prefix, stream.id)
-                stream.failure = StreamError(
-                    grpc.StatusCode.INTERNAL, f"internal error in the {self._describe}"
-                )
+                stream.failure = StreamError(Status.INTERNAL, f"internal error in the {self._describe}")
                 return
             for out in outgoing:
                 self._source.sending(stream, out.response, out.names, out.cause)
                 try:
-                    await context.write(out.response)
-                except WRITE_ERRORS as err:  # the client is gone; the handler ends the stream
+                    await call.send(out.response)
+                except CallEnded as err:  # the client is gone; the handler ends the stream
                     self._log.debug("%s: stream %d: write failed: %s", self._prefix, stream.id, err)
                     return
                 self._source.sent(stream, out.response, out.names, out.cause)

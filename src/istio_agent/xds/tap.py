@@ -41,6 +41,8 @@ from istio_agent.http.messages import Response as HttpResponse
 from istio_agent.http.messages import StreamResponse
 from istio_agent.http.server import ServerRunner
 from istio_agent.log import scope
+from istio_agent.rpc import Status
+from istio_agent.rpc.call import Call
 from istio_agent.uds import ServerLimits
 from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request, Resource
 from istio_agent.xds.proxy import DEBUG_TYPE_PREFIX, TapError, TapTimeout
@@ -83,7 +85,7 @@ class _TapSource(Source[None, None]):
         self._upstream = upstream
         self._timeout = timeout
 
-    async def open(self, request: Request, context: grpc.aio.ServicerContext, flavour: Flavour) -> None:
+    async def open(self, request: Request, call: Call, flavour: Flavour) -> None:
         return None
 
     def is_query(self, type_url: str) -> bool:
@@ -93,16 +95,16 @@ class _TapSource(Source[None, None]):
         type_url = request.type_url
         if not type_url.startswith(DEBUG_TYPE_PREFIX):
             raise StreamError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID_ARGUMENT,
                 f"the debug tap answers only {DEBUG_TYPE_PREFIX}/* types, not {type_url[:200]!r}",
             )
         question = debug_request(type_url, stream.flavour.requested_names(request))
         try:
             response = await self._upstream.query(question, self._timeout)
         except TapTimeout as err:
-            raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, str(err)) from None
+            raise StreamError(Status.DEADLINE_EXCEEDED, str(err)) from None
         except TapError as err:
-            raise StreamError(grpc.StatusCode.UNAVAILABLE, str(err)) from None
+            raise StreamError(Status.UNAVAILABLE, str(err)) from None
         return Reply(
             [Resource("", resource) for resource in response.resources],
             response.version_info,
