@@ -274,3 +274,28 @@ async def test_stop_cancels_calls_after_the_grace(serving: RpcServer, socket_pat
             grpc.StatusCode.UNAVAILABLE,
             grpc.StatusCode.UNKNOWN,
         )
+
+
+async def test_a_connection_accepted_elsewhere_is_adopted_with_its_first_bytes() -> None:
+    """One port, two protocols: the acceptor reads the first bytes, then hands gRPC connections over."""
+    server = echo_server(uds.ServerLimits())
+    await server.start_unbound()
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = await reader.readexactly(4)
+        assert first == b"PRI "
+        buffered = bytes(reader._buffer)  # what the stream reader already holds goes along
+        server.adopt(writer.transport, first + buffered)  # type: ignore[arg-type]
+
+    acceptor = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = acceptor.sockets[0].getsockname()[1]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = chat(channel)(metadata=(("x-who", "istioctl"),))
+            await call.write(b"hi")
+            assert (await call.read()).endswith(b"|istioctl|hi")
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+    finally:
+        acceptor.close()
+        await server.stop(None)

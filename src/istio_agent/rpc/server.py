@@ -114,6 +114,26 @@ class RpcServer:
             await server.start(host, port, ssl=ssl_context)
         self._server = server
 
+    async def start_unbound(self) -> None:
+        """Serve only connections handed over with :meth:`adopt` (a port shared with another protocol)."""
+        if self._server is not None:
+            raise RuntimeError("the server is already started")
+        self._server = _Server(self._mapping(), self._limits, self._max_concurrent_streams)
+
+    def adopt(self, transport: asyncio.Transport, first: bytes) -> asyncio.Protocol:
+        """Serve a connection accepted elsewhere, whose first bytes (``first``) were already read.
+
+        One port can serve gRPC and HTTP/1.1 this way, without relaying to a server of its own.
+        """
+        if self._server is None:
+            raise RuntimeError("the server is not started")
+        protocol = self._server._protocol_factory()
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        if first:
+            protocol.data_received(first)
+        return protocol
+
     def sockets(self) -> list[socket.socket]:
         """The listening sockets (e.g. to learn the port bound for port 0)."""
         return self._server.listening_sockets() if self._server is not None else []
@@ -167,6 +187,19 @@ class _Server(grpclib.server.Server):
         protocol.on_lost = self._protocols.discard
         self._protocols.add(protocol)
         return protocol
+
+    def close(self) -> None:
+        if self._server is None:  # started unbound: only adopted connections
+            for handler in self._handlers:
+                handler.close()
+            return
+        super().close()
+
+    async def wait_closed(self) -> None:
+        if self._server is None:
+            await asyncio.gather(*(handler.wait_closed() for handler in self._handlers))
+            return
+        await super().wait_closed()
 
     def listening_sockets(self) -> list[socket.socket]:
         return list(getattr(self._server, "sockets", None) or ())
