@@ -294,7 +294,8 @@ class Agent:
         listener: Listener | None,
     ) -> None:
         from istio_agent.xds.handlers import NameTableHandler, ProxyConfigHandler
-        from istio_agent.xds.proxy import TypeHandler, XdsProxy
+        from istio_agent.xds.proxy import XdsProxy
+        from istio_agent.xds.relay import TypeHandler
         from istio_agent.xds.upstream import UpstreamDialer
 
         handlers: list[TypeHandler] = []

@@ -1,0 +1,244 @@
+"""One downstream xDS stream relayed to its own upstream stream to istiod.
+
+There are no queues: each direction awaits the write on the other side, so a slow reader is
+back-pressured through gRPC flow control. Writes to one upstream call are serialised by the
+stream's lock, shared with the agent's own requests (ACKs, NDS/PCDS, health, debug questions).
+istiod's responses are relayed as the bytes received (see :mod:`istio_agent.xds.wire`); only the
+agent's own types are decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
+
+from istio_agent.log import scope
+from istio_agent.xds import types
+from istio_agent.xds.flavour import ADS_SERVICE, Flavour, Request
+from istio_agent.xds.health_report import HealthReport
+from istio_agent.xds.outcome import DownstreamError, Outcome, Outcomes, UpstreamError
+from istio_agent.xds.proxy_metrics import ProxyMetrics
+from istio_agent.xds.proxy_stream import ProxyStream
+from istio_agent.xds.questions import DEBUG_TYPE_PREFIX, DebugQuestions
+from istio_agent.xds.upstream import DialError, UpstreamDialer
+from istio_agent.xds.wire import RawResponse
+
+log = scope("xdsproxy")
+
+
+class TypeHandler(Protocol):
+    """An agent-owned type: its responses go to ``handle`` instead of Envoy."""
+
+    type_url: str
+
+    def handle(self, resource: any_pb2.Any) -> None:
+        """Consume the resource; raise ValueError(text) to NACK it."""
+
+
+def _open_upstream(flavour: Flavour, channel: grpc.aio.Channel, metadata: list[tuple[str, str]]) -> Any:
+    """The upstream stream; responses arrive as :class:`RawResponse` (bytes plus their type URL)."""
+    method = channel.stream_stream(
+        f"/{ADS_SERVICE}/{flavour.method}",
+        request_serializer=flavour.request_type.SerializeToString,
+        response_deserializer=RawResponse.decode,
+    )
+    return method(metadata=metadata, wait_for_ready=False)
+
+
+class Relay:
+    """The request and response pumps of every stream of one proxy, and the parts they report to."""
+
+    def __init__(
+        self,
+        dialer: UpstreamDialer,
+        handlers: Mapping[str, TypeHandler],
+        metrics: ProxyMetrics,
+        health: HealthReport,
+        questions: DebugQuestions,
+        outcomes: Outcomes,
+    ) -> None:
+        self._dialer = dialer
+        self._handlers = handlers
+        self._metrics = metrics
+        self._health = health
+        self._questions = questions
+        self._outcomes = outcomes
+
+    async def run(
+        self, stream: ProxyStream, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
+    ) -> Outcome:
+        """Relay until either side ends the stream; the upstream is closed whatever happens."""
+        try:
+            channel = self._dialer.dial()
+        except DialError as err:
+            return self._outcomes.dial_failed(err)
+        try:
+            stream.call = _open_upstream(stream.flavour, channel, self._dialer.metadata())
+            stream.tasks = (
+                asyncio.create_task(self._pump_requests(stream, requests), name=f"xds-{stream.id}-requests"),
+                asyncio.create_task(self._pump_responses(stream, context), name=f"xds-{stream.id}-responses"),
+                asyncio.create_task(self._pump_health(stream), name=f"xds-{stream.id}-health"),
+            )
+            return self._outcomes.settle(stream, await self._first_outcome(stream))
+        finally:
+            # Shielded: a second cancellation (server stopping) must not leave the channel open.
+            await asyncio.shield(self._close_upstream(stream, channel))
+
+    async def send(self, stream: ProxyStream, request: Request) -> None:
+        """Write one request upstream (Envoy's or the agent's); UpstreamError when istiod's side failed."""
+        async with stream.lock:
+            if stream.half_closed:
+                log.debug(
+                    "stream %d: not sending %s after Envoy closed its side", stream.id, request.type_url
+                )
+                return
+            try:
+                await stream.call.write(request)
+            except grpc.RpcError as err:
+                raise await self._upstream_error(stream, err) from None
+            except asyncio.InvalidStateError as err:
+                raise await self._upstream_error(stream, err) from None
+        self._metrics.requests.inc()
+
+    async def _first_outcome(self, stream: ProxyStream) -> BaseException | None:
+        """The exception that ends the relay, or None when istiod ended the stream with OK."""
+        responses = stream.tasks[1]
+        pending = set(stream.tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.cancelled():
+                    return asyncio.CancelledError()  # stop(): end the stream cleanly
+                error = task.exception()
+                if error is not None:
+                    return error
+                if task is responses:
+                    return None
+                # Envoy half-closed its side: keep relaying what istiod still sends.
+        return None
+
+    async def _close_upstream(self, stream: ProxyStream, channel: grpc.aio.Channel) -> None:
+        for task in stream.tasks:
+            task.cancel()
+        if stream.tasks:
+            await asyncio.gather(*stream.tasks, return_exceptions=True)
+        if stream.call is not None and not stream.call.done():
+            stream.call.cancel()
+            self._metrics.istiod_terminations.labels(type="cancelled").inc()
+        await channel.close()
+
+    # -- request path: Envoy -> istiod ----------------------------------------------------------------
+    async def _pump_requests(self, stream: ProxyStream, requests: AsyncIterator[Request]) -> None:
+        iterator = aiter(requests)
+        while True:
+            try:
+                request = await anext(iterator)
+            except StopAsyncIteration:
+                break
+            except grpc.RpcError as err:
+                raise DownstreamError(f"read failed: {err}") from None
+            self._observe(request)
+            await self.send(stream, request)
+            if not stream.initial_sent and request.type_url == types.LISTENER:
+                await self._send_initial_requests(stream)
+        # Envoy half-closed: pass it on; istiod ends the stream and so do we.
+        stream.half_closed = True
+        async with stream.lock:
+            if not stream.call.done():
+                await stream.call.done_writing()
+
+    def _observe(self, request: Request) -> None:
+        self._metrics.request_size(request.ByteSize())
+        if request.HasField("error_detail"):
+            self._metrics.nacks.labels(type_url=request.type_url).inc()
+            log.debug("Envoy rejected %s: %s", request.type_url, request.error_detail.message)
+
+    async def _send_initial_requests(self, stream: ProxyStream) -> None:
+        """After the first LDS request: subscribe to the agent's own types, then report health."""
+        order = [types.NAME_TABLE, types.PROXY_CONFIG]
+        order += [url for url in self._handlers if url not in order]
+        for type_url in order:
+            if type_url in self._handlers:
+                await self.send(stream, stream.flavour.agent_request(type_url))
+        stream.initial_sent = True
+        health = self._health.request(stream.flavour)
+        if health is not None:
+            await self.send(stream, health)
+
+    async def _pump_health(self, stream: ProxyStream) -> None:
+        while True:
+            await stream.health_wake.wait()
+            stream.health_wake.clear()
+            health = self._health.request(stream.flavour)
+            # Before the first LDS request the report waits: it is sent with the initial requests.
+            if stream.initial_sent and health is not None:
+                await self.send(stream, health)
+
+    async def _upstream_error(self, stream: ProxyStream, err: Exception) -> UpstreamError:
+        if isinstance(err, grpc.aio.AioRpcError):
+            return UpstreamError(err.code(), err.details() or "")
+        code = await stream.call.code()
+        details = await stream.call.details()
+        if code == grpc.StatusCode.OK:
+            return UpstreamError(grpc.StatusCode.UNAVAILABLE, f"stream closed while sending: {err}")
+        return UpstreamError(code, details or "")
+
+    # -- response path: istiod -> Envoy ---------------------------------------------------------------
+    async def _pump_responses(self, stream: ProxyStream, context: grpc.aio.ServicerContext) -> None:
+        call = stream.call
+        while True:
+            try:
+                response = await call.read()
+            except grpc.RpcError as err:
+                raise await self._upstream_error(stream, err) from None
+            if response is grpc.aio.EOF:
+                return
+            if response.malformed:
+                raise UpstreamError(grpc.StatusCode.INTERNAL, f"malformed response: {response.malformed}")
+            if not stream.answered:
+                stream.answered = True
+                self._outcomes.connected()
+            self._metrics.responses.inc()
+            handler = self._handlers.get(response.type_url)
+            if response.type_url.startswith(DEBUG_TYPE_PREFIX):
+                self._questions.answer(stream, response)
+            elif handler is not None:
+                await self._handle_agent_type(stream, handler, response)
+            elif not types.is_forwardable(response.type_url):
+                log.debug(
+                    "skipping forwarding type url %s to Envoy: not a valid Envoy type", response.type_url
+                )
+            else:
+                try:
+                    await context.write(response)
+                except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError) as err:
+                    raise DownstreamError(f"write failed: {err}") from None
+                self._metrics.pushes.labels(type_url=response.type_url).inc()
+
+    async def _handle_agent_type(self, stream: ProxyStream, handler: TypeHandler, raw: RawResponse) -> None:
+        try:
+            response = stream.flavour.response_type.FromString(raw.data)
+        except DecodeError as err:
+            raise UpstreamError(
+                grpc.StatusCode.INTERNAL, f"malformed {raw.type_url} response: {err}"
+            ) from None
+        resource = stream.flavour.first_resource(response)
+        if resource is None:
+            log.debug("empty %s response from istiod: nothing to do, no ACK", response.type_url)
+            return
+        error: str | None = None
+        try:
+            handler.handle(resource)
+        except ValueError as err:
+            error = str(err) or type(err).__name__
+        except Exception as err:
+            log.exception("handler for %s failed", response.type_url)
+            error = f"{type(err).__name__}: {err}"
+        if error is not None:
+            log.warning("rejecting %s from istiod: %s", response.type_url, error)
+        await self.send(stream, stream.flavour.reply(response, error))
