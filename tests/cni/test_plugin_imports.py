@@ -36,7 +36,7 @@ atexit.register(_listed)
 from istio_agent.cni.plugin_main import main
 main()
 """
-OFF_THE_PATH = ("logging", "asyncio", "concurrent.futures")
+OFF_THE_PATH = ("logging", "asyncio", "concurrent.futures", "pathlib", "encodings.idna")
 """Not imported by an ADD that GETs the pod and leaves it alone."""
 NOT_OURS_YET = {"istio_agent.config.document.Node", "istio_agent.http.exchange.Fetched"}
 """Dataclasses on that path in modules this change does not own (docs/performance.md says what they cost)."""

@@ -20,7 +20,6 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from istio_agent.cni import result
@@ -30,7 +29,9 @@ from istio_agent.cni.skel import ERR_INTERNAL, CmdArgs, CniError
 from istio_agent.config.env import ConfigError
 from istio_agent.logline import Scope
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # pathlib too: a pod that gets no rules needs no Path (~1 ms to import)
+    from pathlib import Path
+
     from istio_agent.cni.capture_config import CaptureConfig
 
 DEFAULT_ADD_TIMEOUT = timedelta(seconds=30)
@@ -69,11 +70,13 @@ class DryRunWriter:
 
     __slots__ = ("native_nftables", "path")
 
-    def __init__(self, path: Path, native_nftables: bool = False) -> None:
+    def __init__(self, path: str, native_nftables: bool = False) -> None:
         self.path = path
         self.native_nftables = native_nftables
 
     def __call__(self, config: CaptureConfig, netns: Path, deadline: float) -> None:
+        from pathlib import Path
+
         from istio_agent.files import write_atomic
 
         if self.native_nftables:
@@ -86,7 +89,7 @@ class DryRunWriter:
             v4, v6 = render_families(config)
             text = v4 + (v6 or "")
         try:
-            write_atomic(self.path, text)
+            write_atomic(Path(self.path), text)
         except OSError as err:
             raise PluginError(
                 f"cannot write the dry-run rules to {self.path}: {err.strerror or err}"
@@ -136,7 +139,7 @@ def select_programmer(environ: Mapping[str, str], *, native_nftables: bool = Fal
     nftables with the plugin config's ``native_nftables``."""
     path = environ.get(DRY_RUN_ENV, "")
     if path:
-        return DryRunWriter(Path(path), native_nftables)
+        return DryRunWriter(path, native_nftables)
     return NetnsApplier(environ, native_nftables)
 
 
@@ -254,6 +257,8 @@ def add(
     capture = plan(k8s, config, get_pod, deadline, os.environ if environ is None else environ)
     if capture is None:
         return answer
+    from pathlib import Path  # only a pod that gets rules pays for it
+
     netns = Path(args.netns)
     if not netns.exists():
         raise PluginError(f"the pod's network namespace {netns} no longer exists")
@@ -278,7 +283,7 @@ def _api_getter(config: NetworkConfig) -> PodGetter:
     from istio_agent.cni.kube import KUBECONFIG_NAME, KubeClient, read_kubeconfig
 
     try:
-        client = KubeClient(read_kubeconfig(Path(config.plugin.cni_agent_run_dir) / KUBECONFIG_NAME))
+        client = KubeClient(read_kubeconfig(os.path.join(config.plugin.cni_agent_run_dir, KUBECONFIG_NAME)))
     except ConfigError as err:
         raise PluginError(str(err)) from None
 
