@@ -82,12 +82,12 @@ class XdsProxy:
         self._health = HealthReport()
         self._questions = DebugQuestions(self._streams, self._dialer.describe)
         self._relay = Relay(
-            self._dialer,
-            by_type,
-            self._metrics,
-            self._health,
-            self._questions,
-            Outcomes(self._metrics, self._dialer),
+            dialer=self._dialer,
+            handlers=by_type,
+            metrics=self._metrics,
+            health=self._health,
+            questions=self._questions,
+            outcomes=Outcomes(self._metrics, self._dialer),
         )
         self._stopping = False
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -50,41 +51,34 @@ def _open_upstream(flavour: Flavour, channel: grpc.aio.Channel, metadata: list[t
     return method(metadata=metadata, wait_for_ready=False)
 
 
+@dataclass(frozen=True, eq=False)
 class Relay:
     """The request and response pumps of every stream of one proxy, and the parts they report to."""
 
-    def __init__(
-        self,
-        dialer: UpstreamDialer,
-        handlers: Mapping[str, TypeHandler],
-        metrics: ProxyMetrics,
-        health: HealthReport,
-        questions: DebugQuestions,
-        outcomes: Outcomes,
-    ) -> None:
-        self._dialer = dialer
-        self._handlers = handlers
-        self._metrics = metrics
-        self._health = health
-        self._questions = questions
-        self._outcomes = outcomes
+    dialer: UpstreamDialer
+    handlers: Mapping[str, TypeHandler]
+    """The agent's own types by URL: their responses are handled here and ACKed, not forwarded."""
+    metrics: ProxyMetrics
+    health: HealthReport
+    questions: DebugQuestions
+    outcomes: Outcomes
 
     async def run(
         self, stream: ProxyStream, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
     ) -> Outcome:
         """Relay until either side ends the stream; the upstream is closed whatever happens."""
         try:
-            channel = self._dialer.dial()
+            channel = self.dialer.dial()
         except DialError as err:
-            return self._outcomes.dial_failed(err)
+            return self.outcomes.dial_failed(err)
         try:
-            stream.call = _open_upstream(stream.flavour, channel, self._dialer.metadata())
+            stream.call = _open_upstream(stream.flavour, channel, self.dialer.metadata())
             stream.tasks = (
                 asyncio.create_task(self._pump_requests(stream, requests), name=f"xds-{stream.id}-requests"),
                 asyncio.create_task(self._pump_responses(stream, context), name=f"xds-{stream.id}-responses"),
                 asyncio.create_task(self._pump_health(stream), name=f"xds-{stream.id}-health"),
             )
-            return self._outcomes.settle(stream, await self._first_outcome(stream))
+            return self.outcomes.settle(stream, await self._first_outcome(stream))
         finally:
             # Shielded: a second cancellation (server stopping) must not leave the channel open.
             await asyncio.shield(self._close_upstream(stream, channel))
@@ -103,7 +97,7 @@ class Relay:
                 raise await self._upstream_error(stream, err) from None
             except asyncio.InvalidStateError as err:
                 raise await self._upstream_error(stream, err) from None
-        self._metrics.requests.inc()
+        self.metrics.requests.inc()
 
     async def _first_outcome(self, stream: ProxyStream) -> BaseException | None:
         """The exception that ends the relay, or None when istiod ended the stream with OK."""
@@ -129,7 +123,7 @@ class Relay:
             await asyncio.gather(*stream.tasks, return_exceptions=True)
         if stream.call is not None and not stream.call.done():
             stream.call.cancel()
-            self._metrics.istiod_terminations.labels(type="cancelled").inc()
+            self.metrics.istiod_terminations.labels(type="cancelled").inc()
         await channel.close()
 
     # -- request path: Envoy -> istiod ----------------------------------------------------------------
@@ -153,20 +147,20 @@ class Relay:
                 await stream.call.done_writing()
 
     def _observe(self, request: Request) -> None:
-        self._metrics.request_size(request.ByteSize())
+        self.metrics.request_size(request.ByteSize())
         if request.HasField("error_detail"):
-            self._metrics.nacks.labels(type_url=request.type_url).inc()
+            self.metrics.nacks.labels(type_url=request.type_url).inc()
             log.debug("Envoy rejected %s: %s", request.type_url, request.error_detail.message)
 
     async def _send_initial_requests(self, stream: ProxyStream) -> None:
         """After the first LDS request: subscribe to the agent's own types, then report health."""
         order = [types.NAME_TABLE, types.PROXY_CONFIG]
-        order += [url for url in self._handlers if url not in order]
+        order += [url for url in self.handlers if url not in order]
         for type_url in order:
-            if type_url in self._handlers:
+            if type_url in self.handlers:
                 await self.send(stream, stream.flavour.agent_request(type_url))
         stream.initial_sent = True
-        health = self._health.request(stream.flavour)
+        health = self.health.request(stream.flavour)
         if health is not None:
             await self.send(stream, health)
 
@@ -174,7 +168,7 @@ class Relay:
         while True:
             await stream.health_wake.wait()
             stream.health_wake.clear()
-            health = self._health.request(stream.flavour)
+            health = self.health.request(stream.flavour)
             # Before the first LDS request the report waits: it is sent with the initial requests.
             if stream.initial_sent and health is not None:
                 await self.send(stream, health)
@@ -202,11 +196,11 @@ class Relay:
                 raise UpstreamError(grpc.StatusCode.INTERNAL, f"malformed response: {response.malformed}")
             if not stream.answered:
                 stream.answered = True
-                self._outcomes.connected()
-            self._metrics.responses.inc()
-            handler = self._handlers.get(response.type_url)
+                self.outcomes.connected()
+            self.metrics.responses.inc()
+            handler = self.handlers.get(response.type_url)
             if response.type_url.startswith(DEBUG_TYPE_PREFIX):
-                self._questions.answer(stream, response)
+                self.questions.answer(stream, response)
             elif handler is not None:
                 await self._handle_agent_type(stream, handler, response)
             elif not types.is_forwardable(response.type_url):
@@ -218,7 +212,7 @@ class Relay:
                     await context.write(response)
                 except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError) as err:
                     raise DownstreamError(f"write failed: {err}") from None
-                self._metrics.pushes.labels(type_url=response.type_url).inc()
+                self.metrics.pushes.labels(type_url=response.type_url).inc()
 
     async def _handle_agent_type(self, stream: ProxyStream, handler: TypeHandler, raw: RawResponse) -> None:
         try:
