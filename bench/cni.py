@@ -1,6 +1,6 @@
 """CNI benchmark: the istio-cni plugin's ADD latency (exec to result), next to the bridge plugin's.
 
-    python -m bench.cni [--pods 50] [--plugin-dir build/cni/bin]
+    python -m bench.cni [--pods 50] [--plugin-dir build/cni/bin [--plugin-dir OTHER ...]]
 
 Root only (network namespaces). The bench process moves into a "node" namespace it creates, so the
 plugins run there as a container runtime runs them on a host, and the pod network's bridge never
@@ -16,7 +16,10 @@ named namespace each), as the test runtime (``tests/cni/libcni.py``) runs the ne
 * **(c) istio-cni, a pod without injection**: the pod GET, and the previous result handed on.
 
 The istio-cni exec'd is the one in ``--plugin-dir``: by default the self-contained bundle ``make
-cni-plugin`` builds (``build/cni/bin``: what ships to nodes), else the venv's console script.
+cni-plugin`` builds (``build/cni/bin``: what ships to nodes), else the venv's console script. Given
+more than once (e.g. a previous commit's build, ``packaging/cni-plugin/build.py --out``), the builds
+take turns pod by pod in the same run, each with rows of its own, so a comparison holds on a loaded
+machine (separate runs moved by 10-20 ms with other jobs on this 2-core one).
 
 Each sandbox then gets the list's DEL and its namespace deleted.
 
@@ -116,33 +119,52 @@ def rules_applied(pod_netns: str) -> bool:
     return False
 
 
-def run(base: Path, pods: int, plugin_dir: Path) -> list[Row]:
-    """Measure; the caller has moved the process into the node's namespace."""
+@dataclass
+class Build:
+    """One istio-cni build under test and its rows."""
+
+    label: str
+    runtime: Runtime
+    mesh: Row
+    skipped: Row
+    version: Row
+
+    @classmethod
+    def of(cls, plugin_dir: Path, label: str) -> Build:
+        tag = f" [{label}]" if label else ""
+        return cls(
+            label,
+            Runtime((plugin_dir, DEBIAN_PLUGINS)),
+            Row(f"(b) istio-cni ADD (sidecar pod, rules applied){tag}"),
+            Row(f"(c) istio-cni ADD, pod without injection (pod GET, no rules){tag}"),
+            Row(f"istio-cni VERSION (floor){tag}"),
+        )
+
+
+def run(base: Path, pods: int, plugin_dirs: list[Path]) -> tuple[Row, Row, list[Build]]:
+    """Measure; the caller has moved the process into the node's namespace. The builds take turns
+    within each pod index, so they meet the same load."""
     (base / "ca").mkdir()
     run_dir = base / "run"
     run_dir.mkdir()
-    bridge, mesh, skipped, bridge_version, istio_version = (
-        Row("(a) bridge + host-local ADD"),
-        Row("(b) istio-cni ADD (sidecar pod, rules applied)"),
-        Row("(c) istio-cni ADD, pod without injection (pod GET, no rules)"),
-        Row("bridge VERSION (floor)"),
-        Row("istio-cni VERSION (floor)"),
-    )
-    runtime = Runtime((plugin_dir, DEBIAN_PLUGINS))
+    bridge, bridge_version = Row("(a) bridge + host-local ADD"), Row("bridge VERSION (floor)")
+    labels = [str(d) if len(plugin_dirs) > 1 else "" for d in plugin_dirs]
+    builds = [Build.of(d, label) for d, label in zip(plugin_dirs, labels, strict=True)]
     with fake_api(base / "ca") as kube:
         (run_dir / KUBECONFIG_NAME).write_text(kube.kubeconfig())
         entry = {"type": "istio-cni", "pod_namespace": "istio-system", "exclude_namespaces": ["istio-system"]}
         network = bridge_network(base / "host-local", [{**entry, "cni_agent_run_dir": str(run_dir)}])
         for index in range(pods):
-            bridge_version.time(runtime.version, "bridge")
-            istio_version.time(runtime.version, "istio-cni")
-            name = f"bench-{index}-m"
-            kube.add_pod(sidecar_pod(name, "bench"))
-            attach(runtime, network, name, bridge, mesh)
-            name = f"bench-{index}-s"
-            kube.add_pod(plain_pod(name, "bench"))
-            attach(runtime, network, name, bridge, skipped, expect_rules=False)
-    return [bridge, mesh, skipped, bridge_version, istio_version]
+            bridge_version.time(builds[0].runtime.version, "bridge")
+            for number, build in enumerate(builds):
+                build.version.time(build.runtime.version, "istio-cni")
+                name = f"bench-{index}-{number}m"
+                kube.add_pod(sidecar_pod(name, "bench"))
+                attach(build.runtime, network, name, bridge, build.mesh)
+                name = f"bench-{index}-{number}s"
+                kube.add_pod(plain_pod(name, "bench"))
+                attach(build.runtime, network, name, bridge, build.skipped, expect_rules=False)
+    return bridge, bridge_version, builds
 
 
 def plain_pod(name: str, namespace: str) -> dict[str, Any]:
@@ -171,8 +193,7 @@ def attach(
         runtime.delete(network, attachment, answer)
 
 
-def report(rows: list[Row]) -> None:
-    bridge, mesh, skipped = rows[0], rows[1], rows[2]
+def report(bridge: Row, bridge_version: Row, builds: list[Build]) -> None:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     bytecode = os.environ.get("PYTHONDONTWRITEBYTECODE", "")
     print(f"\nCNI plugin ADD latency, exec to result ({when}, load average {os.getloadavg()[0]:.2f},")
@@ -181,10 +202,14 @@ def report(rows: list[Row]) -> None:
     )
     print("| exec | runs | p50 | p99 | min | max |")
     print("|---|---|---|---|---|---|")
-    for row in rows:
+    for row in (bridge, *(r for b in builds for r in (b.mesh, b.skipped)), bridge_version):
         print(row.line())
+    for build in builds:
+        print(build.version.line())
     print()
-    for row, goal in ((mesh, GOAL_P50_MS), (skipped, GOAL_SKIPPED_P50_MS)):
+    for row, goal in (
+        (r, g) for b in builds for r, g in ((b.mesh, GOAL_P50_MS), (b.skipped, GOAL_SKIPPED_P50_MS))
+    ):
         verdict = "MET" if row.p50_ms() <= goal else "NOT MET"
         ratio = row.p50_ms() / bridge.p50_ms()
         print(
@@ -199,9 +224,14 @@ def main() -> None:
     parser.add_argument("--pods", type=int, default=50, help="pod sandboxes to attach (one ADD each)")
     default_dir = BUNDLE_DIR if (BUNDLE_DIR / "istio-cni").exists() else VENV_BIN
     parser.add_argument(
-        "--plugin-dir", type=Path, default=default_dir, help=f"where istio-cni is (default {default_dir})"
+        "--plugin-dir",
+        type=Path,
+        action="append",
+        dest="plugin_dirs",
+        help=f"where istio-cni is (default {default_dir}); more than once: builds compared, taking turns",
     )
     args = parser.parse_args()
+    plugin_dirs: list[Path] = args.plugin_dirs or [default_dir]
     if args.pods < 1:
         parser.error("--pods must be positive")
     if os.geteuid() != 0:
@@ -210,13 +240,14 @@ def main() -> None:
         sys.exit(
             f"bench.cni needs Debian's containernetworking-plugins in {DEBIAN_PLUGINS} (`make` installs them)"
         )
-    if not (args.plugin_dir / "istio-cni").exists():
-        sys.exit(f"no istio-cni in {args.plugin_dir}: `make cni-plugin`, or install the package")
+    for plugin_dir in plugin_dirs:
+        if not (plugin_dir / "istio-cni").exists():
+            sys.exit(f"no istio-cni in {plugin_dir}: `make cni-plugin`, or install the package")
     with tempfile.TemporaryDirectory(prefix="bench-cni-") as tmp, netns("node") as node:
         enter(node.path)  # the whole process (one thread so far): plugins and the fake API live here
-        rows = run(Path(tmp), args.pods, args.plugin_dir)
-    print(f"\nistio-cni: {args.plugin_dir / 'istio-cni'}")
-    report(rows)
+        bridge, bridge_version, builds = run(Path(tmp), args.pods, plugin_dirs)
+    print("\nistio-cni: " + ", ".join(str(d / "istio-cni") for d in plugin_dirs))
+    report(bridge, bridge_version, builds)
 
 
 if __name__ == "__main__":
