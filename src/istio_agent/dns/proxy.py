@@ -82,9 +82,7 @@ def listen_addresses(listen: str, resolv: ResolvConf) -> list[tuple[str, int]]:
 class DnsProxy:
     """Owns the resolver, its listeners and the current lookup table."""
 
-    def __init__(
-        self, settings: DnsSettings, *, workdir: Path | None = None, registry: Registry
-    ) -> None:
+    def __init__(self, settings: DnsSettings, *, workdir: Path | None = None, registry: Registry) -> None:
         self._settings = settings
         self._registry = registry
         self._saved = (workdir or Path.cwd()) / SAVED_TABLE

@@ -66,9 +66,7 @@ def parse_stats(body: str, names: Sequence[str]) -> dict[str, int]:
 class EnvoyReadiness:
     """Envoy has received its first CDS and LDS updates and is LIVE with workers started."""
 
-    def __init__(
-        self, admin_host: str, admin_port: int, *, started_at: float, registry: Registry
-    ) -> None:
+    def __init__(self, admin_host: str, admin_port: int, *, started_at: float, registry: Registry) -> None:
         self._metrics = _ReadinessMetrics(registry)
         self._host, self._port = admin_host, admin_port
         self._started_at = started_at
