@@ -383,6 +383,7 @@ class ServerRunner:
         self.shutdown_timeout = shutdown_timeout
         self._on_reject = on_reject
         self._connections: dict[_Connection, asyncio.Task[object]] = {}
+        self._adopted: set[asyncio.Task[None]] = set()
         self._sites: list[BaseSite] = []
         self._closed = False
         self._next_reject_log = 0.0
@@ -419,6 +420,26 @@ class ServerRunner:
             await connection.serve()
         finally:
             self._connections.pop(connection, None)
+
+    def adopt(self, transport: asyncio.Transport, first: bytes = b"") -> asyncio.Protocol:
+        """Serve a connection accepted elsewhere, whose first bytes (``first``) were already read.
+
+        One port can serve HTTP/1.1 and another protocol this way (the debug tap sniffs HTTP/2's
+        preface). The connection gets a stream reader as an accepted one would, so it is read only
+        as fast as it is answered. Returns the protocol now set on ``transport``.
+        """
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        if first:
+            protocol.data_received(first)
+        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        task = asyncio.ensure_future(self.accept(reader, writer))
+        self._adopted.add(task)  # held until it runs: accept() then tracks it as a connection
+        task.add_done_callback(self._adopted.discard)
+        return protocol
 
     def _eviction_candidate(self) -> _Connection | None:
         """The connection to drop for a new one: not in a request, of the peer holding the most
