@@ -102,7 +102,7 @@ async def proxy_status_via_agents(count: int = 50, runs: int = 10) -> dict[str, 
         mesh.write_text(
             "trustDomain: cluster.local\nservices:\n- {name: b, namespace: default, port: 8000}\n"
         )
-        plane = ControlPlane(mesh, base / "state", "127.0.0.1:0", "127.0.0.1:0")
+        plane = ControlPlane(mesh, base / "state", "127.0.0.1:0", "127.0.0.1:0", registry=Registry())
         await plane.start()
         async with AsyncExitStack() as stack:
             stack.push_async_callback(plane.stop, 0)

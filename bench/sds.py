@@ -42,6 +42,7 @@ from istio_agent.controlplane.ca import LocalCA
 from istio_agent.ctl.local import controlplane_command, free_port, port_open, wait_until
 from istio_agent.ctl.static_mtls import mtls_bootstrap
 from istio_agent.envoy.binary import find_envoy
+from istio_agent.metrics import Registry
 from istio_agent.security.caclient import CitadelClient
 from istio_agent.security.keys import KeyOptions, generate_csr
 from istio_agent.security.manager import SecretManager
@@ -106,9 +107,9 @@ async def fresh_agent(
         Env({"CA_ADDR": f"127.0.0.1:{port}", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "bench", **env}),
         workdir,
     )
-    ca = CitadelClient.from_settings(settings)
-    manager = SecretManager(settings, ca)
-    server = SdsServer(manager, settings.sds_socket_path)
+    ca = CitadelClient.from_settings(settings, registry=Registry())
+    manager = SecretManager(settings, ca, registry=Registry())
+    server = SdsServer(manager, settings.sds_socket_path, registry=Registry())
     manager.add_update_callback(server.on_secret_update)
     await manager.start()
     await server.start()
@@ -210,7 +211,7 @@ async def grpc_signing_rate(
     settings = SecuritySettings.from_env(
         Env({"CA_ADDR": f"127.0.0.1:{port}", "POD_NAMESPACE": "default", "SERVICE_ACCOUNT": "bench"}), workdir
     )
-    client = CitadelClient.from_settings(settings)
+    client = CitadelClient.from_settings(settings, registry=Registry())
     csrs = [
         generate_csr(settings.spiffe_id, KeyOptions(ecc_signature_algorithm="ECDSA"))[0] for _ in range(32)
     ]

@@ -55,6 +55,7 @@ from istio_agent.controlplane.xdsgen import (
 )
 from istio_agent.ctl.localmesh import Workload
 from istio_agent.host import LocalHost
+from istio_agent.metrics import Registry
 
 ENVOY_TYPES = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE)
 BACKENDS = 20  # backend workloads; service i is backed by the two whose index is i mod 10
@@ -217,7 +218,9 @@ async def run_once(base: Path, size: int, flavour: str, mode: str, rounds: int) 
     mesh_file = base / "mesh.yaml"
     mesh_file.write_text(yaml.safe_dump(document))
     timeline = Timeline()
-    plane = ControlPlane(mesh_file, base / "state", "127.0.0.1:0", "127.0.0.1:0", push_observer=timeline)
+    plane = ControlPlane(
+        mesh_file, base / "state", "127.0.0.1:0", "127.0.0.1:0", push_observer=timeline, registry=Registry()
+    )
     await plane.start()
     agent: asyncio.subprocess.Process | None = None
     try:

@@ -43,7 +43,7 @@ async def test_default_plan_uses_the_ca(short_tmp: Path) -> None:
 
 async def test_healthy_external_socket_means_files_only(short_tmp: Path) -> None:
     settings = settings_for(short_tmp)
-    external = SdsServer(EmptyProvider(), settings.sds_socket_path)  # type: ignore[arg-type]
+    external = SdsServer(EmptyProvider(), settings.sds_socket_path, registry=Registry())  # type: ignore[arg-type]
     await external.start()
     try:
         plan = await plan_sds(settings)

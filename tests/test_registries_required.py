@@ -25,6 +25,9 @@ COUNTING = [
     ("istio_agent.status.server", "StatusServer"),
     ("istio_agent.filewatch", "FileWatcher"),
     ("istio_agent.agent", "Agent"),
+    ("istio_agent.security.caclient", "CitadelClient"),
+    ("istio_agent.security.manager", "SecretManager"),
+    ("istio_agent.security.sds", "SdsServer"),
 ]
 
 

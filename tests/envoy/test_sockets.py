@@ -55,7 +55,7 @@ async def test_the_sds_server_answers_a_client_that_connected_before_it_started(
         ready = asyncio.ensure_future(channel.channel_ready())
         await asyncio.sleep(0.2)  # the client's connection waits in the socket's queue
         assert not ready.done()
-        server = SdsServer(FakeSecretProvider(), Path("/unused"), listener=listener)
+        server = SdsServer(FakeSecretProvider(), Path("/unused"), listener=listener, registry=Registry())
         assert server.socket_path == path
         await server.start()
         try:

@@ -631,7 +631,7 @@ async def test_from_settings_brings_the_endpoint_token_source_and_cert_signer(
             cluster_id="c1",
             cert_signer="signer",
         )
-        client = CitadelClient.from_settings(settings)
+        client = CitadelClient.from_settings(settings, registry=Registry())
         assert client.endpoint == IstiodEndpoint.for_ca(settings)
         assert await client.csr_sign(CSR, TTL) == CHAIN
         await client.close()
@@ -644,5 +644,5 @@ async def test_from_settings_brings_the_endpoint_token_source_and_cert_signer(
 def test_from_settings_warns_about_plaintext(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="istio")
     settings = SecuritySettings(workdir=tmp_path, ca_addr="localhost:15010", ca_addr_defaulted=False)
-    assert CitadelClient.from_settings(settings).endpoint.plaintext
+    assert CitadelClient.from_settings(settings, registry=Registry()).endpoint.plaintext
     assert "connecting to the CA at localhost:15010 without TLS" in caplog.text

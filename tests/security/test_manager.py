@@ -290,7 +290,9 @@ def test_rotation_delay_table(tmp_path: Path) -> None:
         settings = make_settings(
             tmp_path, SECRET_GRACE_PERIOD_RATIO=str(ratio), SECRET_GRACE_PERIOD_RATIO_JITTER="0"
         )
-        return SecretManager(settings, None, now=lambda: now).rotation_delay(created, expires)
+        return SecretManager(settings, None, now=lambda: now, registry=Registry()).rotation_delay(
+            created, expires
+        )
 
     assert delay(0.5, now, now + hour) == timedelta(minutes=30)
     assert delay(0.25, now, now + hour) == timedelta(minutes=45)
@@ -309,7 +311,7 @@ def test_rotation_jitter_bounds(tmp_path: Path) -> None:
     settings = make_settings(
         tmp_path, SECRET_GRACE_PERIOD_RATIO="0.5", SECRET_GRACE_PERIOD_RATIO_JITTER="0.5"
     )
-    manager = SecretManager(settings, None, now=lambda: now, rng=rng)
+    manager = SecretManager(settings, None, now=lambda: now, rng=rng, registry=Registry())
     delays = [manager.rotation_delay(now, now + timedelta(hours=1)) for _ in range(1000)]
     assert all(timedelta(0) <= d <= timedelta(hours=1) for d in delays)
     assert min(delays) < timedelta(minutes=10) and max(delays) > timedelta(minutes=50)

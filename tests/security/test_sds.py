@@ -784,7 +784,7 @@ async def test_stale_socket_file_is_replaced_at_start(
 ) -> None:
     socket_path.parent.mkdir(parents=True)
     socket_path.write_text("stale")
-    sds = SdsServer(provider, socket_path)
+    sds = SdsServer(provider, socket_path, registry=Registry())
     await sds.start()
     try:
         assert stat.S_ISSOCK(socket_path.stat().st_mode)
@@ -828,7 +828,7 @@ async def test_connections_that_do_nothing_are_closed_and_streams_are_kept(
     provider: FakeSecretProvider, socket_path: Path
 ) -> None:
     limits = uds.ServerLimits(handshake_timeout=0.3, idle_timeout=0.5)
-    sds = SdsServer(provider, socket_path, limits=limits)
+    sds = SdsServer(provider, socket_path, limits=limits, registry=Registry())
     await sds.start()
     try:
         silent, idle = await asyncio.gather(silent_client(socket_path, 5), idle_http2_client(socket_path, 5))

@@ -9,6 +9,7 @@ import pytest
 from google.protobuf import any_pb2
 
 from istio_agent.config import SecuritySettings
+from istio_agent.metrics import Registry
 from istio_agent.protos import nds_pb2, proxy_config_pb2
 from istio_agent.security.manager import SecretManager
 from istio_agent.security.model import ROOT_CERT
@@ -119,7 +120,7 @@ def test_proxy_config_keeps_unknown_fields_out_of_the_way() -> None:
 
 async def test_proxy_config_feeds_the_secret_manager(tmp_path: Path) -> None:
     """The handler plugs straight into SecretManager.update_trust_bundle (ROOTCA is re-pushed)."""
-    manager = SecretManager(SecuritySettings(workdir=tmp_path), ca_client=None)
+    manager = SecretManager(SecuritySettings(workdir=tmp_path), ca_client=None, registry=Registry())
     pushed: list[str] = []
     manager.add_update_callback(pushed.append)
     cert = to_pem(make_ca("extra")[1]).decode()

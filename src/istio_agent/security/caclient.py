@@ -24,7 +24,7 @@ from istio_agent.config import SecuritySettings
 from istio_agent.istiod.dial import CredentialError, DialMaterial, IstiodCredentials, IstiodEndpoint
 from istio_agent.istiod.tokens import TokenSource, token_source_for
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
 from istio_agent.security.model import CAError
 
@@ -91,7 +91,7 @@ class CitadelClient:
         cert_signer: str = "",
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         rng: Callable[[], float] = random.random,
-        registry: Registry = REGISTRY,
+        registry: Registry,
     ) -> None:
         self.endpoint = endpoint
         self._metrics = _CAClientMetrics(registry)
@@ -103,7 +103,7 @@ class CitadelClient:
         self._closed = False
 
     @classmethod
-    def from_settings(cls, settings: SecuritySettings, *, registry: Registry = REGISTRY) -> CitadelClient:
+    def from_settings(cls, settings: SecuritySettings, *, registry: Registry) -> CitadelClient:
         """The agent's CA client for CA_ADDR; ConfigError when a required root certificate is missing."""
         endpoint = IstiodEndpoint.for_ca(settings)
         if endpoint.plaintext:

@@ -28,7 +28,7 @@ from istio_agent.backoff import ExponentialBackoff
 from istio_agent.config.security import FILE_LOAD_TIMEOUT, SecuritySettings, os_ca_bundle
 from istio_agent.filewatch import FileWatcher
 from istio_agent.log import report_failure, scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 from istio_agent.pem import (
     PemError,
     concat_certs,
@@ -120,7 +120,7 @@ class SecretManager:
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         rng: Callable[[], float] = random.random,
         backoff: Callable[[], ExponentialBackoff] = ExponentialBackoff,
-        registry: Registry = REGISTRY,
+        registry: Registry,
     ) -> None:
         self._settings = settings
         self._metrics = _ManagerMetrics(registry)

@@ -27,7 +27,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from istio_agent import uds
 from istio_agent.envoy import sockets
 from istio_agent.log import scope
-from istio_agent.metrics import REGISTRY, Registry
+from istio_agent.metrics import Registry
 from istio_agent.rpc import Status
 from istio_agent.rpc.call import Call
 from istio_agent.rpc.server import RpcServer
@@ -199,7 +199,7 @@ class SdsServer:
         socket_path: Path,
         *,
         crl_path: Path | None = None,
-        registry: Registry = REGISTRY,
+        registry: Registry,
         limits: uds.ServerLimits | None = None,
         listener: sockets.Listener[socket.socket] | None = None,
     ) -> None:
