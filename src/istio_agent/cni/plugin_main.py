@@ -7,6 +7,7 @@ needs is imported, when it needs it (VERSION needs nothing beyond ``skel``; an A
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 
@@ -34,6 +35,10 @@ HANDLERS: dict[str, skel.Handler] = {"ADD": _add, "CHECK": _nothing, "DEL": _not
 
 
 def main() -> None:
+    # The process lives for one command: the cyclic collector would only scan, again and again, the
+    # objects the imports create (~3 ms of an ADD, docs/performance.md), and what it could free is
+    # freed at exit anyway.
+    gc.disable()
     sys.exit(skel.main(HANDLERS, about=f"CNI plugin istio-cni {__version__}"))
 
 
