@@ -7,6 +7,7 @@ client does (say nothing, ping too often, never answer a ping) to show each limi
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from istio_agent import uds
 from istio_agent.rpc import Status
 from istio_agent.rpc.call import ServerCall
 from istio_agent.rpc.server import RpcServer
+from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
 
 CHAT = "/test.Echo/Chat"
 ONCE = "/test.Echo/Once"
@@ -299,3 +301,22 @@ async def test_a_connection_accepted_elsewhere_is_adopted_with_its_first_bytes()
     finally:
         acceptor.close()
         await server.stop(None)
+
+
+async def test_a_tls_handshake_that_fails_leaves_nothing_behind(tmp_path: Path) -> None:
+    """asyncio creates the protocol before the TLS handshake and tells it nothing when that fails:
+    such a connection never was one, and stopping the server must not trip over it."""
+    ca_key, ca = make_ca()
+    key = new_key()
+    pem = tmp_path / "server.pem"
+    pem.write_bytes(key_to_pem(key) + to_pem(issue(ca_key, ca, public_key=key.public_key(), dns_sans=["x"])))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pem)
+    server = echo_server(uds.ServerLimits())
+    await server.start(host="127.0.0.1", port=0, ssl_context=context)
+    port = server.sockets()[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")  # plaintext HTTP/2 to a TLS port
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # the handshake failed: closed
+    writer.close()
+    await server.stop(0)

@@ -184,8 +184,10 @@ class _Server(grpclib.server.Server):
         protocol = _GuardedProtocol(
             inner.handler, inner.config, inner.h2_config, self._guard_limits, self._max_streams
         )
+        # Counted from connection_made on: over TLS asyncio makes the protocol before the
+        # handshake and says nothing to it when the handshake fails.
+        protocol.on_made = self._protocols.add
         protocol.on_lost = self._protocols.discard
-        self._protocols.add(protocol)
         return protocol
 
     def close(self) -> None:
@@ -250,12 +252,14 @@ class _GuardedProtocol(H2Protocol):
         self._last_busy = 0.0
         self._last_ping: float | None = None
         self._ping_strikes = 0
+        self.on_made: Callable[[_GuardedProtocol], None] = lambda _: None
         self.on_lost: Callable[[_GuardedProtocol], None] = lambda _: None
 
     # -- connection ------------------------------------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        self.on_made(self)
         if self._max_streams is not None:
             self._h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: self._max_streams})
             self.connection.flush()
