@@ -7,6 +7,7 @@ stream to istiod, istiod stays silent, or the type is not a debug type.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import logging
@@ -22,7 +23,9 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.status.v3 import csds_pb2
 from google.protobuf import any_pb2
 
+from istio_agent import uds
 from istio_agent.http.client import fetch as http_request
+from istio_agent.xds import tap as tap_module
 from istio_agent.xds.proxy import XdsProxy
 from istio_agent.xds.tap import DebugTap, TapStartError
 from tests.xds import CDS, EnvoyStream, FakeIstiod, FakeUpstreamStream, running
@@ -247,7 +250,8 @@ async def test_connections_are_bounded_and_the_tap_stays_usable(tapped: Any) -> 
     await asyncio.sleep(0.5)
     try:
         grown = open_descriptors() - before
-        assert grown <= 200 + 3 * 64 + 16, f"{grown} descriptors for 200 connections"  # 200 are the test's
+        # 200 are the test's; the tap holds at most 64, one descriptor each (no relay behind them)
+        assert grown <= 200 + 64 + 16, f"{grown} descriptors for 200 connections"
         reply = await http_request("GET", f"http://127.0.0.1:{tap.port}/debug/syncz")
         assert reply.status == 503  # answered (no stream to istiod here), not refused
     finally:
@@ -273,3 +277,126 @@ async def test_askers_hanging_up_on_http2_connections_log_no_error(
     await asyncio.sleep(0.5)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, caplog.text
+
+
+# -- one port, no relay behind it (issue 23) ------------------------------------------------------------
+
+
+def _tcp_sockets() -> dict[str, tuple[str, int, int]]:
+    """This process's TCP sockets: inode -> (state, local port, remote port), from /proc/net/tcp{,6}."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    local = int(fields[1].rpartition(":")[2], 16)
+                    remote = int(fields[2].rpartition(":")[2], 16)
+                    found[fields[9]] = (fields[3], local, remote)
+    return found
+
+
+def _listening(sockets: dict[str, tuple[str, int, int]]) -> set[int]:
+    return {local for state, local, _ in sockets.values() if state == "0A"}  # 0A: LISTEN
+
+
+async def test_a_grpc_asker_is_served_on_its_own_connection_with_no_loopback_relay(
+    short_tmp: Path, istiod: FakeIstiod
+) -> None:
+    """The tap spliced gRPC connections to a grpc server of its own on a loopback port."""
+    async with running(settings_for(short_tmp, istiod.address)) as (proxy, channel):
+        before = _tcp_sockets()
+        tap = DebugTap(proxy, 0, host="127.0.0.1", grpc_timeout=5.0)
+        await tap.start()
+        try:
+            assert _listening(_tcp_sockets()) - _listening(before) == {tap.port}
+            upstream = await envoy_connected(channel, istiod, delta=False)
+            idle = _tcp_sockets()
+            asking = asyncio.create_task(ask_grpc(tap.port, SYNCZ))
+            question = await upstream.recv()  # the asker is being served now
+            opened = [s for inode, s in _tcp_sockets().items() if inode not in idle]
+            asker = [s for s in opened if s[2] == tap.port]
+            assert len(asker) == 1 and asker[0][0] == "01"  # the asker's end (01: ESTABLISHED)
+            assert sorted(opened) == sorted([asker[0], ("01", tap.port, asker[0][1])])  # the tap's, no more
+            await upstream.send(syncz_answer(question, delta=False))
+            assert (await asking).type_url == SYNCZ
+        finally:
+            await tap.stop()
+
+
+def test_the_tap_does_not_use_grpcio() -> None:
+    tree = ast.parse(Path(tap_module.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not [name for name in imported if name == "grpc" or name.startswith("grpc.")]
+
+
+async def test_a_connection_that_says_nothing_is_closed_after_the_first_bytes_timeout(
+    tapped: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tap_module, "FIRST_BYTES_TIMEOUT", 0.3)
+    _, tap, _ = tapped
+    reader, writer = await asyncio.open_connection("127.0.0.1", tap.port)
+    writer.write(b"PR")  # not enough to tell the protocol
+    try:
+        assert await asyncio.wait_for(reader.read(), 3) == b""
+    finally:
+        writer.close()
+
+
+@pytest.mark.both_loops
+async def test_grpc_connections_that_never_finish_their_handshake_or_stay_idle_are_closed(
+    short_tmp: Path, istiod: FakeIstiod
+) -> None:
+    limits = uds.ServerLimits(handshake_timeout=0.3, idle_timeout=0.4)
+    async with running(settings_for(short_tmp, istiod.address)) as (proxy, _):
+        tap = DebugTap(proxy, 0, host="127.0.0.1", limits=limits)
+        await tap.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", tap.port)
+            writer.write(b"PRI * HTTP/2.0\r\n")  # a preface cut short, no SETTINGS
+            received = await asyncio.wait_for(reader.read(), 3)  # the server's SETTINGS, then closed
+            assert b"max_idle" not in received
+            writer.close()
+
+            reader, writer = await asyncio.open_connection("127.0.0.1", tap.port)
+            writer.write(H2_PREFACE)  # handshaken, then no call
+            received = await asyncio.wait_for(reader.read(), 3)  # SETTINGS, ack, then GOAWAY and close
+            assert b"max_idle" in received
+            writer.close()
+        finally:
+            await tap.stop()
+
+
+@pytest.mark.both_loops
+async def test_the_quietest_connection_makes_room_grpc_or_http(short_tmp: Path, istiod: FakeIstiod) -> None:
+    async with running(settings_for(short_tmp, istiod.address)) as (proxy, _):
+        tap = DebugTap(proxy, 0, host="127.0.0.1", max_connections=2)
+        await tap.start()
+        try:
+            quiet_reader, quiet = await asyncio.open_connection("127.0.0.1", tap.port)
+            quiet.write(H2_PREFACE)
+            await asyncio.wait_for(quiet_reader.read(9), 5)
+            await asyncio.sleep(0.05)
+            busy_reader, busy = await asyncio.open_connection("127.0.0.1", tap.port)
+            busy.write(b"GET /stats HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await asyncio.wait_for(busy_reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 404")
+            _, third = await asyncio.open_connection("127.0.0.1", tap.port)
+            third.write(b"GET ")
+            rest = await asyncio.wait_for(quiet_reader.read(), 3)  # the gRPC one, quiet the longest
+            assert not rest.endswith(b"max_idle")  # dropped, not idled out
+            assert not busy.is_closing()
+            busy.write(b"GET /debug/syncz HTTP/1.1\r\nHost: x\r\n\r\n")  # still served
+            assert await asyncio.wait_for(busy_reader.read(1), 5)
+            for writer in (quiet, busy, third):
+                writer.close()
+        finally:
+            await tap.stop()

@@ -12,10 +12,17 @@ Errors say what happened rather than leave the asker waiting: no stream to istio
 (gRPC UNAVAILABLE, HTTP 503), istiod did not answer in time (DEADLINE_EXCEEDED, 504 with the
 reason), or the type is not a debug type (INVALID_ARGUMENT; Istio ended such a stream silently).
 
-Any container of the pod can reach the port, so what a connection costs is bounded: bytes are read
-only as the HTTP server or the gRPC relay consumes them (TCP holds a client that streams more), at
-most ``MAX_CONNECTIONS`` are held (a new one beyond closes the one quiet the longest), and the gRPC
-server drops connections that never finish their handshake or stay idle (``uds.ServerLimits``).
+Both protocols are served on the asker's own connection: :class:`_TapConnection` reads the first
+bytes, then hands the connection to the gRPC server (an :class:`~istio_agent.rpc.server.RpcServer`
+serving only adopted connections) or to the HTTP/1.1 server, and stays in between only to note when
+bytes last came in. Nothing is relayed to a server on a port of its own.
+
+Any container of the pod can reach the port, so what a connection costs is bounded: one descriptor;
+bytes are read only as the HTTP server consumes them, or as HTTP/2's flow control lets the asker
+send (TCP holds a client that streams more); a connection must say which protocol it speaks within
+``FIRST_BYTES_TIMEOUT``; at most ``MAX_CONNECTIONS`` are held, gRPC or HTTP (a new one beyond closes
+the one quiet the longest); and the gRPC server drops connections that never finish their handshake
+or stay idle (``uds.ServerLimits``).
 """
 
 from __future__ import annotations
@@ -25,10 +32,8 @@ import base64
 import json
 import socket
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol, cast
 from urllib.parse import parse_qs
-
-import grpc
 
 # Registered so istiod's answers (ClientConfig, config-dump sections) render as JSON.
 from envoy.admin.v3 import config_dump_shared_pb2 as _config_dump_pb2  # noqa: F401
@@ -43,6 +48,7 @@ from istio_agent.http.server import ServerRunner
 from istio_agent.log import scope
 from istio_agent.rpc import Status
 from istio_agent.rpc.call import Call
+from istio_agent.rpc.server import RpcServer
 from istio_agent.uds import ServerLimits
 from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request, Resource
 from istio_agent.xds.proxy import DEBUG_TYPE_PREFIX, TapError, TapTimeout
@@ -57,9 +63,8 @@ FIRST_BYTES_TIMEOUT = 30.0
 """A connection must say which protocol it speaks within this long (Istio's ReadTimeout)."""
 _H2_START = b"PRI "
 """The first four bytes of HTTP/2's connection preface; no HTTP/1.1 method begins so."""
-_COPY_SIZE = 65536
 MAX_CONNECTIONS = 64
-"""Connections held at once; a gRPC one costs three descriptors (the asker's and the relay's two)."""
+"""Connections held at once, gRPC and HTTP together (one descriptor each)."""
 
 
 class Tappable(Protocol):
@@ -140,6 +145,7 @@ class DebugTap:
         grpc_timeout: float = GRPC_TIMEOUT,
         http_timeout: float = HTTP_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        limits: ServerLimits | None = None,
     ) -> None:
         self._upstream = upstream
         self._host = host
@@ -149,11 +155,11 @@ class DebugTap:
         self._core: StreamServer[None, None] = StreamServer(
             _TapSource(upstream, grpc_timeout), name="tap", log=log, describe="debug tap"
         )
-        self._grpc: grpc.aio.Server | None = None
-        self._grpc_port = 0
+        self._grpc = RpcServer(limits=limits or ServerLimits())
+        self._core.add_to(self._grpc, ADS_SERVICE, {SOTW.method: SOTW, DELTA.method: DELTA})
         self._http = ServerRunner(self._handle)
         self._listener: asyncio.Server | None = None
-        self._connections: dict[asyncio.Task[None], _TapConnection] = {}
+        self._connections: set[_TapConnection] = set()
 
     @property
     def port(self) -> int:
@@ -163,14 +169,11 @@ class DebugTap:
         return int(self._listener.sockets[0].getsockname()[1])
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=ServerLimits().grpc_options())
-        self._core.register(server, ADS_SERVICE, {SOTW.method: SOTW, DELTA.method: DELTA})
-        self._grpc_port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        self._grpc = server
+        await self._grpc.start_unbound()
+        loop = asyncio.get_running_loop()
         try:
-            self._listener = await asyncio.start_server(
-                self._accept, self._host, self._port, family=socket.AF_UNSPEC
+            self._listener = await loop.create_server(
+                lambda: _TapConnection(self), self._host, self._port, family=socket.AF_UNSPEC
             )
         except OSError as err:
             await self.stop()
@@ -183,74 +186,37 @@ class DebugTap:
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
-        tasks = list(self._connections)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for connection in list(self._connections):
+            if not connection.handed_over:
+                connection.abort()  # still saying which protocol: nothing to finish
         await self._http.cleanup(0.5)
         await self._core.close()
-        server, self._grpc = self._grpc, None
-        if server is not None:
-            await server.stop(0.5)
+        await self._grpc.stop(0.5)
+        for connection in list(self._connections):
+            connection.abort()
 
-    # -- one connection: which protocol ------------------------------------------------------------
+    # -- connections: which protocol, and how many ---------------------------------------------------
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        connection = _TapConnection(writer)
+    def _opened(self, connection: _TapConnection) -> None:
         if len(self._connections) >= self._max_connections:
             self._evict_quietest()
-        self._connections[task] = connection
-        try:
-            await self._serve(reader, connection)
-        except asyncio.CancelledError:
-            pass  # stop(): ends here, or asyncio (3.11) logs the cancelled connection task as an error
-        finally:
-            self._connections.pop(task, None)
-            writer.close()
+        self._connections.add(connection)
+
+    def _closed(self, connection: _TapConnection) -> None:
+        self._connections.discard(connection)
 
     def _evict_quietest(self) -> None:
         """Make room: close the connection through which nothing has moved for the longest."""
-        task, quietest = min(self._connections.items(), key=lambda item: item[1].last_active)
-        del self._connections[task]
+        quietest = min(self._connections, key=lambda connection: connection.last_active)
+        self._connections.discard(quietest)
         quietest.abort()
         log.debug("debug tap: %d connections held, closed the one quiet the longest", self._max_connections)
 
-    async def _serve(self, reader: asyncio.StreamReader, connection: _TapConnection) -> None:
-        """Sniff the protocol from the first bytes, then serve the connection as gRPC or HTTP."""
-        try:
-            first = await asyncio.wait_for(reader.readexactly(len(_H2_START)), FIRST_BYTES_TIMEOUT)
-        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
-            return
-        connection.touch()
-        if first == _H2_START:
-            await self._splice_to_grpc(first, reader, connection)
-        else:
-            await self._http.accept(_Sniffed(first, reader, connection), connection.writer)
-
-    async def _splice_to_grpc(
-        self, first: bytes, reader: asyncio.StreamReader, connection: _TapConnection
-    ) -> None:
-        """Relay the connection's bytes to the tap's gRPC server on a loopback port of its own.
-
-        The connection ends when the gRPC server ends its side (the asker hung up, a handshake that
-        never finished, an idle connection): nothing more can be said on it then.
-        """
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._grpc_port)
-        except OSError as err:
-            log.warning("debug tap: cannot reach its gRPC server: %s", err)
-            return
-        connection.upstream = up_writer
-        up_writer.write(first)
-        sending = asyncio.ensure_future(_copy(reader, up_writer, connection))
-        try:
-            await _copy(up_reader, connection.writer, connection)
-        finally:
-            connection.writer.close()
-            await asyncio.gather(sending, return_exceptions=True)
-            up_writer.close()
+    def _hand_over(self, transport: asyncio.Transport, first: bytes) -> asyncio.BaseProtocol:
+        """Serve the connection by its first bytes: gRPC when they open HTTP/2's preface, else HTTP."""
+        if first.startswith(_H2_START):
+            return self._grpc.adopt(transport, first)
+        return self._http.adopt(transport, first)
 
     # -- HTTP --------------------------------------------------------------------------------------
 
@@ -275,54 +241,69 @@ class DebugTap:
         return HttpResponse(200, body=response_json(response), content_type="application/json")
 
 
-class _TapConnection:
-    """One asker's connection: its transports, and when bytes last moved through it."""
+class _TapConnection(asyncio.Protocol):
+    """One asker's connection: sniffs its protocol, then stays in front of the server it was handed to.
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        self.upstream: asyncio.StreamWriter | None = None
-        """The relay's connection to the tap's gRPC server, for a gRPC asker."""
-        self.last_active = asyncio.get_running_loop().time()
-
-    def touch(self) -> None:
-        self.last_active = asyncio.get_running_loop().time()
-
-    def abort(self) -> None:
-        """Drop it now (its descriptors are freed at once); its task then ends on its own."""
-        self.writer.transport.abort()
-        if self.upstream is not None:
-            self.upstream.transport.abort()
-
-
-class _Sniffed:
-    """The asker's reader with the sniffed bytes put back in front, for the HTTP server.
-
-    Bytes are read only as the server asks for them, so a client that streams more than it is
-    answered is held back by TCP's flow control instead of being buffered here.
+    It forwards everything to that server's protocol unchanged and notes when bytes last came in,
+    which is how the tap finds the connection quiet the longest. Flow control is the server's own:
+    it pauses and resumes the transport itself.
     """
 
-    def __init__(self, first: bytes, reader: asyncio.StreamReader, connection: _TapConnection) -> None:
-        self._first = first
-        self._reader = reader
-        self._connection = connection
+    def __init__(self, tap: DebugTap) -> None:
+        self._tap = tap
+        self._transport: asyncio.Transport | None = None
+        self._first = b""
+        self._inner: Any = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.last_active = asyncio.get_running_loop().time()
 
-    async def read(self, n: int = -1) -> bytes:
-        if self._first:
-            data, self._first = self._first, b""
-            return data
-        data = await self._reader.read(n)
-        self._connection.touch()
-        return data
+    @property
+    def handed_over(self) -> bool:
+        return self._inner is not None
 
+    def abort(self) -> None:
+        """Drop it now (its descriptor is freed at once)."""
+        if self._transport is not None:
+            self._transport.abort()
 
-async def _copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter, connection: _TapConnection) -> None:
-    """Relay one direction until ``source`` ends; then half-close ``sink`` if it is still open."""
-    try:
-        while data := await source.read(_COPY_SIZE):
-            connection.touch()
-            sink.write(data)
-            await sink.drain()
-        if not sink.is_closing() and sink.can_write_eof():
-            sink.write_eof()
-    except (ConnectionError, OSError):
-        sink.close()
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's do not subclass asyncio's
+        self._tap._opened(self)
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(FIRST_BYTES_TIMEOUT, self.abort)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_active = asyncio.get_running_loop().time()
+        if self._inner is not None:
+            self._inner.data_received(data)
+            return
+        self._first += data
+        if len(self._first) < len(_H2_START):
+            return
+        assert self._transport is not None
+        if self._timer is not None:
+            self._timer.cancel()
+        first, self._first = self._first, b""
+        self._inner = self._tap._hand_over(self._transport, first)
+        # Back in front, to see bytes come in and the end (also of a connection closed already).
+        self._transport.set_protocol(self)
+
+    def eof_received(self) -> bool | None:
+        if self._inner is None:
+            return None  # closed before it said anything
+        return bool(self._inner.eof_received())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._tap._closed(self)
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
