@@ -108,14 +108,25 @@ def test_prepare_warns_when_parent_cannot_be_created(
     assert "failed to create directory" in caplog.text
 
 
-async def test_a_server_that_cannot_listen_says_which_path_and_why(tmp_path: Path) -> None:
+def test_a_socket_that_cannot_listen_says_which_path_and_why(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    server = grpc.aio.server()
     with pytest.raises(
         OSError, match=r"xDS proxy could not listen on .*/file/sub/XDS: .*Not a directory: '.*/file/sub'"
     ):
-        await uds.start_server_on(server, blocker / "sub" / "XDS", "xDS proxy")
+        uds.listen(blocker / "sub" / "XDS", "xDS proxy")
+
+
+def test_a_listening_socket_is_open_to_every_local_user(short_tmp: Path) -> None:
+    path = short_tmp / "run" / "XDS"
+    sock = uds.listen(path, "xDS proxy")
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == uds.SOCKET_MODE
+        assert stat.S_IMODE(path.parent.stat().st_mode) == uds.SOCKET_DIR_MODE
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(path))  # queued until a server serves the socket
+    finally:
+        sock.close()
 
 
 def test_make_socket_accessible(tmp_path: Path) -> None:

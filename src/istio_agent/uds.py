@@ -122,26 +122,6 @@ def make_socket_accessible(path: Path) -> None:
     os.chmod(path, SOCKET_MODE)
 
 
-async def start_server_on(server: grpc.aio.Server, path: Path, what: str) -> None:
-    """Bind ``server`` to the Unix socket ``path`` (a stale file replaced), start it, open the socket.
-
-    Raises OSError naming ``what``, the path and why when it cannot listen (a read-only directory in a
-    pod that lacks the volume); the server is stopped then.
-    """
-    try:
-        directory_error = prepare_socket_path(path)
-    except OSError as err:
-        raise OSError(err.errno, f"{what} could not listen on {path}: {err.strerror or err}") from err
-    try:
-        server.add_insecure_port(f"unix:{path}")
-        await server.start()
-    except (RuntimeError, OSError) as err:  # grpc reports a failed bind as RuntimeError
-        await server.stop(None)
-        reason = directory_error or _bind_refusal(path) or err
-        raise OSError(f"{what} could not listen on {path}: {reason}") from err
-    make_socket_accessible(path)
-
-
 def listen(path: Path, what: str, backlog: int = 128) -> socket.socket:
     """A Unix socket listening on ``path`` (a stale file replaced), open to every local user.
 
@@ -164,17 +144,6 @@ def listen(path: Path, what: str, backlog: int = 128) -> socket.socket:
         raise OSError(err.errno, f"{what} could not listen on {path}: {reason}") from err
     listener.setblocking(False)
     return listener
-
-
-def _bind_refusal(path: Path) -> OSError | None:
-    """Why the kernel refuses to bind ``path`` (grpc's error only says that binding failed); None if it binds."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(str(path))
-        except OSError as err:
-            return err
-    path.unlink(missing_ok=True)
-    return None
 
 
 async def socket_is_healthy(path: Path, timeout: float = 1.0) -> bool:

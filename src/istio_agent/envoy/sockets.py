@@ -6,11 +6,9 @@ servers behind it; a socket that is not there yet would make Envoy retry after i
 agent binds both, starts Envoy, and only then imports and starts the servers, which serve the
 connections already waiting.
 
-The SDS server runs on :class:`~istio_agent.rpc.server.RpcServer`, which serves a socket bound by
-someone else: its :class:`Listener` holds the listening socket. grpcio, which the xDS proxy still
-runs on, cannot adopt one (its ``add_insecure_port`` binds the path itself), so the xDS proxy's
-holds a grpc server bound with the options of the server that will run on it and not started
-yet. This module imports nothing of the servers (no protos, no certificates). The SDS server and
+Both servers run on :class:`~istio_agent.rpc.server.RpcServer`, which serves a socket bound by
+someone else: a :class:`Listener` holds the listening socket until its server takes it. This
+module imports nothing of the servers (no protos, no certificates, no gRPC). The SDS server and
 the xDS proxy take one in ``start`` or bind their own through the same functions.
 """
 
@@ -18,9 +16,6 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Generic, TypeVar, cast
-
-import grpc
 
 from istio_agent import uds
 from istio_agent.config.xds import XdsSettings
@@ -28,69 +23,32 @@ from istio_agent.config.xds import XdsSettings
 SDS_MAX_CONCURRENT_STREAMS = 100000
 
 
-T = TypeVar("T", socket.socket, grpc.aio.Server)
+class Listener:
+    """A Unix socket listening on ``path`` and not served yet: connections wait in the kernel's queue.
 
-
-class Listener(Generic[T]):
-    """``path`` listening and not served yet: connections wait in the kernel's queue.
-
-    It holds the listening socket, or (grpcio) a server bound and not started. The server that
-    takes it over (``take``) owns that from then on; until then ``close`` ends it.
+    The server that takes it over (``take``) owns the socket from then on; until then ``close`` ends it.
     """
 
-    def __init__(self, bound: T, path: Path) -> None:
+    def __init__(self, sock: socket.socket, path: Path) -> None:
         self.path = path
-        self._bound: T | None = bound
+        self._sock: socket.socket | None = sock
 
-    def take(self) -> T:
-        """The socket or bound server, to serve; its new owner closes it."""
-        bound, self._bound = self._bound, None
-        if bound is None:
+    def take(self) -> socket.socket:
+        """The listening socket, to serve; its new owner closes it."""
+        sock, self._sock = self._sock, None
+        if sock is None:
             raise RuntimeError(f"the listener on {self.path} was already taken or closed")
-        return bound
+        return sock
 
     async def close(self) -> None:
-        """Stop listening unless a server took the listener over (then a no-op).
-
-        grpc closes a bound port only when a started server stops, so such a server is started
-        first: no handler is registered, and the queued connections are closed with the socket.
-        """
-        bound, self._bound = self._bound, None
-        if isinstance(bound, socket.socket):
-            bound.close()
-        elif bound is not None:
-            await bound.start()
-            await bound.stop(None)
+        """Stop listening (queued connections are closed, the file removed) unless a server took it over."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+            self.path.unlink(missing_ok=True)
 
 
-class _BindOnly:
-    """The server as ``uds.start_server_on`` sees it, with a start that does nothing.
-
-    So binding keeps its one implementation (stale file replaced, directories made, the kernel's
-    reason when the bind is refused, the socket opened to every user) and serving starts later.
-    """
-
-    def __init__(self, server: grpc.aio.Server) -> None:
-        self._server = server
-
-    def add_insecure_port(self, address: str) -> int:
-        return self._server.add_insecure_port(address)
-
-    async def start(self) -> None:
-        """Serving starts when the server that takes the listener over is ready."""
-
-    async def stop(self, grace: float | None) -> None:
-        await self._server.stop(grace)
-
-
-async def listen(path: Path, options: list[tuple[str, int]], what: str) -> Listener[grpc.aio.Server]:
-    """A grpc server with ``options`` listening on ``path``; raises OSError naming ``what`` as binding does."""
-    server = grpc.aio.server(options=options)
-    await uds.start_server_on(cast(grpc.aio.Server, _BindOnly(server)), path, what)
-    return Listener(server, path)
-
-
-async def listen_sds(path: Path) -> Listener[socket.socket]:
+async def listen_sds(path: Path) -> Listener:
     """The SDS server's socket, listening; raises OSError naming the server, the path and why."""
     return Listener(uds.listen(path, "SDS server"), path)
 
@@ -103,18 +61,6 @@ def xds_limits(settings: XdsSettings) -> uds.ServerLimits:
     )
 
 
-def xds_options(settings: XdsSettings, limits: uds.ServerLimits) -> list[tuple[str, int]]:
-    """The xDS proxy's grpc options."""
-    return [
-        ("grpc.max_concurrent_streams", settings.max_streams),
-        ("grpc.max_receive_message_length", settings.max_recv_bytes),
-        *limits.grpc_options(),
-    ]
-
-
-async def listen_xds(
-    settings: XdsSettings, limits: uds.ServerLimits | None = None
-) -> Listener[grpc.aio.Server]:
+async def listen_xds(settings: XdsSettings) -> Listener:
     """The xDS proxy's socket (``settings.socket_path``), listening."""
-    options = xds_options(settings, limits or xds_limits(settings))
-    return await listen(settings.socket_path, options, "xDS proxy")
+    return Listener(uds.listen(settings.socket_path, "xDS proxy"), settings.socket_path)

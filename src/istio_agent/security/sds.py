@@ -16,7 +16,6 @@ its metrics and log lines.
 from __future__ import annotations
 
 import itertools
-import socket
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -201,7 +200,7 @@ class SdsServer:
         crl_path: Path | None = None,
         registry: Registry,
         limits: uds.ServerLimits | None = None,
-        listener: sockets.Listener[socket.socket] | None = None,
+        listener: sockets.Listener | None = None,
     ) -> None:
         """``limits``: how long connections that do nothing are kept (``uds.ServerLimits``' defaults).
 
@@ -251,10 +250,11 @@ class SdsServer:
         log.info("SDS server listening on %s", self._socket_path)
 
     async def stop(self, grace: float | None = 0.5) -> None:
-        """Stop serving; open streams are closed after ``grace`` seconds. The socket file is left."""
+        """Stop serving; open streams are closed after ``grace`` seconds, then the socket file removed."""
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace)
+            self._socket_path.unlink(missing_ok=True)  # as Go's listener (and grpcio) remove theirs
             log.info("SDS server stopped")
 
     def on_secret_update(self, resource_name: str) -> None:

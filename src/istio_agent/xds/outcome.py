@@ -35,7 +35,11 @@ class UpstreamError(Exception):
 
 
 class DownstreamError(Exception):
-    """Envoy's side of the stream broke (read or write failed)."""
+    """Envoy's side of the stream broke (read or write failed), or sent a request refused with ``code``."""
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(details)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ class Outcomes:
         if isinstance(error, DownstreamError):
             self._metrics.envoy_terminations.labels(type="error").inc()
             log.warning("%s: Envoy side failed: %s", name, error)
-            return Outcome(None)
+            return Outcome(error.code, str(error)) if error.code is not None else Outcome(None)
         log.error("%s: internal error", name, exc_info=error)
         return Outcome(grpc.StatusCode.INTERNAL, f"xDS proxy internal error: {type(error).__name__}")
 

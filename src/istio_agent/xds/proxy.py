@@ -18,18 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-import grpc
 from envoy.service.discovery.v3 import discovery_pb2
+from grpclib.exceptions import GRPCError
 
 from istio_agent import uds
 from istio_agent.config.xds import XdsSettings
 from istio_agent.envoy import sockets
 from istio_agent.log import scope
 from istio_agent.metrics import Registry
-from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour, Request
+from istio_agent.rpc import Status
+from istio_agent.rpc.call import Call, CallEnded
+from istio_agent.rpc.server import RpcServer
+from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour
 from istio_agent.xds.health_report import HealthReport
 from istio_agent.xds.outcome import Outcome, Outcomes
 from istio_agent.xds.proxy_metrics import ProxyMetrics
@@ -37,7 +40,6 @@ from istio_agent.xds.proxy_stream import ProxyStream
 from istio_agent.xds.questions import DEBUG_TYPE_PREFIX, DebugQuestions, TapError, TapTimeout
 from istio_agent.xds.relay import Relay, TypeHandler
 from istio_agent.xds.upstream import UpstreamDialer
-from istio_agent.xds.wire import RawResponse
 
 __all__ = ["DEBUG_TYPE_PREFIX", "STOP_WAIT", "TapError", "TapTimeout", "XdsProxy"]
 """The tap's names stay here for xds/tap.py, which imports them from this module."""
@@ -76,7 +78,7 @@ class XdsProxy:
                 raise ValueError(f"two handlers for {handler.type_url}")
             by_type[handler.type_url] = handler
         self._dialer = dialer or UpstreamDialer(settings)
-        self._server: grpc.aio.Server | None = None
+        self._server: RpcServer | None = None
         self._streams: dict[int, ProxyStream] = {}
         self._ids = itertools.count(1)
         self._health = HealthReport()
@@ -105,10 +107,23 @@ class XdsProxy:
             raise RuntimeError("xDS proxy already started")
         listener, self._listener = self._listener, None
         if listener is None:
-            listener = await sockets.listen_xds(self._settings, self._limits)
-        server = listener.take()
-        server.add_generic_rpc_handlers((self._rpc_handlers(),))
-        await server.start()
+            listener = await sockets.listen_xds(self._settings)
+        server = RpcServer(
+            limits=self._limits,
+            max_receive_bytes=self._settings.max_recv_bytes,
+            max_concurrent_streams=self._settings.max_streams,
+        )
+        for flavour in (SOTW, DELTA):
+            # Envoy's requests decoded; istiod's responses written as the bytes received (no re-encoding).
+            server.add_stream(
+                f"/{ADS_SERVICE}/{flavour.method}", self._handler(flavour), flavour.request_type, bytes
+            )
+        sock = listener.take()
+        try:
+            await server.start(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         self._server = server
         self._stopping = False
         log.info("xDS proxy listening on %s, upstream %s", self.socket_path, self._dialer.describe())
@@ -130,24 +145,14 @@ class XdsProxy:
         server, self._server = self._server, None
         if server is not None:
             await server.stop(0.5)
+            self.socket_path.unlink(missing_ok=True)  # as Go's listener (and grpcio) remove theirs
             log.info("xDS proxy stopped")
 
-    def _rpc_handlers(self) -> grpc.GenericRpcHandler:
-        """ADS with Envoy's requests decoded and istiod's responses written as received (no re-encoding)."""
+    def _handler(self, flavour: Flavour) -> Callable[[Call], Awaitable[None]]:
+        async def serve(call: Call) -> None:
+            await self.serve(flavour, call)
 
-        def handler(flavour: Flavour) -> grpc.RpcMethodHandler:
-            async def serve(requests: AsyncIterator[Request], context: grpc.aio.ServicerContext) -> None:
-                await self.serve(flavour, requests, context)
-
-            return grpc.stream_stream_rpc_method_handler(
-                serve,
-                request_deserializer=flavour.request_type.FromString,
-                response_serializer=RawResponse.encode,
-            )
-
-        return grpc.method_handlers_generic_handler(
-            ADS_SERVICE, {flavour.method: handler(flavour) for flavour in (SOTW, DELTA)}
-        )
+        return serve
 
     # -- what the rest of the agent asks of the streams -------------------------------------------------
     def report_health(self, healthy: bool, message: str = "") -> None:
@@ -171,18 +176,25 @@ class XdsProxy:
         return await self._questions.ask(request, timeout, self._relay.send)
 
     # -- one downstream stream ------------------------------------------------------------------------
-    async def serve(
-        self, flavour: Flavour, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
-    ) -> None:
+    async def serve(self, flavour: Flavour, call: Call) -> None:
+        # The first request is read before anything can refuse the stream: grpcio's client (a
+        # proxyless app) reports a stream reset after its status as INTERNAL when its data was unread.
+        requests = aiter(call)
+        try:
+            first = await anext(requests)
+        except (StopAsyncIteration, CallEnded):
+            return
+        except GRPCError as err:
+            await call.abort(err.status, err.message or "")
         if self._stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "xDS proxy is shutting down")
+            await call.abort(Status.UNAVAILABLE, "xDS proxy is shutting down")
         stream = ProxyStream(next(self._ids), flavour)
         self._streams[stream.id] = stream
         self._metrics.connections.inc()
         log.debug("Envoy opened %s xDS stream %d", flavour.name, stream.id)
         outcome = Outcome(None)
         try:
-            outcome = await self._relay.run(stream, requests, context)
+            outcome = await self._relay.run(stream, call, first, requests)
         except asyncio.CancelledError:
             self._metrics.envoy_terminations.labels(type="cancelled").inc()
             log.debug("%s xDS stream %d: cancelled by Envoy", flavour.name, stream.id)
@@ -196,5 +208,5 @@ class XdsProxy:
         log.debug(
             "%s xDS stream %d ended: %s %s", flavour.name, stream.id, outcome.code.name, outcome.details
         )
-        if outcome.code != grpc.StatusCode.OK:
-            await context.abort(outcome.code, outcome.details)
+        if outcome.code.value[0] != Status.OK.value:
+            await call.abort(Status(outcome.code.value[0]), outcome.details)

@@ -17,8 +17,11 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
+from grpclib.exceptions import GRPCError
 
 from istio_agent.log import scope
+from istio_agent.rpc.call import Call, CallEnded
+from istio_agent.rpc.grpcio import to_grpcio
 from istio_agent.xds import types
 from istio_agent.xds.flavour import ADS_SERVICE, Flavour, Request
 from istio_agent.xds.health_report import HealthReport
@@ -64,9 +67,10 @@ class Relay:
     outcomes: Outcomes
 
     async def run(
-        self, stream: ProxyStream, requests: AsyncIterator[Request], context: grpc.aio.ServicerContext
+        self, stream: ProxyStream, downstream: Call, first: Request, requests: AsyncIterator[Request]
     ) -> Outcome:
-        """Relay until either side ends the stream; the upstream is closed whatever happens."""
+        """Relay until either side ends the stream (``first`` read from ``downstream`` already, the
+        rest from ``requests``); the upstream is closed whatever happens."""
         try:
             channel = self.dialer.dial()
         except DialError as err:
@@ -74,8 +78,12 @@ class Relay:
         try:
             stream.call = _open_upstream(stream.flavour, channel, self.dialer.metadata())
             stream.tasks = (
-                asyncio.create_task(self._pump_requests(stream, requests), name=f"xds-{stream.id}-requests"),
-                asyncio.create_task(self._pump_responses(stream, context), name=f"xds-{stream.id}-responses"),
+                asyncio.create_task(
+                    self._pump_requests(stream, first, requests), name=f"xds-{stream.id}-requests"
+                ),
+                asyncio.create_task(
+                    self._pump_responses(stream, downstream), name=f"xds-{stream.id}-responses"
+                ),
                 asyncio.create_task(self._pump_health(stream), name=f"xds-{stream.id}-health"),
             )
             return self.outcomes.settle(stream, await self._first_outcome(stream))
@@ -127,19 +135,23 @@ class Relay:
         await channel.close()
 
     # -- request path: Envoy -> istiod ----------------------------------------------------------------
-    async def _pump_requests(self, stream: ProxyStream, requests: AsyncIterator[Request]) -> None:
-        iterator = aiter(requests)
+    async def _pump_requests(
+        self, stream: ProxyStream, first: Request, requests: AsyncIterator[Request]
+    ) -> None:
+        request = first
         while True:
-            try:
-                request = await anext(iterator)
-            except StopAsyncIteration:
-                break
-            except grpc.RpcError as err:
-                raise DownstreamError(f"read failed: {err}") from None
             self._observe(request)
             await self.send(stream, request)
             if not stream.initial_sent and request.type_url == types.LISTENER:
                 await self._send_initial_requests(stream)
+            try:
+                request = await anext(requests)
+            except StopAsyncIteration:
+                break
+            except CallEnded as err:
+                raise DownstreamError(f"read failed: {err}") from None
+            except GRPCError as err:  # a request refused as it was read (too large, undecodable)
+                raise DownstreamError(f"request refused: {err.message}", to_grpcio(err.status)) from None
         # Envoy half-closed: pass it on; istiod ends the stream and so do we.
         stream.half_closed = True
         async with stream.lock:
@@ -183,7 +195,7 @@ class Relay:
         return UpstreamError(code, details or "")
 
     # -- response path: istiod -> Envoy ---------------------------------------------------------------
-    async def _pump_responses(self, stream: ProxyStream, context: grpc.aio.ServicerContext) -> None:
+    async def _pump_responses(self, stream: ProxyStream, downstream: Call) -> None:
         call = stream.call
         while True:
             try:
@@ -209,8 +221,8 @@ class Relay:
                 )
             else:
                 try:
-                    await context.write(response)
-                except (grpc.RpcError, asyncio.InvalidStateError, RuntimeError) as err:
+                    await downstream.send(response.data)
+                except CallEnded as err:
                     raise DownstreamError(f"write failed: {err}") from None
                 self.metrics.pushes.labels(type_url=response.type_url).inc()
 
