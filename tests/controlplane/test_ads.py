@@ -42,6 +42,9 @@ from istio_agent.controlplane.xdsgen import (
 )
 from istio_agent.metrics import PREFIX, Registry
 from istio_agent.protos import nds_pb2
+from istio_agent.rpc import Status
+from istio_agent.rpc.call import Call
+from istio_agent.rpc.server import RpcServer
 from istio_agent.xds.flavour import resource_version
 
 M = TypeVar("M", bound=Message)
@@ -255,7 +258,8 @@ class Client:
 
 
 class Harness:
-    """An AdsServer on a real gRPC server on 127.0.0.1, the snapshot calls it made, and clients."""
+    """An AdsServer on the agent's gRPC server on 127.0.0.1, the snapshot calls it made, and grpcio
+    clients (as real proxies and apps connect)."""
 
     def __init__(
         self, config: MeshConfig, authorize: Authorizer | None = None, debug_access: DebugAccess | None = None
@@ -274,12 +278,15 @@ class Harness:
             registry=self.registry,
             debug_access=debug_access or DebugAccess(enabled=False),
         )
-        self.server = grpc.aio.server()
-        self.ads.register(self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server = RpcServer()
+        self.ads.add_to(self.server)
+        self.clients: list[Client] = []
+
+    async def start(self) -> None:
+        await self.server.start(host="127.0.0.1", port=0)
+        port = self.server.sockets()[0].getsockname()[1]
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         self.stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel)
-        self.clients: list[Client] = []
 
     def sample(self, name: str, **labels: str) -> float:
         return self.registry.sample(PREFIX + name, labels) or 0.0
@@ -326,7 +333,7 @@ async def make_harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
         debug_access: DebugAccess | None = None,
     ) -> Harness:
         harness = Harness(config or mesh(), authorize, debug_access)
-        await harness.server.start()
+        await harness.start()
         harnesses.append(harness)
         return harness
 
@@ -770,10 +777,10 @@ async def test_authorize_refusal_ends_the_stream_with_its_status(
 ) -> None:
     seen: list[ProxyNode] = []
 
-    async def authorize(context: grpc.aio.ServicerContext, proxy: ProxyNode) -> str | None:
+    async def authorize(call: Call, proxy: ProxyNode) -> str | None:
         seen.append(proxy)
         if proxy.id == OTHER_NODE.id:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not on the guest list")
+            await call.abort(Status.PERMISSION_DENIED, "not on the guest list")
         return None
 
     h = await make_harness(authorize=authorize)
@@ -791,6 +798,54 @@ async def test_authorize_refusal_ends_the_stream_with_its_status(
     assert [p.id for p in seen] == [OTHER_NODE.id, SLEEP_NODE.id]  # once per stream
     assert seen[1].namespace == "default"
     assert [c.node_id for c in h.ads.connections()] == [SLEEP_NODE.id]
+
+
+async def test_a_server_added_without_authorization_never_asks_the_authorizer() -> None:
+    """The plaintext port (istiod's 15010) asks no identity; the same AdsServer's TLS port does."""
+    asked: list[str] = []
+
+    async def refuse(call: Call, proxy: ProxyNode) -> str | None:
+        asked.append(proxy.id)
+        await call.abort(Status.UNAUTHENTICATED, "prove who you are")
+
+    ads = AdsServer(mesh(), build, authorize=refuse, registry=Registry())
+    plain, secured = RpcServer(), RpcServer()
+    ads.add_to(plain, authorize=False)
+    ads.add_to(secured)
+    try:
+        for server in (plain, secured):
+            await server.start(host="127.0.0.1", port=0)
+        ports = [server.sockets()[0].getsockname()[1] for server in (plain, secured)]
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{ports[0]}") as to_plain,
+            grpc.aio.insecure_channel(f"127.0.0.1:{ports[1]}") as to_secured,
+        ):
+            served = Client(
+                ads_pb2_grpc.AggregatedDiscoveryServiceStub(to_plain).StreamAggregatedResources(),
+                SLEEP_NODE,
+                delta=False,
+            )
+            await served.request(CLUSTER_TYPE)
+            assert (await served.response(CLUSTER_TYPE)).type_url == CLUSTER_TYPE
+            assert asked == []
+            refused = Client(
+                ads_pb2_grpc.AggregatedDiscoveryServiceStub(to_secured).StreamAggregatedResources(),
+                SLEEP_NODE,
+                delta=False,
+            )
+            await refused.request(CLUSTER_TYPE)
+            failure = await refused.end()
+            assert isinstance(failure, grpc.aio.AioRpcError)
+            assert (failure.code(), failure.details()) == (
+                grpc.StatusCode.UNAUTHENTICATED,
+                "prove who you are",
+            )
+            assert asked == [SLEEP_NODE.id]
+            await served.close()
+    finally:
+        await ads.close()
+        for server in (plain, secured):
+            await server.stop(0)
 
 
 async def test_close_ends_streams_with_ok(h: Harness) -> None:
@@ -859,7 +914,7 @@ async def test_a_node_id_istiod_refuses_ends_the_stream_with_istiods_error(h: Ha
 
 
 def _identity_by_node(identities: dict[str, str]) -> Authorizer:
-    async def authorize(context: grpc.aio.ServicerContext, proxy: ProxyNode) -> str | None:
+    async def authorize(call: Call, proxy: ProxyNode) -> str | None:
         return identities.get(proxy.id)
 
     return authorize

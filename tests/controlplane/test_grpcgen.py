@@ -306,7 +306,7 @@ class RealHarness(Harness):
 @pytest.fixture
 async def ads() -> AsyncIterator[RealHarness]:
     harness = RealHarness(parse())
-    await harness.server.start()
+    await harness.start()
     yield harness
     await harness.stop()
 

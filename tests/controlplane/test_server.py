@@ -24,6 +24,8 @@ from istio_agent.controlplane.tokens import mint_token
 from istio_agent.controlplane.xdsgen import CLUSTER_TYPE
 from istio_agent.metrics import Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
+from istio_agent.rpc.call import Call
+from istio_agent.rpc.server import RpcServer
 
 from . import key_pem, make_key, spiffe_csr, started_plane, uri_sans
 
@@ -271,14 +273,11 @@ async def test_invalid_trust_domain_and_missing_file_keep_last_good(
 
 
 async def test_servicer_hook_registers_on_both_servers(mesh_file: Path, state: Path) -> None:
-    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def echo(request: bytes, call: Call) -> bytes:
         return b"echo:" + request
 
-    def hook(server: grpc.aio.Server) -> None:
-        handler = grpc.unary_unary_rpc_method_handler(echo)
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("test.Echo", {"Echo": handler}),)
-        )
+    def hook(server: RpcServer) -> None:
+        server.add_unary("/test.Echo/Echo", echo, bytes, bytes)  # bytes: passed through undecoded
 
     cp = ControlPlane(
         mesh_file, state, address="127.0.0.1:0", secure_address="127.0.0.1:0", registry=Registry()
@@ -422,3 +421,66 @@ async def test_mesh_reload_pushes_to_connected_proxies(plane: ControlPlane, mesh
         call.cancel()
     names = [cluster_pb2.Cluster.FromString(resource.value).name for resource in pushed.resources]
     assert names == ["outbound|8000||b.default.svc.cluster.local"]
+
+
+def _listening_ports() -> set[int]:
+    """The TCP ports this process listens on (its sockets in /proc/net/tcp{,6} in state LISTEN)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = fd.readlink()
+        except OSError:
+            continue
+        if str(target).startswith("socket:["):
+            inodes.add(str(target)[len("socket:[") : -1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: TCP_LISTEN
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
+
+
+async def test_the_plane_listens_on_exactly_its_two_ports(tmp_path: Path) -> None:
+    """No hidden loopback server behind the TLS port: TLS is terminated by the gRPC server itself."""
+    before = _listening_ports()
+    async with started_plane(tmp_path) as plane:
+        assert _listening_ports() - before == {plane.port, plane.secure_port}
+
+
+async def test_tls_callers_identities_come_from_their_own_connections(
+    plane: ControlPlane, state: Path
+) -> None:
+    """Two clients with different certificates, connected at once, are each who their certificate says."""
+    web = "spiffe://example.org/ns/default/sa/web"
+    sleep_client = await _workload_cert(plane, state)
+    web_key = make_key()
+    async with plaintext(plane) as channel:
+        web_client = (
+            web_key,
+            "".join(await create(channel, spiffe_csr(web_key, web), token(state, "default", "web"))),
+        )
+    async with tls(plane, client=sleep_client) as as_sleep, tls(plane, client=web_client) as as_web:
+        for _ in range(3):  # interleaved, over both connections kept open
+            sleep_chain, web_chain = await asyncio.gather(
+                create(as_sleep, spiffe_csr(make_key(), SLEEP)), create(as_web, spiffe_csr(make_key(), web))
+            )
+            assert uri_sans(leaf_of(sleep_chain)) == [SLEEP]
+            assert uri_sans(leaf_of(web_chain)) == [web]
+        for channel, foreign in ((as_sleep, web), (as_web, SLEEP)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await create(channel, spiffe_csr(make_key(), foreign))
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("secure", [False, True])
+async def test_a_message_over_grpcs_default_maximum_is_resource_exhausted(
+    plane: ControlPlane, state: Path, secure: bool
+) -> None:
+    """4 MiB, gRPC's default maximum, as the grpcio servers before had it."""
+    csr = spiffe_csr(make_key(), SLEEP) + b"#" * (4 * 1024 * 1024)
+    async with (tls if secure else plaintext)(plane) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await create(channel, csr, token(state))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

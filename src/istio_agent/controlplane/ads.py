@@ -19,14 +19,14 @@ holds at most one pending mesh.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -49,8 +49,8 @@ from istio_agent.controlplane.xdsgen import (
 from istio_agent.log import scope
 from istio_agent.metrics import Registry
 from istio_agent.rpc import Status
-from istio_agent.rpc.call import Call
-from istio_agent.rpc.grpcio import GrpcioCall
+from istio_agent.rpc.call import Call, ServerCall
+from istio_agent.rpc.server import RpcServer
 from istio_agent.xds.flavour import (
     ADS_SERVICE,
     DELTA,
@@ -89,9 +89,13 @@ SnapshotFn = Callable[[MeshConfig, ProxyNode], Snapshot]
 """A proxy's configuration from the mesh; raises ValueError when the mesh has none for it."""
 NamedFn = Callable[[MeshConfig, ProxyNode, str, Sequence[str]], dict[str, Message]]
 """A proxyless node's resources of a type among the names it asked for."""
-Authorizer = Callable[[grpc.aio.ServicerContext, ProxyNode], Awaitable[str | None]]
-"""Awaited once per stream with the proxy's node: the caller's verified SPIFFE identity (None when
-the connection proves none, as on the plaintext port); refuses by aborting the context."""
+Authorizer = Callable[[Call, ProxyNode], Awaitable[str | None]]
+"""Awaited once per stream with the proxy's node: the caller's verified SPIFFE identity; refuses by
+aborting the call. Not asked on a server added with ``authorize=False`` (a plaintext port)."""
+
+_AUTHORIZING: contextvars.ContextVar[bool] = contextvars.ContextVar("ads_authorizing", default=True)
+"""Whether the server this stream came in on asks the authorizer (set by each server's handler:
+the stream core hands ``open`` only the request and the call)."""
 
 
 class _AdsMetrics:
@@ -213,9 +217,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         if refusal is not None:
             raise StreamError(Status.INVALID_ARGUMENT, refusal)
         identity = (
-            await self._authorize(cast(GrpcioCall, call).context, node)
-            if self._authorize is not None
-            else None
+            await self._authorize(call, node) if self._authorize is not None and _AUTHORIZING.get() else None
         )
         return _Proxy(
             node,
@@ -455,9 +457,23 @@ class AdsServer:
     def mesh(self) -> MeshConfig:
         return self._source.mesh
 
-    def register(self, server: grpc.aio.Server) -> None:
-        """Add the service to a gRPC server (usable as the control plane's ServerHook)."""
-        self._streams.register(server, ADS_SERVICE, {SOTW.method: SOTW, DELTA.method: DELTA})
+    def add_to(self, server: RpcServer, *, authorize: bool = True) -> None:
+        """Serve ADS (SotW and Delta) on ``server``; ``authorize=False`` for a port that, like
+        istiod's plaintext 15010, asks no identity (its streams' identity is None)."""
+        for flavour in (SOTW, DELTA):
+            server.add_stream(
+                f"/{ADS_SERVICE}/{flavour.method}",
+                self._handler(flavour, authorize),
+                flavour.request_type,
+                flavour.response_type,
+            )
+
+    def _handler(self, flavour: Flavour, authorize: bool) -> Callable[[ServerCall], Awaitable[None]]:
+        async def serve(call: ServerCall) -> None:
+            _AUTHORIZING.set(authorize)  # this call's task has a context of its own
+            await self._streams.serve(flavour, call)
+
+        return serve
 
     async def update_mesh(self, mesh: MeshConfig) -> None:
         """Make ``mesh`` current and queue a push to every stream; does not wait for any client."""

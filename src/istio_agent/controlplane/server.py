@@ -3,13 +3,12 @@
 Port layout mirrors istiod: 15010 plaintext, 15012 TLS with a serving certificate from our own CA,
 so an agent pointed at either verifies and authenticates exactly as it would against istiod.
 
-Why the TLS port is terminated in Python: grpcio's server credentials either *require* a client
-certificate or never ask for one. Istiod asks but does not require (token-only and cert-only
-callers share the port), so the TLS listener here is an asyncio SSL server with
-``CERT_OPTIONAL`` that relays the decrypted bytes to a loopback gRPC server, remembering which
-verified client certificate belongs to which relayed connection. Both gRPC servers (plaintext and
-the TLS backend) get every service: the CA, ADS (:mod:`.ads`, fed by :mod:`.xdsgen` from the mesh
-file) and whatever :meth:`ControlPlane.add_servicer_hook` adds.
+Both ports are the agent's gRPC server (:class:`~istio_agent.rpc.server.RpcServer`). The TLS one
+terminates TLS itself with ``CERT_OPTIONAL``: istiod asks for a client certificate but does not
+require one (token-only and certificate-only callers share the port), and each call reads the
+verified certificate of its own connection (``Call.peer_certificate``). Both servers get every
+service: the CA, ADS (:mod:`.ads`, fed by :mod:`.xdsgen` from the mesh file) and whatever
+:meth:`ControlPlane.add_servicer_hook` adds.
 
 ADS authentication follows istiod: on the TLS port the caller must prove an identity (token or
 client certificate) that is the proxy's namespace and service account; the plaintext port, like
@@ -21,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import math
 import os
 import socket
 import ssl
@@ -31,11 +31,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
-from istio_agent import keepalive
 from istio_agent.config.xds import DEFAULT_KEEPALIVE_INTERVAL, DEFAULT_KEEPALIVE_TIMEOUT
 from istio_agent.controlplane import DEFAULT_ADDRESS, DEFAULT_SECURE_ADDRESS
 from istio_agent.controlplane.ads import AdsServer, PushObserver
@@ -45,9 +43,14 @@ from istio_agent.controlplane.mesh import MeshConfig, MeshError, parse_mesh, rea
 from istio_agent.controlplane.tokens import TokenError, TokenVerifier
 from istio_agent.controlplane.xdsgen import ProxyNode, build_snapshot
 from istio_agent.filewatch import FileWatcher
+from istio_agent.http.listen import listening_socket
 from istio_agent.log import report_failure, scope
 from istio_agent.metrics import Registry
-from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
+from istio_agent.protos import istio_ca_pb2
+from istio_agent.rpc import Status
+from istio_agent.rpc.call import Call
+from istio_agent.rpc.server import RpcServer
+from istio_agent.uds import ServerLimits
 
 log = scope("controlplane")
 
@@ -55,16 +58,12 @@ SERVING_HOSTS = ("istiod.istio-system.svc", "istiod.istio-system", "istiod", "lo
 DEFAULT_CERT_TTL = timedelta(hours=24)
 MAX_CERT_TTL_SECONDS = 90 * 24 * 3600
 AUTH_FAILURE = "request authenticate failure"
-_BACKEND_HOST = "127.0.0.1"
-_RELAY_CHUNK = 64 * 1024
-_TLS_HANDSHAKE_TIMEOUT = 10.0
+CREATE_CERTIFICATE = "/istio.v1.auth.IstioCertificateService/CreateCertificate"
 _MESH_DEBOUNCE = timedelta(milliseconds=50)
-_CLOSE_TIMEOUT = 1.0
-_SERVER_OPTIONS = [("grpc.so_reuseport", 0)]  # a second control plane must fail to bind, not share the port
 
 
-ServerHook = Callable[[grpc.aio.Server], None]
-"""Registers services on a gRPC server; called once for the plaintext and once for the TLS server."""
+ServerHook = Callable[[RpcServer], None]
+"""Adds methods to a gRPC server; called once for the plaintext and once for the TLS server."""
 MeshListener = Callable[[MeshConfig], Awaitable[None] | None]
 """Called with each newly applied mesh config (not for the initial one, read it from ``mesh``)."""
 
@@ -120,150 +119,17 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _check_bindable(host: str, port: int) -> None:
-    """Fail early, with the OS's reason, when the address cannot be listened on.
-
-    gRPC only says "Failed to bind" (after printing its own log line), which is no help to a user
-    who typed the wrong port; the race with another process binding in between is harmless.
-    """
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (no SO_REUSEPORT: a second control plane fails to bind)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
         raise ControlPlaneError(f"cannot listen on {format_address(host, port)}: {err.strerror}") from None
-    for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(sockaddr)
-            except OSError as err:
-                raise ControlPlaneError(
-                    f"cannot listen on {format_address(host, port)}: {err.strerror or err}"
-                ) from None
-
-
-def _add_port(server: grpc.aio.Server, host: str, port: int) -> int:
-    if port:
-        _check_bindable(host, port)
-    address = format_address(host, port)
     try:
-        return server.add_insecure_port(address)
-    except RuntimeError as err:
-        raise ControlPlaneError(f"cannot listen on {address}: {err}") from None
-
-
-def _peer_key(peer: str) -> tuple[str, int] | None:
-    """``ipv4:127.0.0.1:5000`` (gRPC's ``context.peer()``) -> ``("127.0.0.1", 5000)``."""
-    _, _, address = peer.partition(":")
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
-
-
-class _TlsRelay:
-    """TLS listener that relays decrypted connections to a loopback gRPC server (see module docstring)."""
-
-    def __init__(self, context: ssl.SSLContext, backend_port: int) -> None:
-        self._context = context
-        self._backend_port = backend_port
-        self._server: asyncio.Server | None = None
-        self._peers: dict[tuple[str, int], bytes | None] = {}
-        self._connections: set[asyncio.Task[None]] = set()
-
-    async def start(self, host: str, port: int) -> int:
-        if port:
-            _check_bindable(host, port)
-        try:
-            self._server = await asyncio.start_server(
-                self._relay,
-                host,
-                port,
-                ssl=self._context,
-                ssl_handshake_timeout=_TLS_HANDSHAKE_TIMEOUT,
-                reuse_address=True,
-            )
-        except OSError as err:
-            reason = os.strerror(err.errno) if err.errno else str(err)
-            raise ControlPlaneError(f"cannot listen on {format_address(host, port)}: {reason}") from None
-        return int(self._server.sockets[0].getsockname()[1])
-
-    def relays(self, peer: str) -> bool:
-        """Whether ``peer`` (gRPC's ``context.peer()``) is a connection that came in over TLS."""
-        key = _peer_key(peer)
-        return key is not None and key in self._peers
-
-    def client_certificate(self, peer: str) -> bytes | None:
-        """DER of the verified client certificate of the relayed connection gRPC reports as ``peer``."""
-        key = _peer_key(peer)
-        return self._peers.get(key) if key else None
-
-    def stop_listening(self) -> None:
-        if self._server is not None:
-            self._server.close()
-
-    async def close(self) -> None:
-        self.stop_listening()
-        for task in list(self._connections):
-            task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
-        ssl_object = writer.get_extra_info("ssl_object")
-        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
-        key: tuple[str, int] | None = None
-        backend_writer: asyncio.StreamWriter | None = None
-        try:
-            backend_reader, backend_writer = await asyncio.open_connection(_BACKEND_HOST, self._backend_port)
-            local = backend_writer.get_extra_info("sockname")
-            key = (str(local[0]), int(local[1]))
-            # Registered before the first byte is relayed, so no RPC on this connection can miss it.
-            self._peers[key] = der
-            pumps = [
-                asyncio.create_task(_pump(reader, backend_writer)),
-                asyncio.create_task(_pump(backend_reader, writer)),
-            ]
-            try:
-                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for pump in pumps:
-                    pump.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-        except OSError as err:
-            log.warning("TLS relay to the local gRPC server failed: %s", err)
-        except asyncio.CancelledError:
-            # Shutting down: no polite TLS close_notify exchange with a peer that may never answer.
-            for stream in (writer, backend_writer):
-                if stream is not None:
-                    stream.transport.abort()
-            raise
-        finally:
-            if key is not None:
-                self._peers.pop(key, None)
-            await asyncio.gather(
-                *(_close(stream) for stream in (writer, backend_writer) if stream is not None)
-            )
-            self._connections.discard(task)
-
-
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(OSError, ssl.SSLError):
-        while data := await reader.read(_RELAY_CHUNK):
-            writer.write(data)
-            await writer.drain()
-
-
-async def _close(writer: asyncio.StreamWriter) -> None:
-    """Close a relay stream (TLS close_notify included), aborting it if the peer does not cooperate."""
-    writer.close()
-    try:
-        await asyncio.wait_for(writer.wait_closed(), _CLOSE_TIMEOUT)
-    except (OSError, TimeoutError):
-        writer.transport.abort()
+        return listening_socket(str(infos[0][4][0]), port)
+    except OSError as err:
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        raise ControlPlaneError(f"cannot listen on {format_address(host, port)}: {reason}") from None
 
 
 def _bearer_token(metadata: Sequence[Any] | None) -> str | None:
@@ -304,34 +170,40 @@ def certificate_identity(cert: x509.Certificate, root: x509.Certificate) -> str:
     return uris[0]
 
 
-class _CertificateService(istio_ca_pb2_grpc.IstioCertificateServiceServicer):
+class _CertificateService:
     """``istio.v1.auth.IstioCertificateService``: authenticate the caller, sign its CSR."""
 
     def __init__(self, plane: ControlPlane) -> None:
         self._plane = plane
 
-    async def CreateCertificate(
-        self, request: istio_ca_pb2.IstioCertificateRequest, context: grpc.aio.ServicerContext
+    def add_to(self, server: RpcServer) -> None:
+        server.add_unary(
+            CREATE_CERTIFICATE,
+            self.create_certificate,
+            istio_ca_pb2.IstioCertificateRequest,
+            istio_ca_pb2.IstioCertificateResponse,
+        )
+
+    async def create_certificate(
+        self, request: istio_ca_pb2.IstioCertificateRequest, call: Call
     ) -> istio_ca_pb2.IstioCertificateResponse:
         try:
-            caller = self._plane.authenticate(context)
+            caller = self._plane.authenticate(call)
         except AuthenticationError as err:
-            log.warning(
-                "certificate request from %s refused: %s: %s", context.peer(), AUTH_FAILURE, err.reason
-            )
-            await self._abort(context, grpc.StatusCode.UNAUTHENTICATED, f"{AUTH_FAILURE}: {err.reason}")
+            log.warning("certificate request from %s refused: %s: %s", call.peer(), AUTH_FAILURE, err.reason)
+            await self._abort(call, Status.UNAUTHENTICATED, f"{AUTH_FAILURE}: {err.reason}")
         seconds = request.validity_duration
         ttl = DEFAULT_CERT_TTL if seconds <= 0 else timedelta(seconds=min(seconds, MAX_CERT_TTL_SECONDS))
         try:
             chain = self._plane.ca.sign_csr(request.csr.encode("utf-8"), caller.identity, ttl)
         except InvalidCSR as err:
             log.warning("certificate request from %s refused: %s", caller.identity, err.reason)
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, err.reason)
+            await self._abort(call, Status.INVALID_ARGUMENT, err.reason)
         except SigningRefused as err:
             log.warning("certificate request from %s refused: %s", caller.identity, err.reason)
-            await self._abort(context, grpc.StatusCode.PERMISSION_DENIED, err.reason)
+            await self._abort(call, Status.PERMISSION_DENIED, err.reason)
         self._plane.metrics.signed.inc()
-        cluster = _metadata_value(context.invocation_metadata(), "clusterid")
+        cluster = _metadata_value(call.metadata(), "clusterid")
         log.info(
             "signed certificate for %s (authenticated by %s, ttl %ds%s)",
             caller.identity,
@@ -341,18 +213,15 @@ class _CertificateService(istio_ca_pb2_grpc.IstioCertificateServiceServicer):
         )
         return istio_ca_pb2.IstioCertificateResponse(cert_chain=chain)
 
-    async def _abort(
-        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str
-    ) -> NoReturn:
+    async def _abort(self, call: Call, code: Status, details: str) -> NoReturn:
         self._plane.metrics.refused.labels(code=code.name).inc()
-        await context.abort(code, details)
-        raise AssertionError("context.abort returned")  # it always raises
+        await call.abort(code, details)
 
 
 class ControlPlane:
     """The local control plane: CA service on ``address`` (plaintext) and ``secure_address`` (TLS).
 
-    Extension points for the ADS side: :meth:`add_servicer_hook` (register services on both gRPC
+    Extension points for the ADS side: :meth:`add_servicer_hook` (add methods to both gRPC
     servers), :meth:`add_mesh_listener` (hear about reloads), :attr:`mesh` and :meth:`authenticate`.
     """
 
@@ -374,10 +243,13 @@ class ControlPlane:
         ``debug_access``: who may ask syncz and config_dump (default: istiod's defaults)."""
         self._debug_access = debug_access
         self._mesh_path = mesh_path
-        self._server_options = [
-            *_SERVER_OPTIONS,
-            *keepalive.server_options(keepalive_interval, keepalive_timeout),
-        ]
+        # istiod's servers (pilot/pkg/grpc/grpc.go ServerOptions) ping every interval, accept
+        # clients' pings down to half of it, and close no connection for being idle.
+        self._limits = ServerLimits(
+            idle_timeout=math.inf,
+            keepalive_time=keepalive_interval.total_seconds(),
+            keepalive_timeout=keepalive_timeout.total_seconds(),
+        )
         self._registry = registry
         self.metrics = _PlaneMetrics(registry)
         self._push_observer = push_observer
@@ -391,8 +263,7 @@ class ControlPlane:
         self._mesh_bytes: bytes | None = None
         self._ca: LocalCA | None = None
         self._verifier: TokenVerifier | None = None
-        self._servers: list[grpc.aio.Server] = []
-        self._relay: _TlsRelay | None = None
+        self._servers: list[RpcServer] = []
         self._port: int | None = None
         self._secure_port: int | None = None
         self._watcher: FileWatcher | None = None
@@ -403,7 +274,7 @@ class ControlPlane:
     # -- extension points -------------------------------------------------------------------
 
     def add_servicer_hook(self, hook: ServerHook) -> None:
-        """Have ``hook(server)`` register services on both gRPC servers; call before :meth:`start`."""
+        """Have ``hook(server)`` add methods to both gRPC servers; call before :meth:`start`."""
         if self._started:
             raise RuntimeError("add_servicer_hook must be called before start()")
         self._hooks.append(hook)
@@ -448,21 +319,18 @@ class ControlPlane:
             raise RuntimeError("control plane not started")
         return self._secure_port
 
-    def peer_certificate(self, context: grpc.aio.ServicerContext) -> x509.Certificate | None:
-        """The verified TLS client certificate of the caller, if it presented one."""
-        der = self._relay.client_certificate(context.peer()) if self._relay is not None else None
+    def peer_certificate(self, call: Call) -> x509.Certificate | None:
+        """The TLS client certificate the caller's connection presented (verified in the handshake)."""
+        der = call.peer_certificate()
         try:
-            if der:
-                return x509.load_der_x509_certificate(der)
-            pems = (context.auth_context() or {}).get("x509_pem_cert")
-            return x509.load_pem_x509_certificate(pems[0]) if pems else None
+            return x509.load_der_x509_certificate(der) if der else None
         except ValueError:
             return None
 
-    def authenticate(self, context: grpc.aio.ServicerContext) -> Caller:
+    def authenticate(self, call: Call) -> Caller:
         """Who is calling: a bearer token first, then a client certificate (as istiod tries both)."""
         failures: list[str] = []
-        token = _bearer_token(context.invocation_metadata())
+        token = _bearer_token(call.metadata())
         if token == "":
             failures.append("authorization header is not a bearer token")
         elif token is not None:
@@ -471,7 +339,7 @@ class ControlPlane:
                 return Caller(identity.spiffe_id(self.mesh.trust_domain), "token")
             except TokenError as err:
                 failures.append(err.reason)
-        cert = self.peer_certificate(context)
+        cert = self.peer_certificate(call)
         if cert is not None:
             try:
                 return Caller(certificate_identity(cert, self.ca.root_cert), "client certificate")
@@ -481,22 +349,18 @@ class ControlPlane:
             failures.append("no bearer token and no client certificate")
         raise AuthenticationError("; ".join(failures))
 
-    async def authorize_proxy(self, context: grpc.aio.ServicerContext, proxy: ProxyNode) -> str | None:
-        """ADS admission, as istiod's: on the TLS port an authenticated caller whose identity is the
-        proxy's namespace and service account (see :meth:`admission_refusal`). Returns that identity
-        (None on the plaintext port, which like istiod's 15010 does not authenticate)."""
-        if self._relay is None or not self._relay.relays(context.peer()):
-            return None
+    async def authorize_proxy(self, call: Call, proxy: ProxyNode) -> str:
+        """ADS admission on the TLS port, as istiod's: an authenticated caller whose identity is the
+        proxy's namespace and service account (see :meth:`admission_refusal`). Returns that identity.
+        The plaintext port, like istiod's 15010, does not ask (its ADS is added without it)."""
         try:
-            caller = self.authenticate(context)
+            caller = self.authenticate(call)
         except AuthenticationError as err:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"authentication failure: {err.reason}")
+            await call.abort(Status.UNAUTHENTICATED, f"authentication failure: {err.reason}")
         refusal = self.admission_refusal(caller.identity, proxy)
         if refusal is not None:
-            log.warning(
-                "Unauthorized XDS: %s with identity [%s]: %s", context.peer(), caller.identity, refusal
-            )
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"authorization failed: {refusal}")
+            log.warning("Unauthorized XDS: %s with identity [%s]: %s", call.peer(), caller.identity, refusal)
+            await call.abort(Status.PERMISSION_DENIED, f"authorization failed: {refusal}")
         return caller.identity
 
     def admission_refusal(self, identity: str, proxy: ProxyNode) -> str | None:
@@ -563,14 +427,8 @@ class ControlPlane:
             debug_access=self._debug_access,
         )
 
-        plain = self._new_server()
-        self._port = _add_port(plain, plain_host, plain_port)
-        backend = self._new_server()
-        backend_port = _add_port(backend, _BACKEND_HOST, 0)
-        for server in self._servers:
-            await server.start()
-        self._relay = _TlsRelay(tls_context, backend_port)
-        self._secure_port = await self._relay.start(tls_host, tls_port)
+        self._port = await self._serve(plain_host, plain_port, None)
+        self._secure_port = await self._serve(tls_host, tls_port, tls_context)
         await self._start_watching()
         log.info(
             "control plane serving CA and ADS on %s (plaintext) and %s (TLS), trust domain %s, root %s",
@@ -595,24 +453,26 @@ class ControlPlane:
     async def _shutdown(self, grace: float) -> None:
         self._started = False
         await self._stop_watching()
-        if self._relay is not None:
-            self._relay.stop_listening()
         if self._ads is not None:
             await self._ads.close()
-        await asyncio.gather(*(server.stop(grace) for server in self._servers))
-        if self._relay is not None:
-            await self._relay.close()
-        self._servers = []
-        self._relay = None
+        servers, self._servers = self._servers, []
+        await asyncio.gather(*(server.stop(grace) for server in servers))
 
-    def _new_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(options=self._server_options)
-        istio_ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(_CertificateService(self), server)
-        self.ads.register(server)
+    async def _serve(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
+        """Serve every service on ``host:port`` (TLS when ``tls`` is given); the port bound."""
+        sock = _listen(host, port)
+        server = RpcServer(limits=self._limits)
+        _CertificateService(self).add_to(server)
+        self.ads.add_to(server, authorize=tls is not None)
         for hook in self._hooks:
             hook(server)
         self._servers.append(server)
-        return server
+        try:
+            await server.start(sock=sock, ssl_context=tls)
+        except BaseException:
+            sock.close()
+            raise
+        return int(sock.getsockname()[1])
 
     async def _serving_hosts(self, listen_host: str) -> list[str]:
         """Names and IPs the serving certificate covers: istiod's names plus what we listen on."""
