@@ -303,15 +303,21 @@ async def test_a_connection_accepted_elsewhere_is_adopted_with_its_first_bytes()
         await server.stop(None)
 
 
-async def test_a_tls_handshake_that_fails_leaves_nothing_behind(tmp_path: Path) -> None:
-    """asyncio creates the protocol before the TLS handshake and tells it nothing when that fails:
-    such a connection never was one, and stopping the server must not trip over it."""
+def server_tls(directory: Path) -> ssl.SSLContext:
+    """A server's TLS context with a certificate from a throwaway CA."""
     ca_key, ca = make_ca()
     key = new_key()
-    pem = tmp_path / "server.pem"
+    pem = directory / "server.pem"
     pem.write_bytes(key_to_pem(key) + to_pem(issue(ca_key, ca, public_key=key.public_key(), dns_sans=["x"])))
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(pem)
+    return context
+
+
+async def test_a_tls_handshake_that_fails_leaves_nothing_behind(tmp_path: Path) -> None:
+    """asyncio creates the protocol before the TLS handshake and tells it nothing when that fails:
+    such a connection never was one, and stopping the server must not trip over it."""
+    context = server_tls(tmp_path)
     server = echo_server(uds.ServerLimits())
     await server.start(host="127.0.0.1", port=0, ssl_context=context)
     port = server.sockets()[0].getsockname()[1]
@@ -320,3 +326,17 @@ async def test_a_tls_handshake_that_fails_leaves_nothing_behind(tmp_path: Path) 
     assert await asyncio.wait_for(reader.read(), 5) == b""  # the handshake failed: closed
     writer.close()
     await server.stop(0)
+
+
+async def test_the_handshake_deadline_covers_the_tls_handshake(tmp_path: Path) -> None:
+    """A client that connects to the TLS port and says nothing is closed after ``handshake_timeout``
+    (asyncio alone would wait a minute for its ClientHello)."""
+    context = server_tls(tmp_path)
+    server = echo_server(uds.ServerLimits(handshake_timeout=0.3))
+    await server.start(host="127.0.0.1", port=0, ssl_context=context)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets()[0].getsockname()[1])
+        assert await asyncio.wait_for(reader.read(), 3) == b""
+        writer.close()
+    finally:
+        await server.stop(0)

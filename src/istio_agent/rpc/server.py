@@ -6,7 +6,8 @@ before Envoy started), or host:port with TLS. Per connection (:class:`_GuardedPr
 grpcio servers of the agent were configured (``uds.ServerLimits``) and as istiod's Go servers
 behave:
 
-- the client's HTTP/2 preface and SETTINGS must arrive within ``handshake_timeout``;
+- the client's HTTP/2 preface and SETTINGS must arrive within ``handshake_timeout`` (and, on a
+  TLS port, the TLS handshake must end within it too);
 - a connection without a call for ``idle_timeout`` gets GOAWAY and is closed (checked every half
   of it, so it goes between 1 and 1.5 times that after its last call);
 - the server pings every ``keepalive_time`` and closes a connection whose answer does not come
@@ -178,6 +179,30 @@ class _Server(grpclib.server.Server):
         self._guard_limits = limits
         self._max_streams = max_streams
         self._protocols: set[_GuardedProtocol] = set()
+
+    async def start(  # type: ignore[override]
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        sock: socket.socket | None = None,
+        ssl: ssl.SSLContext | None = None,
+    ) -> None:
+        if ssl is None:
+            await super().start(host, port, sock=sock)
+            return
+        # As grpclib's start, plus a deadline for the TLS handshake: the protocol, which enforces
+        # handshake_timeout, hears of the connection only after it (asyncio's own: 60 s).
+        deadline = self._guard_limits.handshake_timeout
+        if sock is not None:
+            self._server = await self._loop.create_server(
+                self._protocol_factory, sock=sock, ssl=ssl, ssl_handshake_timeout=deadline
+            )
+        else:
+            self._server = await self._loop.create_server(
+                self._protocol_factory, host, port or 0, ssl=ssl, ssl_handshake_timeout=deadline
+            )
+        self._server_closed_fut = self._loop.create_future()
 
     def _protocol_factory(self) -> H2Protocol:
         inner = super()._protocol_factory()
