@@ -1,6 +1,7 @@
 """Exec-to-exit time of the istio-cni executable: the self-contained build beside the venv's script.
 
     python -m bench.cni_plugin_exec [--runs 40] [--plugin NAME=PATH ...] [--build]
+    python -m bench.cni_plugin_exec --floor [--runs 40]
 
 Two invocations, each as a container runtime makes them (a minimal environment, the config on stdin):
 VERSION (exec and interpreter start, nothing else) and the ADD of a sandbox the plugin leaves alone
@@ -12,6 +13,10 @@ any ``--plugin`` given (other packagings, for comparison). The rows take turns, 
 loaded machine slows them alike; the first two runs of each are not counted. ``--build`` also times
 a fresh ``packaging/cni-plugin/build.py`` into a temporary directory. Goal (issue 21): a skipped
 pod's ADD p50 <= 50 ms.
+
+``--floor`` instead times the bundle's interpreter importing, step by step, what the ADD of a pod it
+GETs needs (``-I -S -c "import ..."``, the collector off as in the plugin), the steps taking turns:
+the floor under the 50 ms goal for a pod without injection, and what each layer adds to it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,23 @@ from tests.cni.test_plugin_bundle import (
 
 GOAL_SKIPPED_P50_MS = 50.0
 WARMUP = 2
+FLOOR_STEPS = (
+    ("the interpreter alone", ""),
+    (
+        "+ re, enum, json, socket, ssl, typing, base64, ipaddress",
+        "re, enum, json, socket, ssl, typing, base64, ipaddress",
+    ),
+    ("+ dataclasses (h11's events are dataclasses)", "dataclasses"),
+    ("+ h11 (the HTTP engine)", "h11"),
+    ("+ config.document (datetime, decimal, signal)", "istio_agent.config.document"),
+    ("+ urllib.parse (http.url)", "urllib.parse"),
+    (
+        "+ the plugin's own modules on that path",
+        "istio_agent.cni.plugin_main, istio_agent.cni.plugin, istio_agent.cni.kube, istio_agent.cni.pod, "
+        "istio_agent.http.blocking",
+    ),
+)
+"""Cumulative: each step imports its modules after all the previous steps'."""
 
 
 @dataclass
@@ -90,9 +112,13 @@ def main() -> None:
         "--plugin", action="append", default=[], metavar="NAME=PATH", help="another executable"
     )
     parser.add_argument("--build", action="store_true", help="also time a fresh build")
+    parser.add_argument("--floor", action="store_true", help="time the import ladder instead (see above)")
     args = parser.parse_args()
     if not PLUGIN.is_file():
         raise SystemExit(f"{PLUGIN} is missing: make cni-plugin")
+    if args.floor:
+        floor(args.runs)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-cni-exec-") as tmp:
         work = Path(tmp)
         run_dir = work / "run"
@@ -137,6 +163,41 @@ def main() -> None:
                 capture_output=True,
             )
             print(f"a fresh build: {time.monotonic() - started:.1f} s")
+
+
+def floor(runs: int) -> None:
+    """The import ladder in the bundle's interpreter, run as the launcher runs it."""
+    runtime = BIN / "istio-cni-runtime"
+    loader = next((runtime / "lib").glob("ld-linux*"))
+    python = next((runtime / "bin").glob("python3*"))
+    argv = [
+        str(loader),
+        "--inhibit-cache",
+        "--library-path",
+        str(runtime / "lib"),
+        str(python),
+        "-I",
+        "-S",
+        "-c",
+    ]
+    env = {"OPENSSL_CONF": str(runtime / "openssl.cnf")}
+    codes, modules = [], ["gc"]
+    for _, imports in FLOOR_STEPS:
+        modules += [m.strip() for m in imports.split(",") if m.strip()]
+        codes.append(f"import {modules[0]}; gc.disable(); import {', '.join(modules[1:]) or 'sys'}")
+    samples: list[list[float]] = [[] for _ in FLOOR_STEPS]
+    for run in range(runs + WARMUP):
+        for index, code in enumerate(codes):
+            started = time.perf_counter()
+            subprocess.run([*argv, code], env=env, check=True)
+            if run >= WARMUP:
+                samples[index].append((time.perf_counter() - started) * 1000)
+    print(f"{'step (cumulative)':60} {'p50 ms':>8} {'min ms':>8} {'+p50 ms':>8}  (n={runs})")
+    previous = 0.0
+    for (name, _), times in zip(FLOOR_STEPS, samples, strict=True):
+        p50 = statistics.median(times)
+        print(f"{name:60} {p50:8.1f} {min(times):8.1f} {p50 - previous:8.1f}")
+        previous = p50
 
 
 def report(rows: list[Row]) -> None:
