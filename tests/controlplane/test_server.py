@@ -484,3 +484,23 @@ async def test_a_message_over_grpcs_default_maximum_is_resource_exhausted(
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await create(channel, csr, token(state))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_more_streams_than_http2s_usual_hundred_share_one_connection(plane: ControlPlane) -> None:
+    """istiod allows 100000 concurrent streams per connection (ISTIO_GPRC_MAXSTREAMS); a server
+    announcing h2's default 100 would hold the 101st stream of a load test until another ends."""
+    async with plaintext(plane) as channel:
+        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+        calls = [stub.StreamAggregatedResources() for _ in range(120)]
+        node = base_pb2.Node(id="sidecar~127.0.0.1~sleep.default~default.svc.cluster.local")
+
+        async def first(call: Any) -> Any:
+            await call.write(discovery_pb2.DiscoveryRequest(node=node, type_url=CLUSTER_TYPE))
+            return await call.read()
+
+        try:
+            responses = await asyncio.wait_for(asyncio.gather(*(first(call) for call in calls)), 10)
+            assert {response.type_url for response in responses} == {CLUSTER_TYPE}
+        finally:
+            for call in calls:
+                call.cancel()

@@ -59,6 +59,8 @@ DEFAULT_CERT_TTL = timedelta(hours=24)
 MAX_CERT_TTL_SECONDS = 90 * 24 * 3600
 AUTH_FAILURE = "request authenticate failure"
 CREATE_CERTIFICATE = "/istio.v1.auth.IstioCertificateService/CreateCertificate"
+MAX_CONCURRENT_STREAMS = 100_000
+"""Per connection, istiod's default (``ISTIO_GPRC_MAXSTREAMS``, ``pilot/pkg/features/tuning.go``)."""
 _MESH_DEBOUNCE = timedelta(milliseconds=50)
 
 
@@ -461,7 +463,7 @@ class ControlPlane:
     async def _serve(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
         """Serve every service on ``host:port`` (TLS when ``tls`` is given); the port bound."""
         sock = _listen(host, port)
-        server = RpcServer(limits=self._limits)
+        server = RpcServer(limits=self._limits, max_concurrent_streams=MAX_CONCURRENT_STREAMS)
         _CertificateService(self).add_to(server)
         self.ads.add_to(server, authorize=tls is not None)
         for hook in self._hooks:
