@@ -36,7 +36,7 @@ atexit.register(_listed)
 from istio_agent.cni.plugin_main import main
 main()
 """
-OFF_THE_PATH = ("logging", "asyncio", "concurrent.futures", "pathlib", "encodings.idna")
+OFF_THE_PATH = ("logging", "asyncio", "concurrent.futures", "pathlib", "urllib.parse", "encodings.idna")
 """Not imported by an ADD that GETs the pod and leaves it alone."""
 GC_ENABLED = "(gc enabled)"
 """Listed with the modules when the cyclic collector still runs at exit."""

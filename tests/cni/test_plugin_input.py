@@ -10,11 +10,12 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import yaml
 
-from istio_agent.cni import result
+from istio_agent.cni import kube, result
 from istio_agent.cni.args import ArgsError, K8sArgs, is_agent_pod, parse_k8s_args
 from istio_agent.cni.install import kubeconfig
 from istio_agent.cni.kube import read_kubeconfig
@@ -301,3 +302,8 @@ def test_a_broken_kubeconfig_is_reported_without_its_token(tmp_path: Path) -> No
     message = str(caught.value)
     assert "SECRET-TOKEN" not in message
     assert "neither JSON nor YAML: line 1, column" in message
+
+
+@pytest.mark.parametrize("name", ["app-1", "istio-system", "a.b_c~d", "", "a/b", "..", "ü", "a b", "50%"])
+def test_api_paths_escape_names_as_quote_does(name: str) -> None:
+    assert kube._segment(name) == quote(name, safe="")
