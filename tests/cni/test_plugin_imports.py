@@ -27,12 +27,17 @@ from tests.cni.fake_kube import FakeKube, sidecar_pod, start_fake_kube
 from tests.cni.test_plugin_exec import PREV_RESULT
 
 RUN_AND_LIST = """
-import atexit, gc, sys
+import atexit, gc, os, sys
 listing = sys.argv.pop(1)
-def _listed():
+def _write(extra):
     with open(listing, "w") as out:
-        out.write("\\n".join(sorted(sys.modules) + (["(gc enabled)"] if gc.isenabled() else [])))
-atexit.register(_listed)
+        out.write("\\n".join(sorted(sys.modules) + extra + (["(gc enabled)"] if gc.isenabled() else [])))
+atexit.register(_write, ["(teardown ran)"])
+_exit = os._exit
+def _listing_exit(code):
+    _write([])
+    _exit(code)
+os._exit = _listing_exit
 from istio_agent.cni.plugin_main import main
 main()
 """
@@ -40,6 +45,9 @@ OFF_THE_PATH = ("logging", "asyncio", "concurrent.futures", "pathlib", "urllib.p
 """Not imported by an ADD that GETs the pod and leaves it alone."""
 GC_ENABLED = "(gc enabled)"
 """Listed with the modules when the cyclic collector still runs at exit."""
+TEARDOWN = "(teardown ran)"
+"""Listed when the process exited through the interpreter's teardown (atexit ran)."""
+MARKERS = {GC_ENABLED, TEARDOWN}
 NOT_OURS_YET = {"istio_agent.config.document.Node", "istio_agent.http.exchange.Fetched"}
 """Dataclasses on that path in modules this change does not own (docs/performance.md says what they cost)."""
 
@@ -115,8 +123,9 @@ async def test_a_pod_without_injection_is_read_without_logging_asyncio_or_pathli
     assert json.loads(stdout)["ips"], stdout  # the previous result, handed on
     assert "istio_agent.http.blocking" in modules  # the GET was made
     assert [m for m in OFF_THE_PATH if m in modules] == []
-    assert our_dataclasses(modules - {GC_ENABLED}) - NOT_OURS_YET == set()
+    assert our_dataclasses(modules - MARKERS) - NOT_OURS_YET == set()
     assert GC_ENABLED not in modules  # a process for one command: the collector would only cost time
+    assert TEARDOWN not in modules  # nor the interpreter's teardown at exit, once the answer is out
     [line] = [json.loads(line) for line in stderr.splitlines()]  # Istio's JSON line, one per ADD
     assert (line["level"], line["scope"]) == ("info", "cni-plugin")
     assert line["msg"].startswith("pod default/plain: no redirect:"), line
