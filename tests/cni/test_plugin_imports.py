@@ -5,7 +5,7 @@ takes ~7 ms and ``ssl`` + ``h11`` (the project's one HTTP engine, needed for the
 what else the path imports is measured (docs/performance.md, "CNI plugin ADD"). These tests pin
 what was taken off it: the ``logging`` package (the plugin writes Istio's log line itself,
 ``istio_agent.logline``), asyncio, ``pathlib``/``urllib.parse`` and the IDNA codec, and dataclasses
-of our own (each one's ``@dataclass`` costs ~0.4 ms of generated code at import).
+of our own (each one's ``@dataclass`` costs ~0.5 ms of generated code at import).
 
 The real ``istio-cni`` entry point runs in a fresh interpreter (the venv's: the same modules as the
 bundle's), against the FAKE API server, and reports ``sys.modules`` as it exits.

@@ -107,7 +107,7 @@ class Kubeconfig(NamedTuple):
     """The parts of a kubeconfig the plugin uses; ``token`` is a secret and never shown.
 
     This module's types are NamedTuples rather than dataclasses: the plugin imports it for every pod
-    it GETs, and a dataclass costs ~0.4 ms of generated code at import (docs/performance.md)."""
+    it GETs, and a dataclass costs ~0.5 ms of generated code at import (docs/performance.md)."""
 
     server: URL
     ca_pem: str | None

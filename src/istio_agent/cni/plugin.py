@@ -65,7 +65,7 @@ class DryRunWriter:
 
     ``native_nftables``: write the nftables transaction (``native_nftables`` in the plugin's config)
     instead. The programmers are plain classes, not dataclasses: this module is imported on every
-    ADD, and a dataclass costs ~0.4 ms of generated code at import (docs/performance.md).
+    ADD, and a dataclass costs ~0.5 ms of generated code at import (docs/performance.md).
     """
 
     __slots__ = ("native_nftables", "path")

@@ -4,7 +4,7 @@ One type for both sides, so the file install-cni writes is by construction what 
 The field names and their order are Istio's (``cni/pkg/plugin/plugin.go``, ``Config``): install-cni's
 standalone file is this object as it stands, and operators diff it against Istio's. The types are
 NamedTuples rather than dataclasses: the plugin defines them on every ADD, and a dataclass costs
-~0.4 ms of generated code at import (docs/performance.md, "CNI plugin ADD").
+~0.5 ms of generated code at import (docs/performance.md, "CNI plugin ADD").
 """
 
 from __future__ import annotations
