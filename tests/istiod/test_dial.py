@@ -1,6 +1,6 @@
 """The credential/dial layer to istiod shared by the CA client and the xDS upstream dialer.
 
-The rules both clients follow are tested here, once: endpoints from settings, channel options,
+The rules both clients follow are tested here, once: endpoints from settings, channel settings,
 headers and the token, the root bundle, the client certificate. The clients' own tests dial real
 gRPC servers with them.
 """
@@ -24,6 +24,7 @@ from istio_agent.istiod.dial import (
     IstiodEndpoint,
 )
 from istio_agent.istiod.tokens import FileTokenSource, StaticTokenSource, TokenSource
+from istio_agent.rpc.channel import Channel
 from tests.security.certs import MeshCA, key_to_pem, make_ca, new_key, to_pem
 
 ISTIOD = "istiod.istio-system.svc"
@@ -152,34 +153,35 @@ def test_xds_endpoint_follows_the_xds_settings(tmp_path: Path) -> None:
     assert IstiodEndpoint.for_xds(half).client_cert is None
 
 
-# -- channel options --------------------------------------------------------------------------------
-def test_channel_options() -> None:
-    options = dict(
-        credentials(
-            tls(None, keepalive_time=timedelta(seconds=7), keepalive_timeout=timedelta(seconds=3))
-        ).channel_options()
-    )
-    assert options == {
-        "grpc.keepalive_time_ms": 7000,
-        "grpc.keepalive_timeout_ms": 3000,
-        "grpc.use_local_subchannel_pool": 1,
-        "grpc.client_idle_timeout_ms": 500,
-        "grpc.ssl_target_name_override": ISTIOD,
-    }
-    assert "grpc.ssl_target_name_override" not in dict(
-        credentials(tls(None, server_name="")).channel_options()
-    )
-    plain = dict(credentials(plaintext(server_name=ISTIOD)).channel_options())
-    assert "grpc.ssl_target_name_override" not in plain
-    assert plain["grpc.keepalive_time_ms"] == 30_000
-    assert plain["grpc.keepalive_timeout_ms"] == 10_000
+# -- channels --------------------------------------------------------------------------------------
+def test_channel_settings() -> None:
+    settings = credentials(
+        tls(None, keepalive_time=timedelta(seconds=7), keepalive_timeout=timedelta(seconds=3))
+    ).channel_settings()
+    assert settings == dial.ChannelSettings(keepalive_time=7.0, keepalive_timeout=3.0, server_name=ISTIOD)
+    assert credentials(tls(None, server_name="")).channel_settings().server_name is None
+    plain = credentials(plaintext(server_name=ISTIOD)).channel_settings()
+    assert plain == dial.ChannelSettings(keepalive_time=30.0, keepalive_timeout=10.0, server_name=None)
 
 
-async def test_dial_plaintext_and_tls_channels(pki: MeshCA) -> None:
+def test_channels_are_the_agents_own_and_connect_only_when_called(pki: MeshCA) -> None:
     plain = credentials(plaintext())
-    await plain.dial(plain.material(), [("grpc.max_receive_message_length", 10)]).close()
     secure = credentials(tls(pki.root))
-    await secure.dial(secure.material()).close()
+    for channel in (plain.channel(plain.material()), secure.channel(secure.material())):
+        assert isinstance(channel, Channel)
+        assert channel._channel._protocol is None  # no dial until a call needs one
+        channel.close()
+
+
+async def test_a_client_certificate_replaced_after_it_was_read_is_left_out(
+    tmp_path: Path, pki: MeshCA, caplog: pytest.LogCaptureFixture
+) -> None:
+    files = client_files(pki, tmp_path)
+    creds = credentials(tls(pki.root, client_cert=files))
+    material = creds.material()
+    files.key.write_bytes(key_to_pem(new_key()))  # a rotation half written
+    creds.channel(material).close()
+    assert lines(caplog, "cannot load client certificate")
 
 
 # -- headers and the token --------------------------------------------------------------------------
@@ -395,7 +397,7 @@ def test_unusable_client_cert_is_not_presented_and_logged_once(
 
 async def test_unusable_client_cert_still_dials(tmp_path: Path, pki: MeshCA) -> None:
     creds = credentials(tls(pki.root, client_cert=_spoil("wrong-key", pki, tmp_path)))
-    await creds.dial(creds.material()).close()
+    creds.channel(creds.material()).close()
 
 
 def test_usable_client_cert_is_read_at_each_use(tmp_path: Path, pki: MeshCA) -> None:

@@ -130,7 +130,7 @@ async def test_a_unary_call_past_its_deadline_is_deadline_exceeded(grpcio_target
 async def test_bidi_stream_ended_by_the_client(target: str) -> None:
     channel = Channel(target)
     try:
-        stream = channel.stream(CHAT, bytes, bytes, metadata=[("x-who", "envoy")])
+        stream = channel.stream(CHAT, bytes, bytes, metadata=[("clusterid", ""), ("x-who", "envoy")])
         for word in (b"a", b"b", b"c"):
             await stream.send(word)
             assert await stream.recv() == b"envoy|" + word

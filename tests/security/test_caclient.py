@@ -24,6 +24,7 @@ from istio_agent.istiod.dial import ClientCertFiles, IstiodEndpoint
 from istio_agent.istiod.tokens import FileTokenSource, StaticTokenSource, TokenSource
 from istio_agent.metrics import PREFIX, Registry
 from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
+from istio_agent.rpc import Status
 from istio_agent.security import caclient
 from istio_agent.security.caclient import CAError, CitadelClient
 
@@ -257,7 +258,7 @@ async def test_server_error_message_matches_istio(sleeps: Sleeps) -> None:
             await client.csr_sign(CSR, TTL)
         await client.close()
     assert str(info.value) == "create certificate: rpc error: code = Unknown desc = test failure"
-    assert info.value.code == grpc.StatusCode.UNKNOWN
+    assert info.value.code == Status.UNKNOWN
     assert failed["delta"] == 1
     assert len(fake.seen) == 1
 
@@ -297,7 +298,7 @@ async def test_retries_stop_after_five_attempts(sleeps: Sleeps, rng: float, firs
         with pytest.raises(CAError, match="code = Unavailable desc = down") as info:
             await client.csr_sign(CSR, TTL)
         await client.close()
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert info.value.code == Status.UNAVAILABLE
     assert len(fake.seen) == 5
     assert sleeps.delays == pytest.approx([first * 2**n for n in range(4)])
 
@@ -328,7 +329,7 @@ async def test_non_retryable_code_is_not_retried(sleeps: Sleeps, code: grpc.Stat
     assert len(fake.seen) == 1
     assert sleeps.delays == []
     assert retries["delta"] == 0
-    assert info.value.code == code
+    assert info.value.code == Status(code.value[0])
     assert f"code = {goformat.status_code_name(code)} desc = no" in str(info.value)
 
 
@@ -353,7 +354,7 @@ async def test_hung_ca_hits_the_deadline_and_is_not_retried(
         with pytest.raises(CAError, match="code = DeadlineExceeded") as info:
             await client.csr_sign(CSR, TTL)
         await client.close()
-    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert info.value.code == Status.DEADLINE_EXCEEDED
     assert len(fake.seen) == 1
 
 
@@ -490,7 +491,7 @@ async def test_tls_with_wrong_server_name_fails(sleeps: Sleeps, pki: Pki) -> Non
         with pytest.raises(CAError, match="code = Unavailable") as info:
             await client.csr_sign(CSR, TTL)
         await client.close()
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert info.value.code == Status.UNAVAILABLE
     assert fake.seen == []
 
 

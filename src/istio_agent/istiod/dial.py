@@ -17,19 +17,26 @@ The rules, the same for both:
 - Token: one that cannot be fetched (OSError) or cannot travel in an ``authorization`` header is not
   sent; the problem is logged, never the value (see docs/compatibility.md).
 - Each distinct problem is logged once: Envoy re-opens streams and the CA client retries often.
+
+Channels are :class:`istio_agent.rpc.channel.Channel` (grpclib): a channel connects when a call
+needs it, on a connection of its own, and never reconnects in the background. That makes moot
+what the grpcio channels needed options for: a private subchannel pool (so that a new channel
+really dials with the new root), and a short idle timeout so that a channel whose call had failed,
+kept alive by a lingering reference, stopped redialling istiod with the old root after the agent
+had recovered (tests/istiod/test_stale_dials.py). Keepalive is Istio's client keepalive
+(``keepalive.py``): a ping every ``keepalive_time`` while a call is open, also with no data, and the
+connection dropped when the answer does not come within ``keepalive_timeout``.
 """
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import grpc
-
-from istio_agent import keepalive
 from istio_agent.config import SecuritySettings, XdsSettings
 from istio_agent.config.headers import is_header_value
 from istio_agent.config.security import CERT_CHAIN_FILE, KEY_FILE, os_ca_bundle
@@ -37,25 +44,25 @@ from istio_agent.config.xds import DEFAULT_KEEPALIVE_INTERVAL, DEFAULT_KEEPALIVE
 from istio_agent.istiod.tokens import TokenSource
 from istio_agent.log import scope
 from istio_agent.pem import PemError, load_key_cert_pair, parse_certificate, parse_root_bundle
+from istio_agent.rpc.channel import Channel, tls_context
+
+if TYPE_CHECKING:
+    import grpc
 
 Purpose = Literal["CA", "XDS"]
 """What the connection is for: it names the log scope and words the errors as Istio does."""
-ChannelOptions = list[tuple[str, str | int]]
 
 _LOG_SCOPES: dict[Purpose, str] = {"CA": "citadelclient", "XDS": "xdsproxy"}
 
-IDLE_TIMEOUT = timedelta(milliseconds=500)
-"""A channel with no call open lets its connection go after this long, and stops reconnecting.
 
-gRPC's C-core keeps a channel reconnecting (with backoff, up to 2 minutes apart) for as long as a
-call object made on it is alive, even after ``close()``: a failed stream's call lingers in
-exception tracebacks and reference cycles until the garbage collector runs. With the default
-idle timeout (30 minutes) a TLS failure left such channels dialling istiod with the old root for
-many minutes after the agent had recovered. Every channel to istiod has a call open for all of
-its useful life (an ADS stream; a CSR), so going idle between calls costs at most one handshake.
-Shorter than gRPC's first reconnect backoff (1 s, less 20 % jitter): a channel whose call has
-ended never dials again.
-"""
+@dataclass(frozen=True)
+class ChannelSettings:
+    """How a channel to istiod is made, apart from the files: keepalive and the TLS server name."""
+
+    keepalive_time: float
+    keepalive_timeout: float
+    server_name: str | None
+    """The TLS name to verify instead of the address's host; None: the host (or plaintext)."""
 
 
 class CredentialError(Exception):
@@ -236,36 +243,75 @@ class IstiodCredentials:
         self._last_problem.pop(topic, None)
         return key, chain
 
-    def channel_options(self) -> ChannelOptions:
-        """The options every channel to istiod gets: keepalive, a private connection that is let go
-        when no call uses it (:data:`IDLE_TIMEOUT`), the TLS server name."""
+    def channel_settings(self) -> ChannelSettings:
+        """Keepalive and the TLS server name of every channel to istiod (see the module's docstring)."""
         endpoint = self.endpoint
-        options: ChannelOptions = [
-            *keepalive.client_options(endpoint.keepalive_time, endpoint.keepalive_timeout),
-            # A new channel must really dial again (new root, new client certificate), never reuse a
-            # connection pooled by another channel.
-            ("grpc.use_local_subchannel_pool", 1),
-            ("grpc.client_idle_timeout_ms", int(IDLE_TIMEOUT.total_seconds() * 1000)),
-        ]
-        if not endpoint.plaintext and endpoint.server_name:
-            options.append(("grpc.ssl_target_name_override", endpoint.server_name))
-        return options
+        return ChannelSettings(
+            keepalive_time=endpoint.keepalive_time.total_seconds(),
+            keepalive_timeout=endpoint.keepalive_timeout.total_seconds(),
+            server_name=endpoint.server_name or None if not endpoint.plaintext else None,
+        )
 
+    def channel(self, material: DialMaterial) -> Channel:
+        """A new channel to istiod built from ``material`` (see :meth:`material`); it connects at its first call."""
+        endpoint = self.endpoint
+        settings = self.channel_settings()
+        context = None
+        if endpoint.plaintext:
+            self._log.debug("dialling %s at %s (plaintext)", endpoint.purpose, endpoint.address)
+        else:
+            paths = self._client_cert_paths(material)
+            try:
+                context = tls_context(material.root, paths)
+            except (ssl.SSLError, OSError) as err:
+                if paths is None:
+                    raise
+                # Replaced on disk since it was read (a rotation half written): go without, as with
+                # any unusable certificate; the next dial reads the files again.
+                self._problem(
+                    "client certificate", f"cannot load client certificate: {err}, connecting without one"
+                )
+                context = tls_context(material.root)
+            mode = "mTLS" if material.client_cert else "TLS"
+            self._log.debug("dialling %s at %s (%s)", endpoint.purpose, endpoint.address, mode)
+        return Channel(
+            endpoint.address,
+            ssl_context=context,
+            server_name=settings.server_name,
+            keepalive_time=settings.keepalive_time,
+            keepalive_timeout=settings.keepalive_timeout,
+        )
+
+    def _client_cert_paths(self, material: DialMaterial) -> tuple[str, str] | None:
+        """The files of the certificate in ``material`` (ssl loads a key pair from files only)."""
+        files = self.endpoint.client_cert
+        if material.client_cert is None or files is None:
+            return None
+        return str(files.chain), str(files.key)
+
+    # -- grpcio, for agentctl until it moves ------------------------------------------------------
     def dial(
         self, material: DialMaterial, extra_options: Sequence[tuple[str, str | int]] = ()
     ) -> grpc.aio.Channel:
-        """A new channel to istiod built from ``material`` (see :meth:`material`), plus ``extra_options``."""
+        """A grpcio channel to istiod (agentctl's proxy-status, in its own process; the agent uses
+        :meth:`channel`). grpc is imported here so that the agent never loads it."""
+        import grpc
+
         endpoint = self.endpoint
-        options = [*self.channel_options(), *extra_options]
+        options: list[tuple[str, str | int]] = [
+            ("grpc.keepalive_time_ms", int(endpoint.keepalive_time.total_seconds() * 1000)),
+            ("grpc.keepalive_timeout_ms", int(endpoint.keepalive_timeout.total_seconds() * 1000)),
+            ("grpc.use_local_subchannel_pool", 1),
+            *extra_options,
+        ]
         if endpoint.plaintext:
-            self._log.debug("dialling %s at %s (plaintext)", endpoint.purpose, endpoint.address)
             return grpc.aio.insecure_channel(endpoint.address, options=options)
+        if endpoint.server_name:
+            options.append(("grpc.ssl_target_name_override", endpoint.server_name))
         key, chain = material.client_cert or (None, None)
         credentials = grpc.ssl_channel_credentials(
             root_certificates=material.root, private_key=key, certificate_chain=chain
         )
-        mode = "mTLS" if material.client_cert else "TLS"
-        self._log.debug("dialling %s at %s (%s)", endpoint.purpose, endpoint.address, mode)
         return grpc.aio.secure_channel(endpoint.address, credentials, options=options)
 
     # -- files ---------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import re
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -33,11 +34,12 @@ from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.exceptions import ProtocolError as GrpclibProtocolError
-from grpclib.metadata import decode_grpc_message
+from grpclib.metadata import USER_AGENT, decode_grpc_message, encode_timeout
 
 from istio_agent.rpc.codec import Codec
 
 Metadata = Sequence[tuple[str, str]]
+"""Request metadata: lower-case keys, printable ASCII values (``-bin`` keys are not supported)."""
 
 CONNECT_TIMEOUT = 20.0
 """Seconds for a connection (and its TLS handshake) to be made: grpc-go's minimum connect timeout."""
@@ -211,9 +213,9 @@ class BidiStream:
         self._unary = unary
         self._deadline = asyncio.get_running_loop().time() + timeout if timeout is not None else None
         cardinality = Cardinality.UNARY_UNARY if unary else Cardinality.STREAM_STREAM
-        self._call = channel._channel.request(
-            path, cardinality, request_type, response_type, metadata=metadata
-        )
+        self._path = path
+        self._metadata = list(metadata or ())
+        self._call = channel._channel.request(path, cardinality, request_type, response_type)
         self._started = False
         self._released = False
         self._headers_read = False
@@ -269,9 +271,35 @@ class BidiStream:
             return
         await self._call.__aenter__()  # the wrapper that wakes this call's waits when it ends
         async with asyncio.timeout(CONNECT_TIMEOUT):
-            await self._channel._channel.__connect__()
-        await self._call.send_request()
+            protocol = await self._channel._channel.__connect__()
+        await self._send_headers(protocol)
         self._started = True
+
+    async def _send_headers(self, protocol: Any) -> None:
+        """The request's headers, as grpclib's ``send_request`` writes them, but with metadata values
+        checked as gRPC does: grpclib refuses an empty one, and Istio sends ``clusterid`` empty."""
+        call, channel = self._call, self._channel._channel
+        headers = [
+            (":method", "POST"),
+            (":scheme", channel._scheme),
+            (":path", self._path),
+            (":authority", channel._authority),
+        ]
+        if self._deadline is not None:
+            remaining = max(self._deadline - asyncio.get_running_loop().time(), 0.001)
+            headers.append(("grpc-timeout", encode_timeout(remaining)))
+        headers += [("te", "trailers"), ("content-type", "application/grpc"), ("user-agent", USER_AGENT)]
+        for key, value in self._metadata:
+            if not _is_metadata(key, value):
+                raise RpcError(Status.INTERNAL, f"invalid metadata {key!r}")
+            headers.append((key, value))
+        with call._wrapper:
+            stream = protocol.processor.connection.create_stream(wrapper=call._wrapper)
+            release = await stream.send_request(headers, _processor=protocol.processor)
+        call._stream = stream
+        call._release_stream = release
+        call._send_request_done = True
+        call.peer = stream.connection.get_peer()
 
     # -- reading -------------------------------------------------------------------------------------
     async def recv(self) -> Any:
@@ -416,6 +444,21 @@ class BidiStream:
         if code is Status.OK:
             raise RpcError(Status.UNAVAILABLE, "the server ended the stream")
         raise RpcError(code, details)
+
+
+_KEY = re.compile(r"[0-9a-z_.\-]+")
+_VALUE = re.compile(r"[ !-~]*")  # printable ASCII and space; may be empty
+_RESERVED = frozenset({"te", "content-type", "user-agent"})
+
+
+def _is_metadata(key: str, value: str) -> bool:
+    return (
+        bool(_KEY.fullmatch(key))
+        and not key.startswith(("grpc-", ":"))
+        and key not in _RESERVED
+        and not key.endswith("-bin")
+        and bool(_VALUE.fullmatch(value))
+    )
 
 
 def _uncancel() -> None:

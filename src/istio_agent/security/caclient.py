@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-import grpc
 from google.protobuf import struct_pb2
 
 from istio_agent import goformat
@@ -25,7 +24,9 @@ from istio_agent.istiod.dial import CredentialError, DialMaterial, IstiodCredent
 from istio_agent.istiod.tokens import TokenSource, token_source_for
 from istio_agent.log import scope
 from istio_agent.metrics import Registry
-from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
+from istio_agent.protos import istio_ca_pb2
+from istio_agent.rpc import Status
+from istio_agent.rpc.channel import Channel, RpcError
 from istio_agent.security.model import CAError
 
 log = scope("citadelclient")
@@ -36,15 +37,16 @@ RETRY_BASE = 0.1  # seconds before the first retry; doubles each time
 RETRY_JITTER = 0.1  # +-10 %
 RETRYABLE_CODES = frozenset(
     {
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNAVAILABLE,
+        Status.RESOURCE_EXHAUSTED,
+        Status.ABORTED,
+        Status.INTERNAL,
+        Status.UNAVAILABLE,
     }
 )
 # Istio sets no deadline on CreateCertificate. A CA that accepts the connection and then never
 # answers would stall certificate rotation forever, so each attempt gets a generous deadline.
 CALL_TIMEOUT = 30.0
+CREATE_CERTIFICATE = "/istio.v1.auth.IstioCertificateService/CreateCertificate"
 
 
 class _CAClientMetrics:
@@ -65,16 +67,9 @@ class _CAClientMetrics:
         )
 
 
-def _status_of(err: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
-    if isinstance(err, grpc.aio.AioRpcError):
-        return err.code(), err.details() or ""
-    return grpc.StatusCode.UNKNOWN, str(err)
-
-
 @dataclass(eq=False)
 class _Connection:
-    channel: grpc.aio.Channel
-    stub: istio_ca_pb2_grpc.IstioCertificateServiceStub
+    channel: Channel
     material: DialMaterial
     users: int = 0
     retired: bool = False
@@ -120,7 +115,7 @@ class CitadelClient:
         started = time.monotonic()
         try:
             return await self._sign(csr_pem, ttl)
-        except (CAError, grpc.RpcError) as err:  # anything else is a bug: it propagates uncounted
+        except CAError as err:  # anything else is a bug: it propagates uncounted
             self._metrics.failures.labels(**labels).inc()
             log.error("failed to sign CSR: %s", err)
             raise
@@ -147,14 +142,18 @@ class CitadelClient:
         )
         for attempt in range(1, MAX_ATTEMPTS + 1):
             conn = await self._acquire()
-            failure: grpc.RpcError | None = None
+            failure: RpcError | None = None
             chain: list[str] = []
             try:
-                response = await conn.stub.CreateCertificate(
-                    request, metadata=self._credentials.metadata(), timeout=CALL_TIMEOUT
+                response = await conn.channel.unary(
+                    CREATE_CERTIFICATE,
+                    request,
+                    istio_ca_pb2.IstioCertificateResponse,
+                    metadata=self._credentials.metadata(),
+                    timeout=CALL_TIMEOUT,
                 )
                 chain = list(response.cert_chain)
-            except grpc.RpcError as err:
+            except RpcError as err:
                 failure = err
             finally:
                 if len(chain) < 2:
@@ -165,7 +164,7 @@ class CitadelClient:
                 if len(chain) < 2:
                     raise CAError("invalid empty CertChain")
                 return chain
-            code, details = _status_of(failure)
+            code, details = failure.code, failure.details
             if code in RETRYABLE_CODES and attempt < MAX_ATTEMPTS:
                 await self._backoff(attempt)
                 continue
@@ -208,7 +207,7 @@ class CitadelClient:
     async def _release(self, conn: _Connection) -> None:
         conn.users -= 1
         if conn.retired and conn.users == 0:
-            await conn.channel.close()
+            conn.channel.close()
 
     async def _retire(self, conn: _Connection) -> None:
         """Stop handing out ``conn``; close it once the calls using it are done."""
@@ -218,8 +217,7 @@ class CitadelClient:
             return
         conn.retired = True
         if conn.users == 0:
-            await conn.channel.close()
+            conn.channel.close()
 
     def _connect(self, material: DialMaterial) -> _Connection:
-        channel = self._credentials.dial(material)
-        return _Connection(channel, istio_ca_pb2_grpc.IstioCertificateServiceStub(channel), material)
+        return _Connection(self._credentials.channel(material), material)

@@ -11,16 +11,19 @@ from __future__ import annotations
 import grpc
 
 from istio_agent.config.xds import XdsSettings
-from istio_agent.istiod.dial import ChannelOptions, CredentialError, IstiodCredentials, IstiodEndpoint
+from istio_agent.istiod.dial import CredentialError, IstiodCredentials, IstiodEndpoint
 from istio_agent.istiod.tokens import FileTokenSource, TokenSource
 
 MAX_RECV_BYTES = 2**31 - 1
 """Istio lets istiod send messages of any size (math.MaxInt32): a large mesh has large CDS/EDS pushes."""
 
+ChannelOptions = list[tuple[str, str | int]]
 _XDS_OPTIONS: ChannelOptions = [
     # An idle ADS stream sends no data for long periods; keep pinging all the same.
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", MAX_RECV_BYTES),
+    # Until the upstream moves to rpc.channel: let a failed channel go idle, so it stops redialling.
+    ("grpc.client_idle_timeout_ms", 500),
 ]
 
 
@@ -50,7 +53,15 @@ class UpstreamDialer:
         return f"{self.address} (TLS, server name {self._endpoint.server_name})"
 
     def channel_options(self) -> ChannelOptions:
-        return [*self._credentials.channel_options(), *_XDS_OPTIONS]
+        endpoint = self._endpoint
+        options: ChannelOptions = [
+            ("grpc.keepalive_time_ms", int(endpoint.keepalive_time.total_seconds() * 1000)),
+            ("grpc.keepalive_timeout_ms", int(endpoint.keepalive_timeout.total_seconds() * 1000)),
+            *_XDS_OPTIONS,
+        ]
+        if not endpoint.plaintext and endpoint.server_name:
+            options.append(("grpc.ssl_target_name_override", endpoint.server_name))
+        return options
 
     def dial(self) -> grpc.aio.Channel:
         """A new channel; raises DialError when TLS credentials cannot be built from the files."""
