@@ -164,7 +164,7 @@ def test_channel_settings() -> None:
     assert plain == dial.ChannelSettings(keepalive_time=30.0, keepalive_timeout=10.0, server_name=None)
 
 
-def test_channels_are_the_agents_own_and_connect_only_when_called(pki: MeshCA) -> None:
+async def test_channels_are_the_agents_own_and_connect_only_when_called(pki: MeshCA) -> None:
     plain = credentials(plaintext())
     secure = credentials(tls(pki.root))
     for channel in (plain.channel(plain.material()), secure.channel(secure.material())):

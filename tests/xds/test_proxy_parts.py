@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
 import pytest
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 
 from istio_agent.metrics import PREFIX, Registry
+from istio_agent.rpc import Status
 from istio_agent.xds.flavour import DELTA, SOTW
 from istio_agent.xds.health_report import HealthReport
 from istio_agent.xds.outcome import Outcomes, UpstreamError, classify
@@ -29,16 +29,16 @@ DEBUG = "istio.io/debug/syncz"
 @pytest.mark.parametrize(
     ("code", "details", "kind"),
     [
-        (grpc.StatusCode.OK, "", "cancelled"),
-        (grpc.StatusCode.CANCELLED, "whatever", "cancelled"),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, "", "cancelled"),
-        (grpc.StatusCode.UNAVAILABLE, "transport is closing", "cancelled"),
-        (grpc.StatusCode.UNAVAILABLE, "connection refused", "error"),
-        (grpc.StatusCode.INTERNAL, "received prior goaway: code: NO_ERROR", "cancelled"),
-        (grpc.StatusCode.INTERNAL, "boom", "error"),
+        (Status.OK, "", "cancelled"),
+        (Status.CANCELLED, "whatever", "cancelled"),
+        (Status.DEADLINE_EXCEEDED, "", "cancelled"),
+        (Status.UNAVAILABLE, "transport is closing", "cancelled"),
+        (Status.UNAVAILABLE, "connection refused", "error"),
+        (Status.INTERNAL, "received prior goaway: code: NO_ERROR", "cancelled"),
+        (Status.INTERNAL, "boom", "error"),
     ],
 )
-def test_classify_is_istios_grpc_error_type(code: grpc.StatusCode, details: str, kind: str) -> None:
+def test_classify_is_istios_grpc_error_type(code: Status, details: str, kind: str) -> None:
     assert classify(code, details) == kind
 
 
@@ -105,7 +105,7 @@ async def test_an_unanswered_question_times_out_and_a_failed_send_names_the_upst
         return None
 
     async def failing(stream: ProxyStream, request: object) -> None:
-        raise UpstreamError(grpc.StatusCode.UNAVAILABLE, "gone")
+        raise UpstreamError(Status.UNAVAILABLE, "gone")
 
     with pytest.raises(TapTimeout, match=r"within 0\.05s"):
         await questions.ask(discovery_pb2.DiscoveryRequest(type_url=DEBUG), 0.05, silent)
@@ -126,8 +126,8 @@ def test_repeated_connect_failures_warn_once_and_count(caplog: pytest.LogCapture
     stream = ProxyStream(1, SOTW)
     caplog.set_level(logging.DEBUG)
     for _ in range(3):
-        outcome = outcomes.settle(stream, UpstreamError(grpc.StatusCode.UNAVAILABLE, "refused"))
-        assert outcome.code == grpc.StatusCode.UNAVAILABLE
+        outcome = outcomes.settle(stream, UpstreamError(Status.UNAVAILABLE, "refused"))
+        assert outcome.code == Status.UNAVAILABLE
         assert outcome.details == "xDS upstream istiod:15012 (plaintext): refused"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["cannot connect to xDS upstream istiod:15012 (plaintext): UNAVAILABLE: refused"]
@@ -140,5 +140,5 @@ def test_a_stopping_stream_ends_with_ok_whatever_the_error() -> None:
     outcomes = Outcomes(ProxyMetrics(Registry()), Dialer())  # type: ignore[arg-type]
     stream = ProxyStream(1, SOTW)
     stream.shutdown()
-    assert outcomes.settle(stream, UpstreamError(grpc.StatusCode.INTERNAL, "x")).code == grpc.StatusCode.OK
-    assert outcomes.settle(ProxyStream(2, SOTW), asyncio.CancelledError()).code == grpc.StatusCode.OK
+    assert outcomes.settle(stream, UpstreamError(Status.INTERNAL, "x")).code == Status.OK
+    assert outcomes.settle(ProxyStream(2, SOTW), asyncio.CancelledError()).code == Status.OK

@@ -5,16 +5,19 @@ The credential rules themselves (token, root, client certificate) are tested in 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 
-import grpc
 import pytest
 from cryptography import x509
-from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 
 from istio_agent.config import XdsSettings
+from istio_agent.rpc import Status
+from istio_agent.rpc.channel import RpcError
+from istio_agent.xds.flavour import ADS_SERVICE, SOTW
 from istio_agent.xds.upstream import DialError, UpstreamDialer
 from tests.security.certs import MeshCA, issue, key_to_pem, make_ca, new_key, to_pem
 from tests.xds import CDS, WAIT, FakeIstiod, FakeUpstreamStream
@@ -70,31 +73,33 @@ def tls_settings(address: str, root: Path | None, **changes: object) -> XdsSetti
 async def roundtrip(dialer: UpstreamDialer, istiod: FakeIstiod) -> FakeUpstreamStream:
     """Dial, open an ADS stream with the dialer's metadata, get one answer; istiod's view of the stream."""
     channel = dialer.dial()
+    sotw = (discovery_pb2.DiscoveryRequest, discovery_pb2.DiscoveryResponse)
     try:
-        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(
-            metadata=dialer.metadata(), wait_for_ready=False, timeout=WAIT
-        )
-        await call.write(discovery_pb2.DiscoveryRequest(type_url=CDS))
-        answer = await call.read()
+        call = channel.stream(f"/{ADS_SERVICE}/{SOTW.method}", *sotw, metadata=dialer.metadata())
+        async with asyncio.timeout(WAIT):
+            await call.send(discovery_pb2.DiscoveryRequest(type_url=CDS))
+            answer = await call.recv()
         assert answer.type_url == CDS
-        call.cancel()
+        await call.cancel()
         return await istiod.next_stream()
     finally:
-        await channel.close()
+        channel.close()
 
 
 # -- options --------------------------------------------------------------------------------------
-def test_channel_options_follow_settings() -> None:
+async def test_channels_follow_settings() -> None:
     settings = tls_settings(
         "istiod:15012", None, keepalive_interval=timedelta(seconds=7), keepalive_timeout=timedelta(seconds=3)
     )
-    options = dict(UpstreamDialer(settings).channel_options())
-    assert options["grpc.keepalive_time_ms"] == 7000
-    assert options["grpc.keepalive_timeout_ms"] == 3000
-    assert options["grpc.max_receive_message_length"] == 2**31 - 1
-    assert options["grpc.ssl_target_name_override"] == ISTIOD_NAME
-    plain = dict(UpstreamDialer(XdsSettings(Path("/x"), "istiod:15010", plaintext=True)).channel_options())
-    assert "grpc.ssl_target_name_override" not in plain
+    channel = UpstreamDialer(settings).dial()
+    config = channel._channel._config
+    assert (config._keepalive_time, config._keepalive_timeout) == (7.0, 3.0)
+    assert config._http2_max_pings_without_data == 0  # an idle ADS stream keeps pinging
+    assert config.ssl_target_name_override == ISTIOD_NAME
+    channel.close()
+    plain = UpstreamDialer(XdsSettings(Path("/x"), "istiod:15010", plaintext=True)).dial()
+    assert plain._channel._config.ssl_target_name_override is None
+    plain.close()
 
 
 def test_describe_names_address_and_server_name() -> None:
@@ -134,9 +139,9 @@ async def test_tls_verifies_istiod_and_presents_client_cert(
 
 async def test_without_client_cert_mtls_istiod_refuses(pki: MeshCA, mtls_istiod: FakeIstiod) -> None:
     """The counterpart of the test above: the certificate is what makes the handshake succeed."""
-    with pytest.raises(grpc.aio.AioRpcError) as failed:
+    with pytest.raises(RpcError) as failed:
         await roundtrip(UpstreamDialer(tls_settings(mtls_istiod.address, pki.root)), mtls_istiod)
-    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert failed.value.code == Status.UNAVAILABLE
 
 
 def _spoil(problem: str, pki: MeshCA, directory: Path) -> tuple[Path, Path]:
@@ -162,9 +167,10 @@ async def test_root_is_read_at_each_dial(tmp_path: Path, pki: MeshCA, tls_istiod
     root = tmp_path / "xds-root.pem"
     root.write_bytes(to_pem(make_ca("some-other-root")[1]))
     dialer = UpstreamDialer(tls_settings(tls_istiod.address, root))
-    with pytest.raises(grpc.aio.AioRpcError) as failed:
+    with pytest.raises(RpcError) as failed:
         await roundtrip(dialer, tls_istiod)
-    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert failed.value.code == Status.UNAVAILABLE
+    assert "CERTIFICATE_VERIFY_FAILED" in failed.value.details
     root.write_bytes(pki.root.read_bytes())  # the mounted root is replaced: the next stream uses it
     await roundtrip(dialer, tls_istiod)
 
@@ -183,5 +189,4 @@ def test_root_without_certificates_is_a_dial_error(tmp_path: Path) -> None:
 
 
 async def test_system_roots_dial_without_a_root_file() -> None:
-    channel = UpstreamDialer(tls_settings("istiod:15012", None)).dial()
-    await channel.close()
+    UpstreamDialer(tls_settings("istiod:15012", None)).dial().close()

@@ -217,6 +217,8 @@ class BidiStream:
         self._metadata = list(metadata or ())
         self._call = channel._channel.request(path, cardinality, request_type, response_type)
         self._started = False
+        self._opened = asyncio.Event()
+        """Set once the request is sent or the call has failed before: ``recv`` waits for it."""
         self._released = False
         self._headers_read = False
         self._pending: int | None = None
@@ -251,6 +253,7 @@ class BidiStream:
         """End the call from the client's side (RST_STREAM CANCEL); its status becomes CANCELLED."""
         if self.status is None:
             self.status = (Status.CANCELLED, "the client cancelled the call")
+        self._opened.set()
         if self._started and self._call._stream.closable:
             self._call._stream.reset_nowait(h2.errors.ErrorCodes.CANCEL)
         self.close()
@@ -274,6 +277,7 @@ class BidiStream:
             protocol = await self._channel._channel.__connect__()
         await self._send_headers(protocol)
         self._started = True
+        self._opened.set()
 
     async def _send_headers(self, protocol: Any) -> None:
         """The request's headers, as grpclib's ``send_request`` writes them, but with metadata values
@@ -308,7 +312,10 @@ class BidiStream:
             self._raise_unless_ok()
             return None
         if not self._started:
-            raise RuntimeError("recv before the first send")
+            await self._opened.wait()  # the first send opens the stream
+            if self.status is not None:
+                self._raise_unless_ok()
+                return None
         try:
             async with self._timeout():
                 if not self._headers_read:
@@ -393,6 +400,7 @@ class BidiStream:
 
     def _fail(self, err: BaseException) -> None:
         """Record why the call ended, unless the server's own status is known."""
+        self._opened.set()
         if isinstance(err, StreamTerminatedError):
             _uncancel()
         if self.status is not None:

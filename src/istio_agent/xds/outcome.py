@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import grpc
-
 from istio_agent.log import scope
+from istio_agent.rpc import Status
 from istio_agent.xds.proxy_metrics import ProxyMetrics
 from istio_agent.xds.proxy_stream import ProxyStream
 from istio_agent.xds.upstream import UpstreamDialer
@@ -28,7 +27,7 @@ _EXPECTED_ANY = (
 class UpstreamError(Exception):
     """istiod's side of the stream failed, with the status to pass on to Envoy."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: Status, details: str) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
@@ -37,7 +36,7 @@ class UpstreamError(Exception):
 class DownstreamError(Exception):
     """Envoy's side of the stream broke (read or write failed), or sent a request refused with ``code``."""
 
-    def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, details: str, code: Status | None = None) -> None:
         super().__init__(details)
         self.code = code
 
@@ -46,15 +45,15 @@ class DownstreamError(Exception):
 class Outcome:
     """How a downstream stream ends: the status sent to Envoy (None: Envoy is gone, send nothing)."""
 
-    code: grpc.StatusCode | None = grpc.StatusCode.OK
+    code: Status | None = Status.OK
     details: str = ""
 
 
-def classify(code: grpc.StatusCode, details: str) -> str:
+def classify(code: Status, details: str) -> str:
     """Istio's GRPCErrorType as a metric label: ``cancelled`` (graceful or expected) or ``error``."""
-    if code in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code in (Status.OK, Status.CANCELLED, Status.DEADLINE_EXCEEDED):
         return "cancelled"
-    if code == grpc.StatusCode.UNAVAILABLE and any(text in details for text in _EXPECTED_UNAVAILABLE):
+    if code == Status.UNAVAILABLE and any(text in details for text in _EXPECTED_UNAVAILABLE):
         return "cancelled"
     if any(text in details for text in _EXPECTED_ANY):
         return "cancelled"
@@ -73,17 +72,17 @@ class Outcomes:
     def dial_failed(self, error: Exception) -> Outcome:
         self._metrics.istiod_failures.inc()
         self._note_failure(str(error))
-        return Outcome(grpc.StatusCode.UNAVAILABLE, f"xDS upstream {self._dialer.describe()}: {error}")
+        return Outcome(Status.UNAVAILABLE, f"xDS upstream {self._dialer.describe()}: {error}")
 
     def settle(self, stream: ProxyStream, error: BaseException | None) -> Outcome:
         """Count and log how the stream ended; the status for Envoy."""
         name = f"{stream.flavour.name} xDS stream {stream.id}"
         if stream.stopping or isinstance(error, asyncio.CancelledError):
-            return Outcome(grpc.StatusCode.OK)
+            return Outcome(Status.OK)
         if error is None:
             self._metrics.istiod_terminations.labels(type="cancelled").inc()
             log.debug("%s: upstream %s closed the stream", name, self._dialer.address)
-            return Outcome(grpc.StatusCode.OK)
+            return Outcome(Status.OK)
         if isinstance(error, UpstreamError):
             details = f"xDS upstream {self._dialer.describe()}: {error.details}"
             kind = classify(error.code, error.details)
@@ -106,7 +105,7 @@ class Outcomes:
             log.warning("%s: Envoy side failed: %s", name, error)
             return Outcome(error.code, str(error)) if error.code is not None else Outcome(None)
         log.error("%s: internal error", name, exc_info=error)
-        return Outcome(grpc.StatusCode.INTERNAL, f"xDS proxy internal error: {type(error).__name__}")
+        return Outcome(Status.INTERNAL, f"xDS proxy internal error: {type(error).__name__}")
 
     def connected(self) -> None:
         """istiod answered: the run of failures (if any) is over."""

@@ -208,5 +208,5 @@ class XdsProxy:
         log.debug(
             "%s xDS stream %d ended: %s %s", flavour.name, stream.id, outcome.code.name, outcome.details
         )
-        if outcome.code.value[0] != Status.OK.value:
-            await call.abort(Status(outcome.code.value[0]), outcome.details)
+        if outcome.code is not Status.OK:
+            await call.abort(outcome.code, outcome.details)

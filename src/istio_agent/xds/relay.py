@@ -12,16 +12,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-import grpc
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 from grpclib.exceptions import GRPCError
 
 from istio_agent.log import scope
+from istio_agent.rpc import Status
 from istio_agent.rpc.call import Call, CallEnded
-from istio_agent.rpc.grpcio import to_grpcio
+from istio_agent.rpc.channel import BidiStream, Channel, RpcError
 from istio_agent.xds import types
 from istio_agent.xds.flavour import ADS_SERVICE, Flavour, Request
 from istio_agent.xds.health_report import HealthReport
@@ -44,14 +44,9 @@ class TypeHandler(Protocol):
         """Consume the resource; raise ValueError(text) to NACK it."""
 
 
-def _open_upstream(flavour: Flavour, channel: grpc.aio.Channel, metadata: list[tuple[str, str]]) -> Any:
-    """The upstream stream; responses arrive as :class:`RawResponse` (bytes plus their type URL)."""
-    method = channel.stream_stream(
-        f"/{ADS_SERVICE}/{flavour.method}",
-        request_serializer=flavour.request_type.SerializeToString,
-        response_deserializer=RawResponse.decode,
-    )
-    return method(metadata=metadata, wait_for_ready=False)
+def _open_upstream(flavour: Flavour, channel: Channel, metadata: list[tuple[str, str]]) -> BidiStream:
+    """The upstream stream; responses arrive as bytes (see :class:`RawResponse`), requests go encoded."""
+    return channel.stream(f"/{ADS_SERVICE}/{flavour.method}", flavour.request_type, bytes, metadata=metadata)
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,11 +95,9 @@ class Relay:
                 )
                 return
             try:
-                await stream.call.write(request)
-            except grpc.RpcError as err:
-                raise await self._upstream_error(stream, err) from None
-            except asyncio.InvalidStateError as err:
-                raise await self._upstream_error(stream, err) from None
+                await stream.call.send(request)
+            except RpcError as err:
+                raise self._upstream_error(stream, err) from None
         self.metrics.requests.inc()
 
     async def _first_outcome(self, stream: ProxyStream) -> BaseException | None:
@@ -124,15 +117,15 @@ class Relay:
                 # Envoy half-closed its side: keep relaying what istiod still sends.
         return None
 
-    async def _close_upstream(self, stream: ProxyStream, channel: grpc.aio.Channel) -> None:
+    async def _close_upstream(self, stream: ProxyStream, channel: Channel) -> None:
         for task in stream.tasks:
             task.cancel()
         if stream.tasks:
             await asyncio.gather(*stream.tasks, return_exceptions=True)
         if stream.call is not None and not stream.call.done():
-            stream.call.cancel()
+            await stream.call.cancel()
             self.metrics.istiod_terminations.labels(type="cancelled").inc()
-        await channel.close()
+        channel.close()
 
     # -- request path: Envoy -> istiod ----------------------------------------------------------------
     async def _pump_requests(
@@ -151,12 +144,15 @@ class Relay:
             except CallEnded as err:
                 raise DownstreamError(f"read failed: {err}") from None
             except GRPCError as err:  # a request refused as it was read (too large, undecodable)
-                raise DownstreamError(f"request refused: {err.message}", to_grpcio(err.status)) from None
+                raise DownstreamError(f"request refused: {err.message}", err.status) from None
         # Envoy half-closed: pass it on; istiod ends the stream and so do we.
         stream.half_closed = True
         async with stream.lock:
             if not stream.call.done():
-                await stream.call.done_writing()
+                try:
+                    await stream.call.done_writing()
+                except RpcError as err:
+                    raise self._upstream_error(stream, err) from None
 
     def _observe(self, request: Request) -> None:
         self.metrics.request_size(request.ByteSize())
@@ -185,27 +181,26 @@ class Relay:
             if stream.initial_sent and health is not None:
                 await self.send(stream, health)
 
-    async def _upstream_error(self, stream: ProxyStream, err: Exception) -> UpstreamError:
-        if isinstance(err, grpc.aio.AioRpcError):
-            return UpstreamError(err.code(), err.details() or "")
-        code = await stream.call.code()
-        details = await stream.call.details()
-        if code == grpc.StatusCode.OK:
-            return UpstreamError(grpc.StatusCode.UNAVAILABLE, f"stream closed while sending: {err}")
-        return UpstreamError(code, details or "")
+    @staticmethod
+    def _upstream_error(stream: ProxyStream, err: RpcError) -> UpstreamError:
+        status = stream.call.status
+        if status is not None and status[0] is Status.OK:  # istiod had ended the stream with OK
+            return UpstreamError(Status.UNAVAILABLE, f"stream closed while sending: {err.details}")
+        return UpstreamError(err.code, err.details)
 
     # -- response path: istiod -> Envoy ---------------------------------------------------------------
     async def _pump_responses(self, stream: ProxyStream, downstream: Call) -> None:
-        call = stream.call
+        call: BidiStream = stream.call
         while True:
             try:
-                response = await call.read()
-            except grpc.RpcError as err:
-                raise await self._upstream_error(stream, err) from None
-            if response is grpc.aio.EOF:
+                data = await call.recv()
+            except RpcError as err:
+                raise UpstreamError(err.code, err.details) from None
+            if data is None:
                 return
+            response = RawResponse.decode(data)
             if response.malformed:
-                raise UpstreamError(grpc.StatusCode.INTERNAL, f"malformed response: {response.malformed}")
+                raise UpstreamError(Status.INTERNAL, f"malformed response: {response.malformed}")
             if not stream.answered:
                 stream.answered = True
                 self.outcomes.connected()
@@ -230,9 +225,7 @@ class Relay:
         try:
             response = stream.flavour.response_type.FromString(raw.data)
         except DecodeError as err:
-            raise UpstreamError(
-                grpc.StatusCode.INTERNAL, f"malformed {raw.type_url} response: {err}"
-            ) from None
+            raise UpstreamError(Status.INTERNAL, f"malformed {raw.type_url} response: {err}") from None
         resource = stream.flavour.first_resource(response)
         if resource is None:
             log.debug("empty %s response from istiod: nothing to do, no ACK", response.type_url)

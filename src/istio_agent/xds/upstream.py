@@ -1,30 +1,22 @@
 """Dialling istiod for the xDS proxy: a fresh channel for every downstream stream, as in Istio.
 
-Credentials, headers and the common channel options come from ``istiod/dial.py`` (shared with
-the CA client) and are read at each dial: a root certificate replaced on disk, or a client
+Credentials, headers and the channel (:class:`istio_agent.rpc.channel.Channel`: keepalive as
+Istio's, pings on an idle stream too) come from ``istiod/dial.py`` (shared with the CA client) and
+are read at each dial: a root certificate replaced on disk, or a client
 certificate re-provisioned, is picked up by the next stream without restarting the agent, while
 streams already open are left alone.
 """
 
 from __future__ import annotations
 
-import grpc
-
 from istio_agent.config.xds import XdsSettings
 from istio_agent.istiod.dial import CredentialError, IstiodCredentials, IstiodEndpoint
 from istio_agent.istiod.tokens import FileTokenSource, TokenSource
+from istio_agent.rpc.channel import Channel
 
 MAX_RECV_BYTES = 2**31 - 1
-"""Istio lets istiod send messages of any size (math.MaxInt32): a large mesh has large CDS/EDS pushes."""
-
-ChannelOptions = list[tuple[str, str | int]]
-_XDS_OPTIONS: ChannelOptions = [
-    # An idle ADS stream sends no data for long periods; keep pinging all the same.
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", MAX_RECV_BYTES),
-    # Until the upstream moves to rpc.channel: let a failed channel go idle, so it stops redialling.
-    ("grpc.client_idle_timeout_ms", 500),
-]
+"""Istio lets istiod send messages of any size (math.MaxInt32): a large mesh has large CDS/EDS
+pushes. The agent's channel sets no maximum of its own."""
 
 
 class DialError(Exception):
@@ -52,24 +44,14 @@ class UpstreamDialer:
             return f"{self.address} (plaintext)"
         return f"{self.address} (TLS, server name {self._endpoint.server_name})"
 
-    def channel_options(self) -> ChannelOptions:
-        endpoint = self._endpoint
-        options: ChannelOptions = [
-            ("grpc.keepalive_time_ms", int(endpoint.keepalive_time.total_seconds() * 1000)),
-            ("grpc.keepalive_timeout_ms", int(endpoint.keepalive_timeout.total_seconds() * 1000)),
-            *_XDS_OPTIONS,
-        ]
-        if not endpoint.plaintext and endpoint.server_name:
-            options.append(("grpc.ssl_target_name_override", endpoint.server_name))
-        return options
-
-    def dial(self) -> grpc.aio.Channel:
-        """A new channel; raises DialError when TLS credentials cannot be built from the files."""
+    def dial(self) -> Channel:
+        """A new channel (it connects at its first call); raises DialError when TLS credentials cannot
+        be built from the files."""
         try:
             material = self._credentials.material()
         except CredentialError as err:
             raise DialError(str(err)) from None
-        return self._credentials.dial(material, _XDS_OPTIONS)
+        return self._credentials.channel(material)
 
     def metadata(self) -> list[tuple[str, str]]:
         """Headers of one upstream stream: cluster id, XDS_HEADER_*, and the token read now."""
