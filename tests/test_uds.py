@@ -141,6 +141,36 @@ async def test_healthy_for_live_grpc_server(grpc_socket: Path) -> None:
     assert await uds.socket_is_healthy(grpc_socket)
 
 
+async def test_healthy_for_the_agents_own_server(short_tmp: Path) -> None:
+    from istio_agent.rpc.server import RpcServer
+
+    path = short_tmp / "ours.sock"
+    server = RpcServer()
+    await server.start(sock=uds.listen(path, "test server"))
+    try:
+        assert await uds.socket_is_healthy(path)
+    finally:
+        await server.stop(None)
+
+
+async def test_not_healthy_for_a_server_that_speaks_something_else(tmp_path: Path) -> None:
+    path = tmp_path / "http1.sock"
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    server = await asyncio.start_unix_server(answer, str(path))
+    try:
+        started = asyncio.get_running_loop().time()
+        assert not await uds.socket_is_healthy(path, timeout=3)
+        assert asyncio.get_running_loop().time() - started < 1  # told apart at once, not by the timeout
+    finally:
+        server.close()
+
+
 async def test_not_healthy_for_silent_socket(raw_socket: Path) -> None:
     assert not await uds.socket_is_healthy(raw_socket, timeout=0.3)
 

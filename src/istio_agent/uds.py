@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
 
 from istio_agent import keepalive
 from istio_agent.log import scope
@@ -149,7 +152,9 @@ def listen(path: Path, what: str, backlog: int = 128) -> socket.socket:
 async def socket_is_healthy(path: Path, timeout: float = 1.0) -> bool:
     """True when ``path`` is a non-regular file on which a gRPC server answers within ``timeout``.
 
-    A connection refused (nobody listening) is reported at once instead of waiting for the timeout.
+    Answering is what a gRPC client waits for before it calls: the server's HTTP/2 SETTINGS after
+    the client's preface. A connection refused (nobody listening) is reported at once instead of
+    waiting for the timeout.
     """
     try:
         mode = path.stat().st_mode
@@ -157,21 +162,38 @@ async def socket_is_healthy(path: Path, timeout: float = 1.0) -> bool:
         return False
     if stat.S_ISREG(mode):
         return False
-    async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
-        try:
-            return await asyncio.wait_for(_wait_ready(channel), timeout)
-        except (TimeoutError, grpc.RpcError):
-            return False
+    try:
+        async with asyncio.timeout(timeout):
+            return await _answers_http2(path)
+    except (TimeoutError, OSError, asyncio.IncompleteReadError):
+        return False
 
 
-async def _wait_ready(channel: grpc.aio.Channel) -> bool:
-    state = channel.get_state(try_to_connect=True)
-    while state is not grpc.ChannelConnectivity.READY:
-        if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
-            return False
-        await channel.wait_for_state_change(state)
-        state = channel.get_state(try_to_connect=True)
-    return True
+_FRAME_HEADER_BYTES = 9
+_SETTINGS_FRAME = 0x4
+
+
+async def _answers_http2(path: Path) -> bool:
+    reader, writer = await asyncio.open_unix_connection(os.fspath(path))
+    try:
+        connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        connection.initiate_connection()
+        writer.write(connection.data_to_send())
+        first = await reader.readexactly(_FRAME_HEADER_BYTES)
+        if first[3] != _SETTINGS_FRAME:
+            return False  # a server's preface is a SETTINGS frame: something else listens there
+        data = first
+        while data:
+            try:
+                events = connection.receive_data(data)
+            except h2.exceptions.ProtocolError:
+                return False  # something else listens there
+            if any(isinstance(event, h2.events.RemoteSettingsChanged) for event in events):
+                return True
+            data = await reader.read(65536)
+        return False
+    finally:
+        writer.close()
 
 
 async def remove_if_stale(path: Path, timeout: float = 1.0) -> bool:
