@@ -91,3 +91,54 @@ def test_pilot_agent_main_prepares_the_process_before_grpc_loads() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True, timeout=30
     )
     assert done.stdout.splitlines()[-1] == "false NONE"
+
+
+AGENT_RUN = textwrap.dedent(
+    """
+    import asyncio, json, sys, tempfile
+    from pathlib import Path
+    import istio_agent.cli.pilot_agent
+    from istio_agent.agent import Agent, AgentSettings
+    from istio_agent.config import Env, SecuritySettings, XdsSettings
+    from istio_agent.metrics import Registry
+
+    async def main() -> None:
+        work = Path(tempfile.mkdtemp(dir="/tmp"))
+        env = Env({"POD_NAMESPACE": "ns", "SERVICE_ACCOUNT": "sa", "CA_ADDR": "127.0.0.1:15010"})  # plaintext
+        security = SecuritySettings.from_env(env, work)
+        xds = XdsSettings(socket_path=work / "XDS", discovery_address="127.0.0.1:1", plaintext=True)
+        agent = Agent(AgentSettings(security=security, xds=xds), registry=Registry())
+        await agent.start()
+        try:
+            # Envoy's first stream through the proxy: the upstream is dialled (and refused).
+            from istio_agent.rpc.channel import Channel
+            from envoy.service.discovery.v3 import discovery_pb2
+            channel = Channel(f"unix:{xds.socket_path}")
+            stream = channel.stream(
+                "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources",
+                discovery_pb2.DiscoveryRequest, bytes,
+            )
+            await stream.send(discovery_pb2.DiscoveryRequest(type_url="x"))
+            try:
+                await stream.recv()
+            except Exception as err:
+                print("stream ended:", err, file=sys.stderr)
+            channel.close()
+        finally:
+            await agent.stop()
+
+    asyncio.run(main())
+    print(json.dumps(sorted(m for m in sys.modules if m == "grpc" or m.startswith("grpc."))))
+    """
+)
+
+
+def test_a_running_agent_loads_no_grpc() -> None:
+    """The agent's gRPC is grpclib (istio_agent.rpc): SDS, the xDS proxy both ways, the CA client."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    done = subprocess.run(
+        [sys.executable, "-c", AGENT_RUN], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stream ended" in done.stderr  # the proxy did dial istiod (refused)
+    assert json.loads(done.stdout.splitlines()[-1]) == []

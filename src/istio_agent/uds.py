@@ -16,7 +16,6 @@ import os
 import socket
 import stat
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import h2.config
@@ -24,7 +23,6 @@ import h2.connection
 import h2.events
 import h2.exceptions
 
-from istio_agent import keepalive
 from istio_agent.log import scope
 
 log = scope("sds")
@@ -53,23 +51,6 @@ class ServerLimits:
     a client's own pings are accepted down to half of it."""
     keepalive_timeout: float = 10.0
     """Seconds for a ping's answer; a client that stopped answering (frozen, gone) is closed."""
-
-    def grpc_options(self) -> list[tuple[str, int]]:
-        """The grpc server arguments for these limits."""
-        return [
-            ("grpc.server_handshake_timeout_ms", _ms(self.handshake_timeout)),
-            ("grpc.max_connection_idle_ms", _ms(self.idle_timeout)),
-            # Istio's server keepalive: clients may ping down to half the interval.
-            *keepalive.server_options(
-                timedelta(milliseconds=_ms(self.keepalive_time)),
-                timedelta(milliseconds=_ms(self.keepalive_timeout)),
-            ),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ]
-
-
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
 
 
 def _remove(path: Path) -> None:

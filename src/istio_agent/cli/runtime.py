@@ -1,6 +1,8 @@
 """What every command does to its process: grpc's fork handlers and log, the event loop, a bounded exit.
 
 Kept free of grpc and of the agent's packages: :func:`prepare_process` must run before grpc loads.
+pilot-agent no longer loads grpcio (its gRPC is :mod:`istio_agent.rpc`, grpclib); agentctl still
+does (``ctl/proxystatus.py``), so the grpc settings stay until agentctl moves too.
 """
 
 from __future__ import annotations

@@ -57,14 +57,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterab
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from google.protobuf.message import DecodeError
 from grpclib.exceptions import GRPCError
 
 from istio_agent.rpc import Status
 from istio_agent.rpc.call import Call, CallEnded
-from istio_agent.rpc.grpcio import GrpcioCall
 from istio_agent.rpc.server import RpcServer, ServerCall
 from istio_agent.xds.flavour import SOTW, Flavour, Request, Resource, Resources, Response, new_nonce
 from istio_agent.xds.watch import Decision, Policy, Verdict, Watch, delta_request, sotw_request
@@ -211,8 +209,7 @@ class Source(Generic[C, E]):
 class StreamServer(Generic[C, E]):
     """Serves the streams of one xDS service from a :class:`Source`; gRPC handlers call :meth:`serve`.
 
-    Served on an :class:`RpcServer` (:meth:`add_to`), or on grpcio (:meth:`register`) by the
-    servers that have not moved yet.
+    Served on an :class:`RpcServer` (:meth:`add_to`).
 
     ``name`` prefixes log lines and task names; ``describe`` names the server in stream errors.
     """
@@ -251,30 +248,6 @@ class StreamServer(Generic[C, E]):
             await self.serve(flavour, call)
 
         return serve
-
-    def register(
-        self,
-        server: grpc.aio.Server,
-        service: str,
-        streams: Mapping[str, Flavour],
-        others: Mapping[str, grpc.RpcMethodHandler] | None = None,
-    ) -> None:
-        """Serve ``service`` on ``server``: its ``streams`` (method name -> flavour) from this core,
-        ``others`` (method name -> handler, e.g. a unary fetch) as given."""
-        handlers = {method: self._handler(flavour) for method, flavour in streams.items()}
-        handlers.update(others or {})
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-        server.add_registered_method_handlers(service, handlers)
-
-    def _handler(self, flavour: Flavour) -> grpc.RpcMethodHandler:
-        async def serve(requests: AsyncIterator[Request], context: grpc.aio.ServicerContext) -> None:
-            await self.serve(flavour, GrpcioCall(requests, context))
-
-        return grpc.stream_stream_rpc_method_handler(
-            serve,
-            request_deserializer=flavour.request_type.FromString,
-            response_serializer=flavour.response_type.SerializeToString,
-        )
 
     @property
     def closing(self) -> bool:
