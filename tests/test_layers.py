@@ -15,6 +15,7 @@ import istio_agent
 SOURCE = Path(istio_agent.__file__).parent
 LEAF_MODULES = {
     "log",
+    "logline",
     "goformat",
     "files",
     "backoff",
