@@ -189,6 +189,22 @@ async def test_cancel(target: str) -> None:
         channel.close()
 
 
+async def test_cancel_wakes_a_reader_waiting_in_another_task(target: str) -> None:
+    channel = Channel(target)
+    try:
+        stream = channel.stream(CHAT, bytes, bytes)
+        await stream.send(b"a")
+        assert await stream.recv() == b"|a"
+        reading = asyncio.create_task(stream.recv())
+        await asyncio.sleep(0.1)
+        await stream.cancel()
+        with pytest.raises(RpcError) as ended:
+            await asyncio.wait_for(reading, 2)
+        assert ended.value.code == Status.CANCELLED
+    finally:
+        channel.close()
+
+
 async def test_an_unreachable_address_is_unavailable() -> None:
     channel = Channel("127.0.0.1:1")
     try:

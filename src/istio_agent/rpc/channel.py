@@ -254,8 +254,11 @@ class BidiStream:
         if self.status is None:
             self.status = (Status.CANCELLED, "the client cancelled the call")
         self._opened.set()
-        if self._started and self._call._stream.closable:
-            self._call._stream.reset_nowait(h2.errors.ErrorCodes.CANCEL)
+        if self._started:
+            if self._call._stream.closable:
+                self._call._stream.reset_nowait(h2.errors.ErrorCodes.CANCEL)
+            # Wake a recv or send waiting in another task: it ends with this status.
+            self._call._wrapper.cancel(StreamTerminatedError("the client cancelled the call"))
         self.close()
 
     def done(self) -> bool:
