@@ -128,7 +128,10 @@ def test_the_injected_sidecar_starts_serves_dns_and_drains_on_a_read_only_root(
     took = time.monotonic() - stopping
     assert running.pre_stop_code == 0 and running.output("pre-stop.log").read_text().strip() == "OK"
     log = running.log.read_text()
-    assert "handling /drain, starting Envoy listener drain" in log and "Agent already drained, exiting immediately" in log
+    assert (
+        "handling /drain, starting Envoy listener drain" in log
+        and "Agent already drained, exiting immediately" in log
+    )
     assert took < 5, f"the drain was done by preStop; SIGTERM should exit at once, took {took:.1f}s"
     assert "drain request" not in log  # no failed drain request to Envoy
     assert_clean_log(running)

@@ -340,3 +340,24 @@ async def test_the_handshake_deadline_covers_the_tls_handshake(tmp_path: Path) -
         writer.close()
     finally:
         await server.stop(0)
+
+
+async def test_the_server_pings_every_keepalive_interval(socket_path: Path) -> None:
+    server = echo_server(uds.ServerLimits(keepalive_time=0.2, keepalive_timeout=5))
+    await server.start(sock=uds.listen(socket_path, "test server"))
+    try:
+        peer = RawPeer(socket_path)
+        await peer.connect()
+        pings = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 1.5
+        while loop.time() < deadline:
+            try:
+                events = await peer.events(deadline - loop.time())
+            except TimeoutError:
+                break
+            pings += sum(isinstance(event, h2.events.PingReceived) for event in events or ())
+        assert pings >= 3, f"{pings} pings in 1.5 s at a 0.2 s interval"
+        peer.close()
+    finally:
+        await server.stop(None)

@@ -174,6 +174,8 @@ class _Server(grpclib.server.Server):
             _keepalive_timeout=limits.keepalive_timeout,
             _keepalive_permit_without_calls=True,
             _http2_max_pings_without_data=0,
+            # grpclib's default (300 s) would let the server ping only once in five minutes.
+            _http2_min_sent_ping_interval_without_data=limits.keepalive_time / 2,
         )
         super().__init__([_Mapping(mapping)], codec=Codec(), config=config)
         self._guard_limits = limits

@@ -34,7 +34,7 @@ class SecretError(Exception):
 
 
 class CAError(Exception):
-    """The CA did not sign the CSR; ``code`` is the gRPC status (a ``grpc.StatusCode``) when the call failed.
+    """The CA did not sign the CSR; ``code`` is the gRPC status (a ``rpc.Status``) when the call failed.
 
     The one failure a CA client reports: the secret manager retries on it, anything else is a bug.
     """
