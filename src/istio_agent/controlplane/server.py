@@ -469,12 +469,9 @@ class ControlPlane:
         for hook in self._hooks:
             hook(server)
         self._servers.append(server)
-        try:
-            await server.start(sock=sock, ssl_context=tls)
-        except BaseException:
-            sock.close()
-            raise
-        return int(sock.getsockname()[1])
+        port = int(sock.getsockname()[1])
+        await server.start(sock=sock, ssl_context=tls)  # closes the socket if it cannot start
+        return port
 
     async def _serving_hosts(self, listen_host: str) -> list[str]:
         """Names and IPs the serving certificate covers: istiod's names plus what we listen on."""

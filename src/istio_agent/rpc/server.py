@@ -110,7 +110,11 @@ class RpcServer:
             raise RuntimeError("the server is already started")
         server = _Server(self._mapping(), self._limits, self._max_concurrent_streams)
         if sock is not None:
-            await server.start(sock=sock, ssl=ssl_context)
+            try:
+                await server.start(sock=sock, ssl=ssl_context)
+            except BaseException:
+                sock.close()  # the socket was handed over: nobody else will close it
+                raise
         else:
             await server.start(host, port, ssl=ssl_context)
         self._server = server

@@ -240,12 +240,7 @@ class SdsServer:
             discovery_pb2.DiscoveryRequest,
             discovery_pb2.DiscoveryResponse,
         )
-        sock = listener.take()
-        try:
-            await server.start(sock=sock)
-        except BaseException:
-            sock.close()
-            raise
+        await server.start(sock=listener.take())
         self._server = server
         log.info("SDS server listening on %s", self._socket_path)
 

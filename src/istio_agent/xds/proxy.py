@@ -118,12 +118,7 @@ class XdsProxy:
             server.add_stream(
                 f"/{ADS_SERVICE}/{flavour.method}", self._handler(flavour), flavour.request_type, bytes
             )
-        sock = listener.take()
-        try:
-            await server.start(sock=sock)
-        except BaseException:
-            sock.close()
-            raise
+        await server.start(sock=listener.take())
         self._server = server
         self._stopping = False
         log.info("xDS proxy listening on %s, upstream %s", self.socket_path, self._dialer.describe())
