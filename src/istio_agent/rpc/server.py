@@ -37,6 +37,7 @@ from h2.events import DataReceived, PingReceived, RemoteSettingsChanged, Request
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 
+from istio_agent import keepalive
 from istio_agent.rpc.call import ServerCall
 from istio_agent.rpc.codec import Codec
 from istio_agent.uds import ServerLimits
@@ -338,7 +339,8 @@ class _GuardedProtocol(H2Protocol):
             self._ping_strikes = 0
         elif isinstance(event, PingReceived):
             now = loop.time()
-            too_soon = self._last_ping is not None and now - self._last_ping < self._limits.keepalive_time / 2
+            minimum = keepalive.min_client_ping_interval(self._limits.keepalive_time)
+            too_soon = self._last_ping is not None and now - self._last_ping < minimum
             self._last_ping = now
             if too_soon and not self.busy():
                 self._ping_strikes += 1
