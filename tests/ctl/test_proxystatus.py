@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import sys
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -351,3 +353,111 @@ def test_a_filtering_control_plane_is_said_when_answers_each_cover_another_names
     assert ps.partial_view_note([one, one]) == []
     assert ps.partial_view_note([both, one]) == []  # an unfiltered answer: the view is whole
     assert ps.partial_view_note([]) == []
+
+
+# -- the client agentctl dials with ----------------------------------------------------------------
+
+LOADED_AT_EXIT = """
+import atexit, json, sys
+atexit.register(lambda: print(json.dumps(sorted(sys.modules)), file=sys.stderr))
+sys.argv = ["agentctl", "proxy-status", *sys.argv[1:]]
+from istio_agent.cli.agentctl import main
+main(prog_name="agentctl")
+"""
+
+
+async def test_proxy_status_asks_on_the_agents_own_grpc_client_and_loads_no_grpcio() -> None:
+    good = syncz("istiod-1", client_config("good-1.default", {CDS: (S.SYNCED, 1.0, None)}))
+    async with peer(good.SerializeToString()) as address:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            LOADED_AT_EXIT,
+            "--xds-via-agents",
+            "--agent-address",
+            f"good-1.default={address}",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, err.decode()
+    assert [row.split()[0] for row in out.decode().splitlines()] == ["NAME", "good-1.default"]
+    loaded = json.loads(err.decode().splitlines()[-1])
+    assert [name for name in loaded if name == "grpc" or name.startswith("grpc.")] == []
+    assert "istio_agent.rpc.channel" in loaded
+
+
+@contextlib.asynccontextmanager
+async def silent_peer() -> AsyncIterator[str]:
+    """A gRPC server on 127.0.0.1 that reads ADS requests and never answers."""
+
+    async def never(requests: AsyncIterator[bytes], context: object) -> AsyncIterator[bytes]:
+        async for _ in requests:
+            await asyncio.sleep(60)
+        yield b""  # pragma: no cover
+
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(never)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(ADS_SERVICE, {SOTW.method: handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+async def test_agents_that_do_not_answer_in_time_or_refuse_are_skipped_in_istioctls_words() -> None:
+    good = syncz("istiod-1", client_config("good-1.default", {CDS: (S.SYNCED, 1.0, None)}))
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        refused = f"127.0.0.1:{unused.getsockname()[1]}"  # bound, not listening: refused
+        async with peer(good.SerializeToString()) as good_address, silent_peer() as silent:
+            started = time.monotonic()
+            code, out, err = await agentctl(
+                "--xds-via-agents",
+                "--timeout",
+                "1s",
+                "--agent-address",
+                f"good-1.default={good_address}",
+                "--agent-address",
+                f"slow-1.default={silent}",
+                "--agent-address",
+                f"gone-1.default={refused}",
+            )
+            elapsed = time.monotonic() - started
+    assert code == 0, err
+    assert [row.split()[0] for row in out.splitlines()] == ["NAME", "good-1.default"]
+    slow, gone = err.splitlines()
+    assert slow == "Skip the agent in Pod slow-1.default due to the error: no answer within 1s"
+    assert gone.startswith("Skip the agent in Pod gone-1.default due to the error: UNAVAILABLE: "), gone
+    assert "refused" in gone
+    assert elapsed < 10
+
+
+async def test_a_control_plane_error_status_is_its_code_and_details() -> None:
+    async def refuse(
+        requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        async for _ in requests:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, ps.AUTHENTICATION_REQUIRED)
+        yield b""  # pragma: no cover
+
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(refuse)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(ADS_SERVICE, {SOTW.method: handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        code, out, err = await agentctl("--xds-address", f"127.0.0.1:{port}", "--plaintext")
+    finally:
+        await server.stop(0)
+    assert code == 1 and out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(
+        f"Error: control plane 127.0.0.1:{port}: UNAUTHENTICATED: authentication required (istiod answers"
+    ), line

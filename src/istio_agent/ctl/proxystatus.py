@@ -15,6 +15,9 @@ Rendering follows istioctl (``istioctl/pkg/writer/pilot``): the table
 response as istioctl prints it. Beyond istioctl, ``-v`` writes each NACKed type with its age and the
 NACK's text to stderr.
 
+Questions go over the agent's own gRPC client (:mod:`istio_agent.rpc.channel`), so agentctl loads no
+grpcio; its errors read as gRPC statuses (``UNAVAILABLE: connection error: ...``), as istioctl's do.
+
 A proxy argument asks another question, over the same dial (:func:`ask_control_plane`,
 :func:`ask_agent`): that proxy's config against its Envoy's (:mod:`istio_agent.ctl.proxydiff`).
 """
@@ -28,7 +31,6 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.status.v3 import csds_pb2
@@ -39,6 +41,7 @@ from istio_agent.goformat import tabwrite
 from istio_agent.host import interface_addresses
 from istio_agent.istiod.dial import CredentialError, IstiodCredentials, IstiodEndpoint
 from istio_agent.istiod.tokens import FileTokenSource
+from istio_agent.rpc.channel import Channel, RpcError
 from istio_agent.xds.flavour import ADS_SERVICE, SOTW
 
 SYNCZ_TYPE = "istio.io/debug/syncz"
@@ -342,7 +345,7 @@ def syncz_request(node: base_pb2.Node) -> discovery_pb2.DiscoveryRequest:
 
 
 async def ask_debug(
-    channel: grpc.aio.Channel,
+    channel: Channel,
     request: discovery_pb2.DiscoveryRequest,
     metadata: Sequence[tuple[str, str]],
     timeout: float,
@@ -351,19 +354,17 @@ async def ask_debug(
     """One debug question (syncz, config_dump) on a new ADS stream; the first response of the
     request's type is the answer.
 
-    Responses arrive as bytes and are decoded here, so a malformed one is a ProxyStatusError (gRPC's
-    own deserializer would log a traceback and hand back None)."""
-    method = channel.stream_stream(
-        f"/{ADS_SERVICE}/{SOTW.method}",
-        request_serializer=discovery_pb2.DiscoveryRequest.SerializeToString,
+    Responses arrive as bytes and are decoded here, so a malformed one is a ProxyStatusError with
+    what was wrong, not the client's generic decode failure."""
+    call = channel.stream(
+        f"/{ADS_SERVICE}/{SOTW.method}", discovery_pb2.DiscoveryRequest, bytes, metadata=metadata
     )
-    call = method(metadata=list(metadata))
     try:
         async with asyncio.timeout(timeout):
-            await call.write(request)
+            await call.send(request)
             while True:
-                raw = await call.read()
-                if raw is grpc.aio.EOF:
+                raw = await call.recv()
+                if raw is None:
                     raise ProxyStatusError("the stream ended without an answer")
                 response = decode_response(raw)
                 if response.type_url == request.type_url:
@@ -372,10 +373,10 @@ async def ask_debug(
                     return response
     except TimeoutError:
         raise ProxyStatusError(f"no answer within {timeout:g}s") from None
-    except grpc.aio.AioRpcError as err:
-        raise ProxyStatusError(f"{err.code().name}: {err.details()}") from None
+    except RpcError as err:
+        raise ProxyStatusError(f"{err.code.name}: {err.details}") from None
     finally:
-        call.cancel()
+        await call.cancel()
 
 
 @dataclass(frozen=True)
@@ -409,7 +410,10 @@ async def ask_control_plane(
         raise ProxyStatusError(str(err)) from None
     if target.token_path is not None and not target.token_path.is_file():
         raise ProxyStatusError(f"token file {target.token_path} does not exist")
-    channel = credentials.dial(material)
+    try:
+        channel = credentials.channel(material)
+    except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+        raise ProxyStatusError(f"control plane {target.address}: {err}") from None
     try:
         return await ask_debug(channel, request, credentials.metadata(), timeout, check)
     except ProxyStatusError as err:
@@ -421,7 +425,7 @@ async def ask_control_plane(
             )
         raise ProxyStatusError(f"control plane {target.address}: {err}{hint}") from None
     finally:
-        await channel.close()
+        channel.close()
 
 
 async def from_control_plane(
@@ -436,8 +440,14 @@ async def ask_agent(
     address: str, request: discovery_pb2.DiscoveryRequest, timeout: float, check: Check | None = None
 ) -> discovery_pb2.DiscoveryResponse:
     """One debug question through an agent's tap (plaintext, as istioctl asked it)."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    try:
+        channel = Channel(address)
+    except ValueError as err:  # not host:port
+        raise ProxyStatusError(str(err)) from None
+    try:
         return await ask_debug(channel, request, (), timeout, check)
+    finally:
+        channel.close()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The one way the agent reaches istiod: credentials and channels, for the CA client and the xDS proxy.
+"""The one way the agent reaches istiod: credentials and channels, for the CA client, the xDS proxy and agentctl.
 
 Istio builds both connections with one helper (``pilot/pkg/grpc/grpc.go`` ``ClientOptions``, used
 by ``security/pkg/nodeagent/caclient/providers/citadel/client.go`` and
@@ -31,11 +31,11 @@ connection dropped when the answer does not come within ``keepalive_timeout``.
 from __future__ import annotations
 
 import ssl
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from istio_agent.config import SecuritySettings, XdsSettings
 from istio_agent.config.headers import is_header_value
@@ -45,9 +45,6 @@ from istio_agent.istiod.tokens import TokenSource
 from istio_agent.log import scope
 from istio_agent.pem import PemError, load_key_cert_pair, parse_certificate, parse_root_bundle
 from istio_agent.rpc.channel import Channel, tls_context
-
-if TYPE_CHECKING:
-    import grpc
 
 Purpose = Literal["CA", "XDS"]
 """What the connection is for: it names the log scope and words the errors as Istio does."""
@@ -288,31 +285,6 @@ class IstiodCredentials:
         if material.client_cert is None or files is None:
             return None
         return str(files.chain), str(files.key)
-
-    # -- grpcio, for agentctl until it moves ------------------------------------------------------
-    def dial(
-        self, material: DialMaterial, extra_options: Sequence[tuple[str, str | int]] = ()
-    ) -> grpc.aio.Channel:
-        """A grpcio channel to istiod (agentctl's proxy-status, in its own process; the agent uses
-        :meth:`channel`). grpc is imported here so that the agent never loads it."""
-        import grpc
-
-        endpoint = self.endpoint
-        options: list[tuple[str, str | int]] = [
-            ("grpc.keepalive_time_ms", int(endpoint.keepalive_time.total_seconds() * 1000)),
-            ("grpc.keepalive_timeout_ms", int(endpoint.keepalive_timeout.total_seconds() * 1000)),
-            ("grpc.use_local_subchannel_pool", 1),
-            *extra_options,
-        ]
-        if endpoint.plaintext:
-            return grpc.aio.insecure_channel(endpoint.address, options=options)
-        if endpoint.server_name:
-            options.append(("grpc.ssl_target_name_override", endpoint.server_name))
-        key, chain = material.client_cert or (None, None)
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=material.root, private_key=key, certificate_chain=chain
-        )
-        return grpc.aio.secure_channel(endpoint.address, credentials, options=options)
 
     # -- files ---------------------------------------------------------------------------------------
     def _root(self) -> bytes | None:
