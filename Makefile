@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint protos bench soak demo clean bytecode cni-plugin cri-protos images
+.PHONY: test test-fast lint protos bench soak demo clean bytecode cni-plugin cri-protos grpc-stubs images
 
 # Debian tools the tests and benchmarks run against: dnsmasq (upstream resolver and peer), dig, dnsperf for
 # DNS; iptables (legacy and nft), nft, conntrack, ip and the reference CNI plugins (bridge, host-local…
@@ -79,10 +79,10 @@ $(IMAGES_DIR)/install-cni.tar: $(IMAGES_DIR)/debian.tar $(IMAGES_DIR)/agent.tar 
 # even on two cores. Tests therefore never bind a fixed host port (port 0, or their own network namespace).
 TEST_WORKERS ?= 2
 
-test: bytecode cni-plugin cri-protos $(IMAGES_FOR_TESTS)
+test: bytecode cni-plugin cri-protos grpc-stubs $(IMAGES_FOR_TESTS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
-test-fast: bytecode cni-plugin cri-protos
+test-fast: bytecode cni-plugin cri-protos grpc-stubs
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m 'not e2e'
 
 lint: $(STAMP)
@@ -90,8 +90,16 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The message modules of src/istio_agent/protos (committed; tests/test_protos.py checks they are current).
 protos: $(STAMP)
 	$(BIN)/python -m istio_agent.protos.generate
+
+# grpcio stubs of those protos for the tests (tests/grpc_stubs.py), generated into build/grpc-stubs, not
+# committed: the agent's gRPC is istio_agent.rpc, and grpcio is a test dependency only.
+grpc-stubs: build/grpc-stubs/istio_ca_pb2_grpc.py
+
+build/grpc-stubs/istio_ca_pb2_grpc.py: src/istio_agent/protos/istio_ca.proto tests/grpc_stubs.py $(STAMP)
+	$(BIN)/python -m tests.grpc_stubs
 
 # The CRI subset the containerd tests speak (tests/cri/cri_runtime.proto), generated into build/cri, not committed.
 cri-protos: build/cri/cri_runtime_pb2_grpc.py

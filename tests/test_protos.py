@@ -47,3 +47,28 @@ def test_wire_names_match_istio() -> None:
         "namespace": 4,
         "alt_hosts": 5,
     }
+
+
+def test_health_messages_are_grpcs_on_the_wire_and_load_beside_grpcs_own() -> None:
+    # grpcio-health-checking's module in the same process: no clash in protobuf's default pool.
+    from grpc_health.v1 import health_pb2 as grpcs
+
+    from istio_agent.protos import health_pb2 as ours
+
+    for name in ("HealthCheckRequest", "HealthCheckResponse"):
+        mine, theirs = getattr(ours, name).DESCRIPTOR, getattr(grpcs, name).DESCRIPTOR
+        assert [(f.name, f.number, f.type) for f in mine.fields] == [
+            (f.name, f.number, f.type) for f in theirs.fields
+        ]
+    status = ours.HealthCheckResponse.ServingStatus.DESCRIPTOR
+    assert {v.name: v.number for v in status.values} == {
+        v.name: v.number for v in grpcs.HealthCheckResponse.ServingStatus.DESCRIPTOR.values
+    }
+    request = ours.HealthCheckRequest(service="reviews").SerializeToString()
+    assert request == grpcs.HealthCheckRequest(service="reviews").SerializeToString()
+    answer = grpcs.HealthCheckResponse(status=grpcs.HealthCheckResponse.NOT_SERVING).SerializeToString()
+    assert ours.HealthCheckResponse.FromString(answer).status == ours.HealthCheckResponse.NOT_SERVING
+
+
+def test_the_generated_modules_need_no_grpcio() -> None:
+    assert sorted(p.name for p in generate.PROTO_DIR.glob("*_pb2_grpc.py")) == []

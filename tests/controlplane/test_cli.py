@@ -18,7 +18,8 @@ from cryptography import x509
 
 from istio_agent.cli.agentctl import main
 from istio_agent.controlplane.tokens import Identity, TokenVerifier
-from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
+from istio_agent.protos import istio_ca_pb2
+from tests.grpc_stubs import istio_ca_pb2_grpc
 
 from . import make_key, spiffe_csr, uri_sans
 from .test_tokens import claims_of

@@ -23,9 +23,10 @@ from istio_agent.controlplane.server import ControlPlane, ControlPlaneError
 from istio_agent.controlplane.tokens import mint_token
 from istio_agent.controlplane.xdsgen import CLUSTER_TYPE
 from istio_agent.metrics import Registry
-from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
+from istio_agent.protos import istio_ca_pb2
 from istio_agent.rpc.call import Call
 from istio_agent.rpc.server import RpcServer
+from tests.grpc_stubs import istio_ca_pb2_grpc
 
 from . import key_pem, make_key, spiffe_csr, started_plane, uri_sans
 

@@ -23,10 +23,11 @@ from istio_agent.config import SecuritySettings
 from istio_agent.istiod.dial import ClientCertFiles, IstiodEndpoint
 from istio_agent.istiod.tokens import FileTokenSource, StaticTokenSource, TokenSource
 from istio_agent.metrics import PREFIX, Registry
-from istio_agent.protos import istio_ca_pb2, istio_ca_pb2_grpc
+from istio_agent.protos import istio_ca_pb2
 from istio_agent.rpc import Status
 from istio_agent.security import caclient
 from istio_agent.security.caclient import CAError, CitadelClient
+from tests.grpc_stubs import istio_ca_pb2_grpc
 
 ISTIOD = "istiod.istio-system.svc"
 CHAIN = ["-----LEAF-----\n", "-----INTERMEDIATE-----\n", "-----ROOT-----"]

@@ -2,8 +2,9 @@
 
 grpcio cannot bind a source address, so the call goes over ``istio_agent.http.h2client`` like the
 HTTPS-h2 probes, and every gRPC probe, kubelet's and the VM's, comes from 127.0.0.6 like the rest.
-The messages are grpc's own (the grpcio-health-checking package), so an application in the same process
-that serves grpc.health.v1 with that package shares them instead of clashing with a copy.
+The messages are the project's copy of grpc's (``protos/health.proto``: the same fields, so the same
+bytes), in a package of their own so that a process which also loads grpcio-health-checking's
+``grpc.health.v1`` holds both without a clash in protobuf's pool; the agent needs no grpcio for them.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import asyncio
 
 from google.protobuf.message import DecodeError
-from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 from istio_agent.http import h2client
 from istio_agent.probe.source import ProbeSource
 from istio_agent.probe.tcp import host_port
+from istio_agent.protos.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 SERVING = HealthCheckResponse.SERVING
 _CHECK = "/grpc.health.v1.Health/Check"

@@ -1,7 +1,9 @@
 """Generate the Python modules for the project's .proto files (``make protos``).
 
 The generated files are committed; ``tests/test_protos.py`` regenerates them into a temporary
-directory and fails when the committed copies are stale.
+directory and fails when the committed copies are stale. Only messages are generated: the agent's
+gRPC is :mod:`istio_agent.rpc`, so no grpcio stubs (``*_pb2_grpc.py``) belong here; the tests make
+the ones they use (``tests/grpc_stubs.py``).
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
 SRC_DIR = PROTO_DIR.parent.parent
-PROTO_FILES = ("istio_ca.proto", "nds.proto", "proxy_config.proto")
+PROTO_FILES = ("istio_ca.proto", "nds.proto", "proxy_config.proto", "health.proto")
 
 
 def generate(out_dir: Path) -> None:
-    """Run grpcio-tools' protoc for every proto file, writing the modules under ``out_dir``."""
+    """Run grpcio-tools' protoc for every proto file, writing the message modules under ``out_dir``."""
     import grpc_tools
     from grpc_tools import protoc
 
@@ -28,7 +30,6 @@ def generate(out_dir: Path) -> None:
             f"-I{include}",
             f"--python_out={out_dir}",
             f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}",
             str(Path("istio_agent/protos") / name),
         ]
         if protoc.main(args) != 0:
