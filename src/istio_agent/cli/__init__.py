@@ -2,5 +2,5 @@
 
 Flags and environment in, config objects out; the packages do the work. Importing this package
 does nothing: each command's ``main`` prepares its process (:func:`istio_agent.cli.runtime.prepare_process`)
-before anything loads grpc.
+before it imports what does the work.
 """

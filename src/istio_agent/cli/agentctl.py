@@ -33,7 +33,7 @@ STOP_GRACE_SECONDS = 1.0
 @click.group(cls=AliasedGroup)
 def main() -> None:
     """Developer tools for istio-agent: a local control plane and its tokens."""
-    runtime.prepare_process()  # first: this module loads no grpc; the commands import what needs it
+    runtime.prepare_process()  # first: the commands import what does the work
 
 
 @main.command()

@@ -1,8 +1,8 @@
-"""What every command does to its process: grpc's fork handlers and log, the event loop, a bounded exit.
+"""What every command does to its process: a warning filter, the event loop, a bounded exit.
 
-Kept free of grpc and of the agent's packages: :func:`prepare_process` must run before grpc loads.
-pilot-agent no longer loads grpcio (its gRPC is :mod:`istio_agent.rpc`, grpclib); agentctl still
-does (``ctl/proxystatus.py``), so the grpc settings stay until agentctl moves too.
+Kept free of the agent's packages, so that a command's ``main`` can call :func:`prepare_process`
+before it imports what does the work. No command loads grpcio (the agent's gRPC is
+:mod:`istio_agent.rpc`, grpclib), so there are no grpc settings to make before it loads.
 """
 
 from __future__ import annotations
@@ -25,37 +25,10 @@ T = TypeVar("T")
 
 
 def prepare_process() -> None:
-    """Process-wide settings every command makes first; call before grpc is imported.
-
-    grpcio's fork handlers are turned off and its C-core log lines quieted (:func:`quiet_grpc_core`)
-    unless the operator chose otherwise.
-
-    When a process forks while gRPC's threads are busy, the handlers skip their work ("Other threads
-    are currently calling into gRPC, skipping fork() handlers") and the child can die of SIGSEGV before
-    it execs: measured, 32 of 2,000 spawns of /bin/true from a busy gRPC process, and now and then
-    Envoy itself at agent start-up. The agent forks only to exec (Envoy, exec probes), never to run
-    gRPC in a child, so it needs none of what the handlers do. grpc reads the variable when it loads.
-    """
-    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-    quiet_grpc_core()
+    """Process-wide settings every command makes first, before it imports what does the work."""
     # Some roots in the OS trust store (SYSTEM roots, file-root:system) have serial number 0, which
     # RFC 5280 forbids; cryptography warns once per process. They are the OS's roots, not ours to fix.
     warnings.filterwarnings("ignore", message="Parsed a serial number which wasn't positive")
-
-
-def quiet_grpc_core() -> None:
-    """gRPC's C-core prints nothing unless the operator asks for it with GRPC_VERBOSITY or GRPC_TRACE.
-
-    C-core writes its own lines straight to stderr in its own format (``I0102 03:04:05.000000 123
-    ssl_transport_security.cc:2563] Handshake failed ...``), which breaks Istio's line format that
-    log pipelines parse, and Python cannot route them into a log scope. What they report reaches
-    the agent's log anyway: a failed call's status carries the cause (a handshake failure's text
-    included), and the CA client and the xDS proxy log it at warn in their scopes. Istio keeps its
-    gRPC library quiet the same way (its ``grpc`` log scope is off by default). Read once, when
-    grpc loads.
-    """
-    if "GRPC_VERBOSITY" not in os.environ and "GRPC_TRACE" not in os.environ:
-        os.environ["GRPC_VERBOSITY"] = "NONE"
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
