@@ -37,8 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from istio_agent.cli.runtime import prepare_process
+from tests.grpcio_process import prepare_grpcio_process
 
-prepare_process()  # before grpc loads: its C-core lines stay quiet, as in every command
+prepare_process()
+prepare_grpcio_process()  # this process runs grpcio (Envoy's stand-ins) and spawns: before grpc loads
 
 import grpc  # noqa: E402
 from envoy.config.core.v3.base_pb2 import Node  # noqa: E402

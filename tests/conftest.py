@@ -13,8 +13,10 @@ import pytest
 
 from istio_agent.cli.runtime import prepare_process
 from tests.ci_skips import fail_unmet_want
+from tests.grpcio_process import prepare_grpcio_process
 
-prepare_process()  # as every entry point does, before anything loads grpc
+prepare_process()  # as every entry point does
+prepare_grpcio_process()  # this process runs grpcio and forks: before anything loads grpc
 
 
 @pytest.fixture
