@@ -20,16 +20,24 @@ to one local control plane (plaintext) in this process; so the figure includes e
 question takes (tap, the workload's upstream stream, the control plane's syncz over N proxies, and
 back), with all N agents sharing one event loop and core, which real agents (a process each) do not.
 Measured: wall time of one proxy-status (p50 and max over ``--runs``), and that all N proxies are
-listed.
+listed, two ways: ``via_agents`` called in this process (the asking alone), and ``agentctl
+proxy-status`` run as the operator runs it, a process of its own (interpreter start, imports, the
+asking, rendering), with its peak RSS. With ``--baseline-src DIR`` (another checkout's ``src``, e.g.
+``git worktree add /tmp/base HEAD~3``) the previous build's agentctl runs alternately with this
+build's against the same agents. Goal: <= 2 s through 50 agents.
+
+``agentctl_help``: ``agentctl proxy-status --help``, spawn to exit and peak RSS, for both builds
+alternately: the cost of starting the tool at all. ``--skip-first-call`` leaves out the first section.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
-import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import AsyncExitStack
@@ -49,6 +57,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2  # noqa: E402
 from bench.memory import Breakdown, breakdown  # noqa: E402
 from bench.startup import pct, proc_status_kb, report_idle_memory  # noqa: E402
 from istio_agent.config import XdsSettings  # noqa: E402
+from istio_agent.controlplane.debug import DebugAccess  # noqa: E402
 from istio_agent.controlplane.server import ControlPlane  # noqa: E402
 from istio_agent.controlplane.xdsgen import CLUSTER_TYPE  # noqa: E402
 from istio_agent.ctl import proxystatus as ps  # noqa: E402
@@ -80,6 +89,8 @@ async def _agent(
     stack.push_async_callback(channel.close)
     call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources()
     node = Node(id=f"sidecar~127.0.0.1~w{index}.default~default.svc.cluster.local")
+    node.metadata["NAMESPACE"] = "default"
+    node.metadata.get_or_create_struct("PROXY_CONFIG")  # an agent's node: syncz lists it
     await call.write(discovery_pb2.DiscoveryRequest(type_url=CLUSTER_TYPE, node=node))
 
     async def envoy() -> None:
@@ -96,15 +107,84 @@ async def _agent(
     return ps.Agent(f"127.0.0.1:{tap.port}", f"w{index}.default"), task
 
 
-async def proxy_status_via_agents(count: int = 50, runs: int = 10) -> dict[str, float]:
-    """p50 and max seconds of one proxy-status through ``count`` agents (all must be listed)."""
+@dataclass(frozen=True)
+class ToolRun:
+    """One agentctl process: spawn to exit, its peak RSS, and what it printed."""
+
+    seconds: float
+    max_rss_mb: float
+    stdout: str
+
+
+AGENTCTL = """
+import atexit, runpy, sys
+
+def peak():
+    with open("/proc/self/status") as status:
+        kb = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+    print(f"maxrss-kb {kb}", file=sys.stderr)
+
+atexit.register(peak)
+sys.argv = ["agentctl", *sys.argv[1:]]
+runpy.run_module("istio_agent.cli.agentctl", run_name="__main__")
+"""
+"""agentctl as ``python -m`` runs it, reporting its own peak RSS at exit: VmHWM, which exec resets
+(getrusage's ru_maxrss would keep the forking parent's, this benchmark's)."""
+
+
+def agentctl_env(src: Path | None) -> dict[str, str]:
+    """This process's environment without its grpcio settings; ``src``: that build's code instead."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    if src is not None:
+        env["PYTHONPATH"] = str(src.resolve())
+    return env
+
+
+async def run_agentctl(args: list[str], src: Path | None) -> ToolRun:
+    """``agentctl <args>`` from this build (``src`` None) or another; RuntimeError when it fails."""
+    started = time.perf_counter()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        AGENTCTL,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=agentctl_env(src),
+    )
+    out, err = await process.communicate()
+    seconds = time.perf_counter() - started
+    lines = err.decode(errors="replace").splitlines()
+    if process.returncode != 0 or not lines or not lines[-1].startswith("maxrss-kb "):
+        raise RuntimeError(f"agentctl {' '.join(args)} exited {process.returncode}: {lines[-5:]}")
+    return ToolRun(seconds, int(lines[-1].split()[1]) / 1024, out.decode())
+
+
+async def proxy_status_via_agents(
+    count: int = 50, runs: int = 10, baseline_src: Path | None = None
+) -> dict[str, list[float]]:
+    """Seconds of one proxy-status through ``count`` agents (all must be listed): in this process
+    (``in_process``), as this build's agentctl process (``agentctl``, ``agentctl_rss_mb``) and, with
+    ``baseline_src``, the previous build's (``baseline``, ``baseline_rss_mb``), alternately."""
+    figures: dict[str, list[float]] = {
+        key: [] for key in ("in_process", "agentctl", "agentctl_rss_mb", "baseline", "baseline_rss_mb")
+    }
     with tempfile.TemporaryDirectory(prefix="ia-ps-") as tmp:
         base = Path(tmp)
         mesh = base / "mesh.yaml"
         mesh.write_text(
             "trustDomain: cluster.local\nservices:\n- {name: b, namespace: default, port: 8000}\n"
         )
-        plane = ControlPlane(mesh, base / "state", "127.0.0.1:0", "127.0.0.1:0", registry=Registry())
+        # The agents dial plaintext, with no identity: debug questions need istiod's debug auth off
+        # (ENABLE_DEBUG_ENDPOINT_AUTH=false), as a plaintext port would.
+        plane = ControlPlane(
+            mesh,
+            base / "state",
+            "127.0.0.1:0",
+            "127.0.0.1:0",
+            debug_access=DebugAccess(enabled=False),
+            registry=Registry(),
+        )
         await plane.start()
         async with AsyncExitStack() as stack:
             stack.push_async_callback(plane.stop, 0)
@@ -118,15 +198,58 @@ async def proxy_status_via_agents(count: int = 50, runs: int = 10) -> dict[str, 
             while listed < count and time.monotonic() < deadline:  # every proxy connected and ACKed
                 result = await ps.via_agents(agents[:1], node, limit=0)
                 listed = len(ps.proxies(result.responses))
-            times = []
+            addresses = base / "agents.txt"
+            addresses.write_text("".join(f"{a.name}={a.address}\n" for a in agents))
+            tool = ["proxy-status", "--xds-via-agents", "--agent-addresses-file", str(addresses)]
+            tool += ["--xds-via-agents-limit", "0", "--timeout", "10s"]
+            builds = [("agentctl", None)] + ([("baseline", baseline_src)] if baseline_src else [])
             for _ in range(runs):
                 started = time.perf_counter()
                 result = await ps.via_agents(agents, node, limit=0, timeout=10)
-                times.append(time.perf_counter() - started)
+                figures["in_process"].append(time.perf_counter() - started)
                 rows = ps.proxies(result.responses)
                 if result.failures or len(rows) != count:
                     raise RuntimeError(f"listed {len(rows)} of {count}; failures: {result.failures[:3]}")
-        return {"p50": statistics.median(times), "max": max(times)}
+                for key, src in builds:
+                    run = await run_agentctl(tool, src)
+                    if len(run.stdout.splitlines()) != count + 1:
+                        raise RuntimeError(f"{key}: listed {len(run.stdout.splitlines()) - 1} of {count}")
+                    figures[key].append(run.seconds)
+                    figures[f"{key}_rss_mb"].append(run.max_rss_mb)
+    return figures
+
+
+async def agentctl_help(runs: int = 10, baseline_src: Path | None = None) -> dict[str, list[float]]:
+    """``agentctl proxy-status --help``: seconds and peak RSS (MB) per build, alternately."""
+    figures: dict[str, list[float]] = {
+        key: [] for key in ("agentctl", "agentctl_rss_mb", "baseline", "baseline_rss_mb")
+    }
+    builds = [("agentctl", None)] + ([("baseline", baseline_src)] if baseline_src else [])
+    for _ in range(runs):
+        for key, src in builds:
+            run = await run_agentctl(["proxy-status", "--help"], src)
+            figures[key].append(run.seconds)
+            figures[f"{key}_rss_mb"].append(run.max_rss_mb)
+    return figures
+
+
+def report_tool(title: str, figures: dict[str, list[float]]) -> None:
+    """p50 / max / min of each build's seconds (ms) and peak RSS (MB)."""
+    print(f"{title}\n")
+    print(f"| {'':<40} | {'p50':>7} | {'max':>7} | {'min':>7} |")
+    print(f"|{'-' * 42}|{'-' * 9}|{'-' * 9}|{'-' * 9}|")
+    rows = [
+        ("in this process, ms", "in_process", 1000.0),
+        ("this build's agentctl, ms", "agentctl", 1000.0),
+        ("previous build's agentctl, ms", "baseline", 1000.0),
+        ("this build's agentctl peak RSS, MB", "agentctl_rss_mb", 1.0),
+        ("previous build's agentctl peak RSS, MB", "baseline_rss_mb", 1.0),
+    ]
+    for label, key, scale in rows:
+        samples = [v * scale for v in figures.get(key, [])]
+        if samples:
+            print(f"| {label:<40} | {pct(samples, 0.5):7.1f} | {max(samples):7.1f} | {min(samples):7.1f} |")
+    print()
 
 
 def proxyless_env(workload: Workload) -> dict[str, str]:
@@ -235,13 +358,19 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10, help="proxy-status runs")
     parser.add_argument("--first-call-runs", type=int, default=10, help="fresh agents to a first call")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds after the first call before RSS")
+    parser.add_argument("--skip-first-call", action="store_true", help="only the operator-tool sections")
+    parser.add_argument(
+        "--baseline-src", type=Path, help="the previous build's src directory: its agentctl runs alternately"
+    )
     args = parser.parse_args()
-    report_first_call(first_call(args.first_call_runs, args.settle))
-    print()
-    figures = asyncio.run(proxy_status_via_agents(args.agents, args.runs))
-    print(
-        f"proxy-status via {args.agents} agents (concurrent, one process): "
-        f"p50 {figures['p50'] * 1000:.0f} ms, max {figures['max'] * 1000:.0f} ms over {args.runs} runs"
+    if not args.skip_first_call:
+        report_first_call(first_call(args.first_call_runs, args.settle))
+        print()
+    figures = asyncio.run(proxy_status_via_agents(args.agents, args.runs, args.baseline_src))
+    report_tool(f"proxy-status via {args.agents} agents (concurrent), over {args.runs} runs", figures)
+    report_tool(
+        f"agentctl proxy-status --help, over {args.runs} runs",
+        asyncio.run(agentctl_help(args.runs, args.baseline_src)),
     )
 
 
