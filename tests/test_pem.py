@@ -9,8 +9,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from istio_agent.pem import (
+    Certificate,
+    CertificateSummary,
     PemError,
     certificate_identities,
+    chain_problem,
     concat_certs,
     leaf_not_after,
     load_key_cert_pair,
@@ -24,6 +27,11 @@ from istio_agent.pem import (
 from tests.security.certs import issue, key_to_pem, make_ca, new_key, pem_block, to_pem, with_negative_serial
 
 SPIFFE = "spiffe://cluster.local/ns/default/sa/app"
+
+
+def ours(cert: x509.Certificate) -> Certificate:
+    """The same certificate as our reader gives it."""
+    return parse_certificate(to_pem(cert))
 
 
 def reformat(pem: bytes, width: int = 76, newline: bytes = b"\r\n") -> bytes:
@@ -218,24 +226,24 @@ def test_leaf_not_after(ca) -> None:
 
 def test_certificate_identities(ca) -> None:
     leaf = issue(*ca, uri_sans=[SPIFFE, "spiffe://x/y"], dns_sans=["app.example.com"])
-    assert certificate_identities(leaf) == [SPIFFE, "spiffe://x/y"]
-    assert certificate_identities(ca[1]) == []
+    assert certificate_identities(ours(leaf)) == [SPIFFE, "spiffe://x/y"]
+    assert certificate_identities(ours(ca[1])) == []
 
 
 @pytest.mark.parametrize(("kind", "pkcs8"), [("ec", False), ("ec", True), ("rsa", False), ("rsa", True)])
 def test_public_keys_match(ca, kind: str, pkcs8: bool) -> None:
     key = new_key(kind)
-    leaf = issue(*ca, public_key=key.public_key())
+    leaf = ours(issue(*ca, public_key=key.public_key()))
     assert public_keys_match(key_to_pem(key, pkcs8), leaf)
     assert not public_keys_match(key_to_pem(new_key(kind), pkcs8), leaf)
 
 
 def test_public_keys_match_bad_key_never_echoes_it(ca) -> None:
     with pytest.raises(PemError, match=r"no PEM PRIVATE KEY block found"):
-        public_keys_match(b"secret-material", ca[1])
+        public_keys_match(b"secret-material", ours(ca[1]))
     broken = b"-----BEGIN PRIVATE KEY-----\nc2VjcmV0LW1hdGVyaWFs\n-----END PRIVATE KEY-----\n"
     with pytest.raises(PemError, match=r"failed to parse private key") as info:
-        public_keys_match(broken, ca[1])
+        public_keys_match(broken, ours(ca[1]))
     assert "c2VjcmV0" not in str(info.value)
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
@@ -345,3 +353,101 @@ def test_load_key_cert_pair(ca, signed) -> None:
         load_key_cert_pair(b"", key_pem)
     with pytest.raises(PemError, match=r"failed to parse private key"):
         load_key_cert_pair(leaf.encode(), b"")
+
+
+# -- chain_problem ---------------------------------------------------------------------------------
+
+
+def test_chain_problem_accepts_chains_to_an_anchor(ca) -> None:
+    inter_key, inter = make_ca("intermediate", parent=ca)
+    leaf = issue(inter_key, inter, uri_sans=[SPIFFE])
+    now = datetime.now(UTC)
+    assert chain_problem([ours(leaf), ours(inter)], [ours(ca[1])], now) is None
+    assert chain_problem([ours(leaf), ours(inter), ours(ca[1])], [ours(ca[1])], now) is None
+    assert chain_problem([ours(leaf)], [ours(inter)], now) is None
+
+
+def test_chain_problem_with_rsa_keys() -> None:
+    from cryptography.hazmat.primitives import hashes
+
+    root_key = new_key("rsa")
+    name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "rsa-root")])
+    now = datetime.now(UTC)
+    root = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(root_key.public_key())
+        .serial_number(5)
+        .not_valid_before(now - timedelta(hours=1))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(root_key, hashes.SHA384())
+    )
+    leaf = issue(root_key, root, uri_sans=[SPIFFE], public_key=new_key("rsa").public_key())
+    assert chain_problem([ours(leaf)], [ours(root)], now) is None
+    assert (
+        chain_problem([ours(leaf)], [ours(make_ca("rsa-root")[1])], now) is not None
+    )  # same name, other key
+
+
+def test_chain_problem_reports_a_bad_signature_and_an_unknown_issuer(ca) -> None:
+    now = datetime.now(UTC)
+    leaf = to_pem(issue(*ca, uri_sans=[SPIFFE]))
+    der = x509.load_pem_x509_certificate(leaf).public_bytes(Encoding.DER)
+    tampered = parse_certificate(pem_block(der[:-3] + bytes([der[-3] ^ 0xFF]) + der[-2:]))
+    assert chain_problem([tampered], [ours(ca[1])], now) == (
+        "no certificate of the trust bundle issued an empty name (its issuer is 'CN=root')"
+    )
+    stranger = ours(make_ca("stranger")[1])
+    assert "its issuer is 'CN=root'" in (chain_problem([parse_certificate(leaf)], [stranger], now) or "")
+
+
+def test_chain_problem_reports_an_expired_issuer(ca) -> None:
+    now = datetime.now(UTC)
+    inter_key, inter = make_ca("old-intermediate", parent=ca, not_after=now + timedelta(hours=1))
+    leaf = issue(inter_key, inter)
+    later = now + timedelta(hours=2)
+    problem = chain_problem([ours(leaf), ours(inter)], [ours(ca[1])], later)
+    assert problem is not None and problem.startswith("issuer 'CN=old-intermediate' is not valid now")
+
+
+# -- summaries -------------------------------------------------------------------------------------
+
+
+def test_certificate_summary_matches_cryptography(ca) -> None:
+    from cryptography.hazmat.primitives import hashes
+
+    leaf = issue(*ca, uri_sans=[SPIFFE], dns_sans=["a.example.com"], common_name='leaf, "quoted"')
+    summary = CertificateSummary.of(ours(leaf))
+    assert summary.serial_number == format(leaf.serial_number, "x")
+    assert summary.subject == leaf.subject.rfc4514_string() == 'CN=leaf\\, \\"quoted\\"'
+    assert summary.issuer == "CN=root"
+    assert (summary.not_before, summary.not_after) == (leaf.not_valid_before_utc, leaf.not_valid_after_utc)
+    assert (summary.is_ca, summary.uris, summary.dns_names) == (False, (SPIFFE,), ("a.example.com",))
+    assert summary.sha256 == leaf.fingerprint(hashes.SHA256()).hex()
+    assert CertificateSummary.of(ours(ca[1])).is_ca
+
+
+# -- private keys ----------------------------------------------------------------------------------
+
+
+def test_encrypted_private_keys_are_refused_without_a_prompt(ca) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    key = new_key()
+    pkcs8 = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"pw"),
+    )
+    assert pkcs8.startswith(b"-----BEGIN ENCRYPTED PRIVATE KEY-----")
+    traditional = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.BestAvailableEncryption(b"pw"),
+    )
+    assert b"Proc-Type: 4,ENCRYPTED" in traditional
+    for pem in (pkcs8, traditional):
+        with pytest.raises(PemError, match=r"^failed to parse private key: it is encrypted$"):
+            public_keys_match(pem, ours(ca[1]))

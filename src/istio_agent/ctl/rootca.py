@@ -16,8 +16,6 @@ import base64
 import binascii
 from typing import Any
 
-from cryptography.hazmat.primitives.serialization import Encoding
-
 from istio_agent.ctl.secrets import SecretsError, fetch_dump, secrets_dump
 from istio_agent.pem import PemError, parse_certificates
 
@@ -78,7 +76,7 @@ def root_ca(dump: dict[str, Any]) -> bytes:
 def parse_pem_certs(data: bytes) -> list[bytes]:
     """The DER of every certificate in a PEM bundle; istioctl's errors when there is none or one is bad."""
     try:
-        return [c.public_bytes(Encoding.DER) for c in parse_certificates(data)]
+        return [c.der for c in parse_certificates(data)]
     except PemError as err:
         if str(err) == _NO_CERTIFICATE:
             raise RootCAError(f"failed to parse certificates: {data.decode(errors='replace')}") from None

@@ -3,7 +3,11 @@
 Pure functions, no I/O. PEM scanning follows Go's ``encoding/pem`` closely enough that the same
 bundles keep the same certificates as in Istio: base64 is decoded strictly, a block that does not
 decode is skipped and scanning resumes after it, and text outside blocks is ignored. Go also rejects
-negative serial numbers, which ``cryptography`` still accepts with a warning, so that check is ours.
+negative serial numbers, so we do too.
+
+Certificates are read in Python (:mod:`.certificate`, over :mod:`.der`); key comparisons and
+signature checks go through the libcrypto that Python's ``ssl`` already mapped
+(:mod:`.libcrypto`, :mod:`.signature`): the agent loads no ``cryptography`` (issue 23, idle memory).
 """
 
 from __future__ import annotations
@@ -15,12 +19,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from cryptography import x509
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
-
 from istio_agent.log import scope
+from istio_agent.pem import certificate, libcrypto, signature
+from istio_agent.pem.certificate import Certificate, Name
+from istio_agent.pem.der import DerError
 
 CERTIFICATE = "CERTIFICATE"
 
@@ -116,12 +118,12 @@ def _serial_is_negative(der: bytes) -> bool:
         return False
 
 
-def _load_der(der: bytes) -> x509.Certificate:
+def _load_der(der: bytes) -> Certificate:
     if _serial_is_negative(der):
         raise PemError("failed to parse X.509 certificate: negative serial number")
     try:
-        return x509.load_der_x509_certificate(der)
-    except ValueError as e:
+        return certificate.parse(der)
+    except DerError as e:
         raise PemError(f"failed to parse X.509 certificate: {e}") from None
 
 
@@ -134,7 +136,7 @@ def split_pem_blocks(data: bytes) -> list[bytes]:
     return [block.text for block in _scan(data) if block.label == CERTIFICATE]
 
 
-def parse_certificate(pem: bytes | str) -> x509.Certificate:
+def parse_certificate(pem: bytes | str) -> Certificate:
     """The first CERTIFICATE block of ``pem`` as an X.509 certificate.
 
     Other PEM types before it (e.g. a key) are skipped, but a first certificate block that is not
@@ -216,18 +218,15 @@ def leaf_not_after(chain_pem: bytes | str) -> datetime:
     return parse_certificate(chain_pem).not_valid_after_utc
 
 
-def certificate_identities(cert: x509.Certificate) -> list[str]:
+def certificate_identities(cert: Certificate) -> list[str]:
     """The URI SANs of a certificate (SPIFFE identities); [] when it has no SAN extension."""
     try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        return []
-    except ValueError as e:
+        return list(cert.subject_alt_names().uris)
+    except DerError as e:
         raise PemError(f"failed to read the certificate's subject alternative names: {e}") from None
-    return list(san.get_values_for_type(x509.UniformResourceIdentifier))
 
 
-def parse_certificates(data: bytes | str) -> list[x509.Certificate]:
+def parse_certificates(data: bytes | str) -> list[Certificate]:
     """Every CERTIFICATE block of a chain or bundle, in order; PemError when one does not parse or none is there."""
     certs = []
     for index, block in enumerate(b for b in _scan(_as_bytes(data)) if b.label == CERTIFICATE):
@@ -259,16 +258,15 @@ class CertificateSummary:
     """Hex SHA-256 of the DER encoding (the certificate's fingerprint)."""
 
     @classmethod
-    def of(cls, cert: x509.Certificate) -> CertificateSummary:
+    def of(cls, cert: Certificate) -> CertificateSummary:
         try:
-            is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-        except (x509.ExtensionNotFound, ValueError):
+            is_ca = cert.is_ca()
+        except DerError:
             is_ca = False
         try:
-            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-            uris = tuple(san.get_values_for_type(x509.UniformResourceIdentifier))
-            dns_names = tuple(san.get_values_for_type(x509.DNSName))
-        except (x509.ExtensionNotFound, ValueError):
+            sans = cert.subject_alt_names()
+            uris, dns_names = sans.uris, sans.dns_names
+        except DerError:
             uris, dns_names = (), ()
         return cls(
             serial_number=format(cert.serial_number, "x"),
@@ -279,7 +277,7 @@ class CertificateSummary:
             is_ca=is_ca,
             uris=uris,
             dns_names=dns_names,
-            sha256=cert.fingerprint(hashes.SHA256()).hex(),
+            sha256=cert.sha256_fingerprint,
         )
 
     @classmethod
@@ -323,19 +321,17 @@ def rfc3339(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def chain_problem(
-    chain: Sequence[x509.Certificate], anchors: Sequence[x509.Certificate], now: datetime
-) -> str | None:
+def chain_problem(chain: Sequence[Certificate], anchors: Sequence[Certificate], now: datetime) -> str | None:
     """Why ``chain`` (leaf first) does not lead to one of ``anchors``, or None when it does.
 
     Each step must be signed by its issuer (found in the rest of the chain, or among the anchors)
     and every certificate above the leaf must be valid at ``now`` (the leaf's own validity is
     reported separately). A certificate equal to an anchor ends the walk.
     """
-    anchor_ders = {a.public_bytes(serialization.Encoding.DER) for a in anchors}
+    anchor_ders = {a.der for a in anchors}
     current, rest = chain[0], list(chain[1:])
     for _ in range(len(chain) + 1):
-        if current is not chain[0] and current.public_bytes(serialization.Encoding.DER) in anchor_ders:
+        if current is not chain[0] and current.der in anchor_ders:
             return None
         for anchor in anchors:
             if _issued_by(current, anchor):
@@ -353,44 +349,45 @@ def chain_problem(
     return "the chain does not end at a certificate of the trust bundle"
 
 
-def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
+def _issued_by(cert: Certificate, issuer: Certificate) -> bool:
     if cert.issuer != issuer.subject:
         return False
     try:
-        cert.verify_directly_issued_by(issuer)
-    except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
+        return signature.signed_by(cert, issuer.spki)
+    except (DerError, libcrypto.CryptoError):
         return False
-    return True
 
 
-def _load_private_key(pem: bytes) -> PrivateKeyTypes:
-    """The first ``... PRIVATE KEY`` block (PKCS#1, SEC1 or PKCS#8); errors never echo the key."""
+def _private_key_spki(pem: bytes) -> bytes:
+    """The SubjectPublicKeyInfo of the first ``... PRIVATE KEY`` block (PKCS#1, SEC1 or PKCS#8).
+
+    Errors never echo the key.
+    """
     block = next((b for b in _scan(pem) if b.label.endswith("PRIVATE KEY")), None)
     if block is None:
         raise PemError("failed to parse private key: no PEM PRIVATE KEY block found")
+    if block.label == "ENCRYPTED PRIVATE KEY" or re.search(rb"^Proc-Type:[^\n]*ENCRYPTED", block.text, re.M):
+        raise PemError("failed to parse private key: it is encrypted")
+    if block.der is None:
+        raise PemError(f"failed to parse private key: invalid {block.label} block")
     try:
-        return serialization.load_pem_private_key(block.text, password=None)
-    except TypeError:
-        raise PemError("failed to parse private key: it is encrypted") from None
-    except (ValueError, UnsupportedAlgorithm):
+        return libcrypto.public_key_der_of(block.der)
+    except libcrypto.CryptoError:
         raise PemError(f"failed to parse private key: invalid {block.label} block") from None
 
 
-def _spki(key: PublicKeyTypes) -> bytes:
-    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-
-
-def public_keys_match(private_key_pem: bytes, cert: x509.Certificate) -> bool:
+def public_keys_match(private_key_pem: bytes, cert: Certificate) -> bool:
     """Whether the certificate was issued for this private key; PemError when either key is unreadable."""
-    private_key = _load_private_key(private_key_pem)
-    try:
-        cert_key = cert.public_key()
-    except (ValueError, UnsupportedAlgorithm) as e:
+    ours = _private_key_spki(private_key_pem)
+    if cert.spki == ours:
+        return True
+    try:  # the same key may be encoded differently in the certificate: compare OpenSSL's encodings
+        return libcrypto.normalized_public_key(cert.spki) == ours
+    except libcrypto.CryptoError as e:
         raise PemError(f"unsupported public key in certificate: {e}") from None
-    return _spki(cert_key) == _spki(private_key.public_key())
 
 
-def _describe(name: x509.Name) -> str:
+def _describe(name: Name) -> str:
     return f"'{name.rfc4514_string()}'" if len(name) else "an empty name"
 
 
