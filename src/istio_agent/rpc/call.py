@@ -2,9 +2,8 @@
 
 The handlers (the xDS stream core, the SDS fetch) are written against :class:`Call`, so they do
 not depend on the gRPC library underneath. :class:`ServerCall` is a call on an
-:class:`~istio_agent.rpc.server.RpcServer`; it reads each message itself so that a message over
-the server's maximum is refused from its 5-byte prefix, before a byte of it is buffered (grpclib
-would read any length it is told).
+:class:`~istio_agent.rpc.server.RpcServer`; its messages go through :mod:`istio_agent.rpc.message`
+(grpclib would read any length it is told, and copies a message whole on each way).
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.server import Stream
 
 from istio_agent.rpc.codec import Codec
-
-_PREFIX_BYTES = 5  # compressed flag, then the message length (big-endian uint32)
+from istio_agent.rpc.message import MessageError, MessageReader, write_message
 
 
 class Call(Protocol):
@@ -62,8 +60,8 @@ class ServerCall:
     def __init__(self, stream: Stream[Any, Any], request_type: Any, max_receive_bytes: int) -> None:
         self._stream = stream
         self._request_type = request_type
-        self._max_receive_bytes = max_receive_bytes
         self._codec = Codec()
+        self._reader = MessageReader(max_receive_bytes)
 
     def peer(self) -> str:
         address = self._stream.peer.addr()
@@ -82,24 +80,13 @@ class ServerCall:
 
     async def recv(self) -> Any:
         """The next message, or None when the client has half-closed."""
-        raw = self._stream._stream  # the h2 stream: grpclib's own reader takes any length
-        prefix = await raw.recv_data(_PREFIX_BYTES)
-        if not prefix:
-            return None
-        if len(prefix) < _PREFIX_BYTES:
-            raise GRPCError(Status.INTERNAL, "stream ended inside a message")
-        if prefix[0]:
-            raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
-        size = int.from_bytes(prefix[1:], "big")
-        if size > self._max_receive_bytes:
-            raise GRPCError(
-                Status.RESOURCE_EXHAUSTED,
-                f"grpc: received message larger than max ({size} vs. {self._max_receive_bytes})",
-            )
         try:
-            data = await raw.recv_data(size)
-        except AssertionError:  # grpclib's buffer ended before ``size`` bytes
-            raise GRPCError(Status.INTERNAL, "stream ended inside a message") from None
+            data = await self._reader.read(self._stream._stream)  # the h2 stream under grpclib's
+        except MessageError as err:
+            raise GRPCError(err.code, err.details) from None
+        if data is None:
+            return None
+        self._stream._messages_received += 1
         try:
             return self._codec.decode(data, self._request_type)
         except Exception as err:  # protobuf's DecodeError, or a message of the wrong shape
@@ -115,8 +102,13 @@ class ServerCall:
             yield message
 
     async def send(self, message: Any) -> None:
+        stream = self._stream
         try:
-            await self._stream.send_message(message)
+            if not stream._send_initial_metadata_done:
+                await stream.send_initial_metadata()
+            await write_message(stream._stream, self._codec.encode(message, stream._send_type))
+            stream._send_message_done = True
+            stream._messages_sent += 1
         except (h2.exceptions.ProtocolError, grpclib.exceptions.ProtocolError, ConnectionError) as err:
             raise CallEnded(str(err) or type(err).__name__) from err
 

@@ -37,13 +37,16 @@ from grpclib.exceptions import ProtocolError as GrpclibProtocolError
 from grpclib.metadata import USER_AGENT, decode_grpc_message, encode_timeout
 
 from istio_agent.rpc.codec import Codec
+from istio_agent.rpc.message import MessageError, MessageReader, write_message
 
 Metadata = Sequence[tuple[str, str]]
 """Request metadata: lower-case keys, printable ASCII values (``-bin`` keys are not supported)."""
 
 CONNECT_TIMEOUT = 20.0
 """Seconds for a connection (and its TLS handshake) to be made: grpc-go's minimum connect timeout."""
-_PREFIX_BYTES = 5
+DEFAULT_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
+"""The largest response a call accepts unless told otherwise: grpc's default
+(grpc-go's ``defaultClientMaxReceiveMessageSize``, grpcio's ``max_receive_message_length``)."""
 
 # grpc-go's status for a stream reset by its peer (internal/transport/http_util.go http2ErrConvTab).
 _RESET_CODES = {
@@ -128,6 +131,8 @@ class Channel:
     ``keepalive_time``: ping every that many seconds while a call is open (also when it carries no
     data) and close the connection when a ping is not answered within ``keepalive_timeout``.
     ``server_name``: the TLS name to verify instead of the target's host.
+    ``max_receive_bytes``: the largest response its calls accept (a call may say otherwise); a
+    larger one ends the call with RESOURCE_EXHAUSTED before it is read, as gRPC's clients do.
     """
 
     def __init__(
@@ -138,9 +143,11 @@ class Channel:
         server_name: str | None = None,
         keepalive_time: float | None = None,
         keepalive_timeout: float = 20.0,
+        max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
     ) -> None:
         host, port, path = parse_target(target)
         self.target = target
+        self.max_receive_bytes = max_receive_bytes
         config = Configuration(
             _keepalive_time=keepalive_time,
             _keepalive_timeout=keepalive_timeout,
@@ -161,9 +168,19 @@ class Channel:
         *,
         metadata: Metadata | None = None,
         timeout: float | None = None,
+        max_receive_bytes: int | None = None,
     ) -> Any:
         """One request, one response; RpcError for any other end."""
-        call = BidiStream(self, path, type(request), response_type, metadata, timeout, unary=True)
+        call = BidiStream(
+            self,
+            path,
+            type(request),
+            response_type,
+            metadata,
+            timeout,
+            unary=True,
+            max_receive_bytes=max_receive_bytes,
+        )
         try:
             await call.send(request)
             response = await call.recv()
@@ -182,9 +199,19 @@ class Channel:
         response_type: Any,
         *,
         metadata: Metadata | None = None,
+        max_receive_bytes: int | None = None,
     ) -> BidiStream:
-        """A bidirectional stream; it opens with its first ``send``."""
-        return BidiStream(self, path, request_type, response_type, metadata, None)
+        """A bidirectional stream; it opens with its first ``send``. ``max_receive_bytes``: the
+        largest response it accepts (the channel's by default), as grpc's ``MaxCallRecvMsgSize``."""
+        return BidiStream(
+            self,
+            path,
+            request_type,
+            response_type,
+            metadata,
+            None,
+            max_receive_bytes=max_receive_bytes,
+        )
 
     def close(self) -> None:
         """Close the connection; calls still open on it end with UNAVAILABLE."""
@@ -207,6 +234,7 @@ class BidiStream:
         timeout: float | None,
         *,
         unary: bool = False,
+        max_receive_bytes: int | None = None,
     ) -> None:
         self._channel = channel
         self._response_type = response_type
@@ -221,8 +249,10 @@ class BidiStream:
         """Set once the request is sent or the call has failed before: ``recv`` waits for it."""
         self._released = False
         self._headers_read = False
-        self._pending: int | None = None
-        """A message's length, read from its prefix, whose bytes are still to come."""
+        self._reader = MessageReader(
+            channel.max_receive_bytes if max_receive_bytes is None else max_receive_bytes
+        )
+        """Keeps a message read in part: a read interrupted by the stream's end resumes it."""
         self.status: tuple[Status, str] | None = None
 
     # -- writing -------------------------------------------------------------------------------------
@@ -233,10 +263,23 @@ class BidiStream:
         try:
             async with self._timeout():
                 await self._start()
-                await self._call.send_message(message, end=self._unary)
+                await self._write(message)
         except Exception as err:
             self._fail(err)
             self._raise_ended()
+
+    async def _write(self, message: Any) -> None:
+        """grpclib's ``send_message``, with the message written by :func:`write_message`."""
+        call = self._call
+        if call._end_done:
+            raise RpcError(Status.INTERNAL, "the client has ended its side of the call")
+        with call._wrapper:  # woken when the stream is reset or the connection lost
+            data = call._codec.encode(message, call._send_type)
+            await write_message(call._stream, data, end=self._unary)
+        call._send_message_done = True
+        call._messages_sent += 1
+        if self._unary:
+            call._end_done = True
 
     async def done_writing(self) -> None:
         """Half-close: no more messages from the client; responses keep coming."""
@@ -348,19 +391,13 @@ class BidiStream:
 
     async def _read_message(self) -> Any:
         raw = self._call._stream
-        if self._pending is None:
-            prefix = await self._read(_PREFIX_BYTES)
-            if not prefix:
-                return None
-            if len(prefix) < _PREFIX_BYTES:
-                raise RpcError(Status.INTERNAL, "the stream ended inside a message")
-            if prefix[0]:
-                raise RpcError(Status.INTERNAL, "compressed messages are not supported")
-            self._pending = int.from_bytes(prefix[1:], "big")
-        data = await self._read(self._pending) if self._pending else b""
-        if len(data) < self._pending:
-            raise RpcError(Status.INTERNAL, "the stream ended inside a message")
-        self._pending = None
+        try:
+            data = await self._wait(lambda: self._reader.read(raw), lambda: raw.trailers is not None)
+        except MessageError as err:
+            self.close()  # the call ends here: RST_STREAM CANCEL, as grpc-go's client does
+            raise RpcError(err.code, err.details) from None
+        if data is None:
+            return None
         self._call._messages_received += 1
         raw.connection.messages_received += 1
         try:
@@ -369,13 +406,6 @@ class BidiStream:
             raise RpcError(
                 Status.INTERNAL, f"grpc: failed to unmarshal the received message: {err}"
             ) from None
-
-    async def _read(self, size: int) -> bytes:
-        raw = self._call._stream
-        try:
-            return await self._wait(lambda: raw.recv_data(size), lambda: raw.trailers is not None)
-        except AssertionError:  # grpclib's buffer ended before ``size`` bytes
-            return b""
 
     async def _read_trailers(self) -> None:
         raw = self._call._stream
