@@ -124,3 +124,82 @@ def test_options_from_settings(tmp_path: Path) -> None:
         rsa_key_size=4096, ecc_signature_algorithm="ECDSA", ecc_curve="P384", pkcs8=True
     )
     assert KeyOptions.from_settings(SecuritySettings(workdir=tmp_path)) == KeyOptions()
+
+
+def cryptography_csr(
+    hosts: str, key_pem: bytes, digest: hashes.HashAlgorithm
+) -> x509.CertificateSigningRequest:
+    """The CSR the previous implementation built with cryptography, for the same key and hosts."""
+    names: list[x509.GeneralName] = []
+    for host in hosts.split(","):
+        try:
+            ip = ipaddress.ip_address(host)
+            mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+            names.append(x509.IPAddress(mapped or ip))
+        except ValueError:
+            names.append(
+                x509.UniformResourceIdentifier(host) if host.startswith("spiffe://") else x509.DNSName(host)
+            )
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    return (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "")]))
+        .add_extension(x509.SubjectAlternativeName(names), critical=True)
+        .sign(key, digest)  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "digest"),
+    [
+        (KeyOptions(), hashes.SHA256()),
+        (KeyOptions(pkcs8=True), hashes.SHA256()),
+        (KeyOptions(rsa_key_size=3072), hashes.SHA256()),
+        (KeyOptions(ecc_signature_algorithm="ECDSA"), hashes.SHA256()),
+        (KeyOptions(ecc_signature_algorithm="ECDSA", pkcs8=True), hashes.SHA256()),
+        (KeyOptions(ecc_signature_algorithm="ECDSA", ecc_curve="P384"), hashes.SHA384()),
+    ],
+    ids=["rsa", "rsa-pkcs8", "rsa-3072", "p256", "p256-pkcs8", "p384"],
+)
+def test_request_info_is_byte_for_byte_the_previous_one(
+    options: KeyOptions, digest: hashes.HashAlgorithm
+) -> None:
+    hosts = "spiffe://td/ns/a/sa/b,10.1.2.3,::ffff:192.0.2.7,2001:db8::1,app.example.com"
+    csr_pem, key_pem = generate_csr(hosts, options)
+    csr, _ = check_csr(csr_pem, key_pem)
+    assert csr.tbs_certrequest_bytes == cryptography_csr(hosts, key_pem, digest).tbs_certrequest_bytes
+    assert type(csr.signature_hash_algorithm) is type(digest)
+    if not options.ecc_signature_algorithm:  # RSA PKCS#1 v1.5 signatures are deterministic
+        assert csr.signature == cryptography_csr(hosts, key_pem, digest).signature
+
+
+@pytest.mark.parametrize("host", ["bücher.example", "spiffe://td/ns/ä/sa/b"])
+def test_non_ascii_host_is_an_error(host: str) -> None:
+    with pytest.raises(CsrError, match=rf"^invalid host {host!r} for the CSR: .*A-label"):
+        generate_csr(host, KeyOptions(ecc_signature_algorithm="ECDSA"))
+
+
+def test_rsa_key_too_large() -> None:
+    with pytest.raises(
+        CsrError, match=r"^requested key size exceeds the maximum size of \d+ \(requested: 100000\)$"
+    ):
+        generate_csr(SPIFFE, KeyOptions(rsa_key_size=100000))
+
+
+def test_making_a_csr_loads_no_cryptography() -> None:
+    import json
+    import subprocess
+    import sys
+
+    probe = (
+        "import json, sys\n"
+        "from istio_agent.security.keys import KeyOptions, generate_csr\n"
+        "import istio_agent.pem\n"
+        "generate_csr('spiffe://td/ns/a/sa/b', KeyOptions())\n"
+        "generate_csr('spiffe://td/ns/a/sa/b', KeyOptions(ecc_signature_algorithm='ECDSA'))\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'cryptography')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert json.loads(done.stdout) == []

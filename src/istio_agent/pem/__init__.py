@@ -84,7 +84,7 @@ def _decode_body(body: bytes) -> bytes | None:
     return binascii.a2b_base64(b64)
 
 
-def _encode_pem(der: bytes, label: str = CERTIFICATE) -> bytes:
+def encode_pem(der: bytes, label: str = CERTIFICATE) -> bytes:
     """Canonical PEM: 64-column base64, no headers, trailing newline."""
     b64 = binascii.b2a_base64(der, newline=False)
     lines = [b64[i : i + 64] for i in range(0, len(b64), 64)]
@@ -171,7 +171,7 @@ def parse_root_bundle(data: bytes, source: str) -> bytes:
             except PemError as e:
                 reason = f"block {index}: {e}"
             else:
-                certs.append(_encode_pem(block.der))
+                certs.append(encode_pem(block.der))
                 continue
         errors.append(reason)
         log.warning("ignoring root certificate from %s: %s", source, reason)
@@ -209,7 +209,7 @@ def merge_root_bundles(*bundles: bytes) -> bytes:
             if block.der is None:
                 scope("cache").warning("dropping a trust bundle certificate that is not valid PEM")
                 continue
-            unique.add(_encode_pem(block.der).strip(b"\n"))
+            unique.add(encode_pem(block.der).strip(b"\n"))
     return b"\n".join(sorted(unique))
 
 
