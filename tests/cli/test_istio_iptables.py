@@ -8,12 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from istio_agent.cli.pilot_agent import main
 from istio_agent.cni.capture_config import CaptureConfig, read_capture_config, usable_dns_servers
 from istio_agent.cni.rules import render_families
 from istio_agent.config.env import ConfigError, Env
+from tests.cli.invoke import pilot_agent
 
 ISTIO_GOLDENS = Path(__file__).parent.parent / "cni" / "golden"
 """Istio's own files (tests/cni/golden/ISTIO_SOURCES)."""
@@ -31,8 +30,8 @@ def injector_rules() -> str:
 
 
 def invoke(*args: str, **env: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(main, ["istio-iptables", *args], env=env)
-    return result.exit_code, result.stdout, result.stderr
+    """``pilot-agent istio-iptables <args>`` in this process (the tests patch what it would run)."""
+    return pilot_agent("istio-iptables", *args, **env)
 
 
 def test_dry_run_prints_the_injectors_rule_set() -> None:

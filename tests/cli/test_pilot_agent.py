@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from istio_agent import __version__
-from istio_agent.cli.pilot_agent import main
+from tests.cli.invoke import pilot_agent
 
 PLAINTEXT_CONTROL_PLANE = '{"discoveryAddress": "127.0.0.1:15010"}'
 
@@ -155,15 +154,15 @@ def test_unknown_proxy_type(short_tmp: Path) -> None:
 
 
 def test_version() -> None:
-    result = CliRunner().invoke(main, ["version", "-s"])
-    assert result.exit_code == 0
-    assert result.output.strip() == __version__
-    assert __version__ in CliRunner().invoke(main, ["version", "-o", "json"]).output
+    code, out, _ = pilot_agent("version", "-s")
+    assert code == 0
+    assert out.strip() == __version__
+    assert __version__ in pilot_agent("version", "-o", "json")[1]
 
 
 def test_istio_root_flags_are_accepted() -> None:
-    result = CliRunner().invoke(main, ["--vklog=3", "--log_caller=", "version", "-s"])
-    assert result.exit_code == 0, result.output
+    code, out, err = pilot_agent("--vklog=3", "--log_caller=", "version", "-s")
+    assert code == 0, out + err
 
 
 def test_injection_template_command_line_is_accepted(short_tmp: Path) -> None:

@@ -69,7 +69,7 @@ class Parsed:
 class _Parser(argparse.ArgumentParser):
     """Raises instead of printing usage and exiting 2: callers report errors as Istio does."""
 
-    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise FlagError(message)
 
 
@@ -78,6 +78,10 @@ class _Help(argparse.HelpFormatter):
 
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=40)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        """Descriptions keep their paragraphs (argparse would join them into one)."""
+        return "\n\n".join(super(_Help, self)._fill_text(part, width, indent) for part in text.split("\n\n"))
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
         if not action.option_strings:

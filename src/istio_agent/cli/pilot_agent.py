@@ -7,16 +7,15 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import urlsplit
 
-import click
-
 from istio_agent import __version__, goformat
 from istio_agent.agent import Agent, AgentSettings
 from istio_agent.cli import runtime
+from istio_agent.cli.flags import Flag, FlagError, FlagSet, Parsed
 from istio_agent.cli.runtime import install_signal_handlers
 from istio_agent.config import ConfigError, Env, ProxyConfig, SecuritySettings, XdsSettings
 from istio_agent.config.bootstrap import BootstrapSettings, read_pod_annotations
@@ -42,62 +41,52 @@ STOP_GRACE_SECONDS = 10.0
 flight (2 s), closing streams, saving the DNS table. Defaults give 15 s, within kubelet's 30 s."""
 LINGER_SECONDS = 1.0
 """Once stopped, how long exiting may wait for threads still busy (a key being generated)."""
-TOLERANT = {"ignore_unknown_options": True, "allow_extra_args": True}
-
-
-@click.group(context_settings=TOLERANT)
-@click.option(
-    "--log_output_level", default=DEFAULT_OUTPUT_LEVELS, help="scope:level,... (debug|info|warn|error|none)"
+PROG = "pilot-agent"
+ROOT_HELP = "Istio's workload agent (pilot-agent), in Python."
+ROOT_FLAGS = (
+    Flag(
+        "log_output_level", default=DEFAULT_OUTPUT_LEVELS, help="scope:level,... (debug|info|warn|error|none)"
+    ),
+    Flag("log_as_json", boolean=True, help="JSON log lines"),
+    Flag("log_target", repeated=True, default=("stdout",), help=None),
+    Flag("log_stacktrace_level", default="default:none", help=None),
+    Flag("log_caller", default="", help=None),
+    Flag("vklog", default="0", help=None),
 )
-@click.option("--log_as_json", is_flag=True, help="JSON log lines")
-@click.option("--log_target", multiple=True, default=["stdout"], hidden=True)
-@click.option("--log_stacktrace_level", default="default:none", hidden=True)
-@click.option("--log_caller", default="", hidden=True)
-@click.option("--vklog", default="0", hidden=True)
-@click.pass_context
-def main(ctx: click.Context, log_output_level: str, log_as_json: bool, **_ignored: object) -> None:
-    """Istio's workload agent (pilot-agent), in Python."""
-    runtime.prepare_process()  # first: nothing has loaded grpc yet (this module does not import it)
-    ctx.obj = {"log_output_level": log_output_level, "log_as_json": log_as_json}
+"""Istio's logging flags: persistent in cobra, so they may come before or after the command."""
 
-
-@main.command(context_settings=TOLERANT)
-@click.argument("proxy_type", default="sidecar", required=False)
-@click.option("--meshConfig", "mesh_config", default="./etc/istio/config/mesh", help="mesh config file")
-@click.option("--domain", default="", help="DNS domain suffix (default <POD_NAMESPACE>.svc.cluster.local)")
-@click.option("--serviceCluster", "service_cluster", default="istio-proxy", hidden=True)
-@click.option(
-    "--proxyLogLevel", "proxy_log_level", default="warning", help="Envoy log level (and comp:level,...)"
+PROXY_FLAGS = (
+    Flag("meshConfig", default="./etc/istio/config/mesh", help="mesh config file"),
+    Flag("domain", default="", help="DNS domain suffix (default <POD_NAMESPACE>.svc.cluster.local)"),
+    Flag("serviceCluster", default="istio-proxy", help=None),
+    Flag("proxyLogLevel", default="warning", help="Envoy log level (and comp:level,...)"),
+    Flag("proxyComponentLogLevel", default="", help=None),
+    Flag("concurrency", default="0", help=None),
+    # Istio's other proxy flags, accepted so the injection template's command line works unchanged.
+    Flag("templateFile", default="", help=None),
+    Flag("outlierLogPath", default="", help=None),
+    Flag("stsPort", default="0", help=None),
+    Flag("tokenManagerPlugin", default="", help=None),
+    Flag("profiling", boolean=True, default=True, help=None),
 )
-@click.option("--proxyComponentLogLevel", "proxy_component_log_level", default="", hidden=True)
-@click.option("--concurrency", default=0, type=int, hidden=True)
-# Istio's other proxy flags, accepted so the injection template's command line works unchanged.
-@click.option("--templateFile", "template_file", default="", hidden=True)
-@click.option("--outlierLogPath", "outlier_log_path", default="", hidden=True)
-@click.option("--stsPort", "sts_port", default=0, type=int, hidden=True)
-@click.option("--tokenManagerPlugin", "token_manager_plugin", default="", hidden=True)
-@click.option("--profiling", default=True, type=bool, hidden=True)
-# Root flags are persistent in Istio (cobra): they may also follow the subcommand.
-@click.option("--log_output_level", "log_output_level", default=None, hidden=True)
-@click.option("--log_as_json", "log_as_json", is_flag=True, default=None, hidden=True)
-@click.pass_context
-def proxy(
-    ctx: click.Context,
-    proxy_type: str,
-    mesh_config: str,
-    domain: str,
-    proxy_log_level: str,
-    proxy_component_log_level: str,
-    concurrency: int,
-    outlier_log_path: str,
-    log_output_level: str | None,
-    log_as_json: bool | None,
-    **_later: object,
-) -> None:
+
+
+def proxy(flags: Parsed) -> None:
     """Run the agent next to Envoy: SDS, the xDS proxy, and Envoy itself on a generated bootstrap."""
-    as_json = bool(log_as_json) or ctx.obj["log_as_json"]
+    proxy_type = flags.args[0] if flags.args else "sidecar"  # more arguments are ignored, as in Istio
     try:
-        configure(log_output_level or ctx.obj["log_output_level"], as_json, stream=sys.stdout)
+        concurrency = _parse_count("--concurrency", flags.text("concurrency") or "", None)
+        _parse_count("--stsPort", flags.text("stsPort") or "", None)
+    except CommandError as err:
+        _fail(str(err))
+    mesh_config = flags.text("meshConfig") or ""
+    domain = flags.text("domain") or ""
+    proxy_log_level = flags.text("proxyLogLevel") or ""
+    proxy_component_log_level = flags.text("proxyComponentLogLevel") or ""
+    outlier_log_path = flags.text("outlierLogPath") or ""
+    as_json = bool(flags.boolean("log_as_json"))
+    try:
+        configure(flags.text("log_output_level") or "", as_json, stream=sys.stdout)
     except ValueError as err:
         _fail(str(err))
     if proxy_type not in PROXY_TYPES:
@@ -228,23 +217,26 @@ def stop_deadline(settings: AgentSettings) -> float:
     return drain + STOP_GRACE_SECONDS
 
 
-@main.command()
-@click.option("-s", "--short", is_flag=True, help="print only the version")
-@click.option("-o", "--output", type=click.Choice(["", "yaml", "json"]), default="")
-def version(short: bool, output: str) -> None:
+VERSION_FLAGS = (
+    Flag("short", "s", boolean=True, default=False, help="print only the version"),
+    Flag("output", "o", default="", help="one of 'yaml' or 'json'"),
+)
+
+
+def version(flags: Parsed) -> None:
     """Print the version."""
-    if short:
-        click.echo(__version__)
+    output = flags.text("output")
+    if output not in ("", "yaml", "json"):
+        _fail("--output must be 'yaml' or 'json'")  # Istio's message (pkg/version/cobra.go)
+    python = sys.version.split()[0]
+    if flags.boolean("short"):
+        print(__version__)
     elif output == "json":
-        click.echo(
-            f'{{"clientVersion": {{"version": "{__version__}", "golang_version": "python{sys.version.split()[0]}"}}}}'
-        )
+        print(f'{{"clientVersion": {{"version": "{__version__}", "golang_version": "python{python}"}}}}')
     elif output == "yaml":
-        click.echo(
-            f"clientVersion:\n  version: {__version__}\n  golang_version: python{sys.version.split()[0]}"
-        )
+        print(f"clientVersion:\n  version: {__version__}\n  golang_version: python{python}")
     else:
-        click.echo(f'version.BuildInfo{{Version:"{__version__}", PythonVersion:"{sys.version.split()[0]}"}}')
+        print(f'version.BuildInfo{{Version:"{__version__}", PythonVersion:"{python}"}}')
 
 
 # --- `wait` and `request` (docs/status.md; Istio: pilot/cmd/pilot-agent/app/wait.go, request.go) -------
@@ -259,16 +251,6 @@ MAX_MILLISECONDS = MAX_SECONDS * 1000
 
 class CommandError(Exception):
     """A `wait`/`request` failure: its message is printed as ``Error: <message>`` and the exit status is 255."""
-
-
-class _StrictCommand(click.Command):
-    """Flag errors exit 255 like any other command error in Istio (cobra), not click's usage status 2."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as err:
-            _fail(err.format_message())
 
 
 def _parse_count(name: str, raw: str, minimum: int | None, maximum: int | None = None) -> int:
@@ -336,45 +318,27 @@ async def wait_until_ready(url: str, *, timeout: float, period: float, request_t
         await client.aclose()
 
 
-@main.command(cls=_StrictCommand)
-@click.option("--timeoutSeconds", "timeout_seconds", default=None, help="maximum seconds to wait (60)")
-@click.option(
-    "--requestTimeoutMillis",
-    "request_timeout_millis",
-    default="500",
-    help="timeout of each readiness request",
+WAIT_FLAGS = (
+    Flag("timeoutSeconds", help="maximum seconds to wait (60)"),
+    Flag("requestTimeoutMillis", default="500", help="timeout of each readiness request"),
+    Flag("periodMillis", default="500", help="pause before each readiness request"),
+    Flag("url", default=DEFAULT_READY_URL, help="readiness URL"),
 )
-@click.option("--periodMillis", "period_millis", default="500", help="pause before each readiness request")
-@click.option("--url", default=DEFAULT_READY_URL, help="readiness URL")
-@click.option("--log_output_level", "log_output_level", default=None, hidden=True)
-@click.option("--log_as_json", "log_as_json", is_flag=True, default=None, hidden=True)
-@click.option("--log_target", multiple=True, hidden=True)
-@click.option("--log_stacktrace_level", default=None, hidden=True)
-@click.option("--log_caller", default=None, hidden=True)
-@click.option("--vklog", default=None, hidden=True)
-@click.pass_context
-def wait(
-    ctx: click.Context,
-    timeout_seconds: str | None,
-    request_timeout_millis: str,
-    period_millis: str,
-    url: str,
-    log_output_level: str | None,
-    log_as_json: bool | None,
-    **_ignored: object,
-) -> None:
+
+
+def wait(flags: Parsed) -> None:
     """Waits until the Envoy proxy is ready.
 
     Without --timeoutSeconds the env WAIT_TIMEOUT_SECONDS (beyond Istio) sets the overall timeout.
     """
     try:
-        configure(
-            log_output_level or ctx.obj["log_output_level"],
-            bool(log_as_json) or ctx.obj["log_as_json"],
-            stream=sys.stdout,
-        )
+        configure(flags.text("log_output_level") or "", bool(flags.boolean("log_as_json")), stream=sys.stdout)
     except ValueError as err:
         _fail(str(err))
+    timeout_seconds = flags.text("timeoutSeconds")
+    request_timeout_millis = flags.text("requestTimeoutMillis") or ""
+    period_millis = flags.text("periodMillis") or ""
+    url = flags.text("url") or ""
     try:
         if timeout_seconds is None:
             env_value = Env().text("WAIT_TIMEOUT_SECONDS")
@@ -430,33 +394,17 @@ async def admin_request(
     return answer.body
 
 
-def _log_flags(command: Callable[..., None]) -> Callable[..., None]:
-    """Istio's logging flags, accepted after the subcommand (istioctl and the injector pass them)."""
-    for option in reversed(
-        (
-            click.option("--log_output_level", default=None, hidden=True),
-            click.option("--log_as_json", is_flag=True, default=None, hidden=True),
-            click.option("--log_target", multiple=True, hidden=True),
-            click.option("--log_stacktrace_level", default=None, hidden=True),
-            click.option("--log_caller", default=None, hidden=True),
-            click.option("--vklog", default=None, hidden=True),
-        )
-    ):
-        command = option(command)
-    return command
+REQUEST_FLAGS = (Flag("debug-port", default="15000", help="admin port: 15000, 15004, 15020 or 15021"),)
 
 
-@main.command(cls=_StrictCommand)
-@click.argument("args", nargs=-1)
-@click.option("--debug-port", "debug_port", default="15000", help="admin port: 15000, 15004, 15020 or 15021")
-@_log_flags
-def request(args: tuple[str, ...], debug_port: str, **_ignored: object) -> None:
+def request(flags: Parsed) -> None:
     """Makes an HTTP request to the Envoy admin API: request <method> <path> [<body>].
 
     Only the response body reaches stdout (istioctl parses it); logging stays unconfigured.
     """
+    args = flags.args
     try:
-        port = _parse_count("--debug-port", debug_port, None)
+        port = _parse_count("--debug-port", flags.text("debug-port") or "", None)
     except CommandError as err:
         _fail(str(err))
     if port not in ALLOWED_DEBUG_PORTS:
@@ -477,61 +425,19 @@ async def _request_and_print(method: str, path: str, body: str, port: int) -> No
     sys.stdout.buffer.flush()
 
 
-def _capture_flags(command: Callable[..., None]) -> Callable[..., None]:
-    """istio-iptables' flags, Go-style (``-p 15001``, ``--envoy-port=15001``), from the one table of them."""
+def iptables_flags() -> tuple[Flag, ...]:
+    """istio-iptables' flags, from the one table of them (imported only for this command)."""
     from istio_agent.cni.capture_config import FLAGS
 
-    for flag in reversed(FLAGS):
-        names = [f"--{flag.name}", *([f"-{flag.short}"] if flag.short else [])]
-        key = flag.name.replace("-", "_")
-        if flag.boolean:
-            command = click.option(*names, key, is_flag=True, default=False, help=flag.help)(command)
-        else:
-            command = click.option(*names, key, default=None, help=f"{flag.help} ({flag.default or 'none'})")(
-                command
-            )
-    return command
+    return tuple(
+        Flag(flag.name, flag.short, boolean=True, help=flag.help)
+        if flag.boolean
+        else Flag(flag.name, flag.short, help=f"{flag.help} ({flag.default or 'none'})")
+        for flag in FLAGS
+    )
 
 
-_EXPLICIT_BOOLEANS = "istio-iptables booleans"
-"""ctx.meta key: the boolean flags given as ``--flag=value``, by flag name, value as written."""
-
-
-class _IptablesCommand(_StrictCommand):
-    """Go's boolean flags also take ``--flag=false`` (pflag); click's flags take no value.
-
-    Such arguments are taken out before click parses and kept in ``ctx.meta``, so ``--dry-run=false``
-    can turn off what ``DRY_RUN=true`` turned on.
-    """
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        from istio_agent.cni.capture_config import FLAGS
-
-        names = {}
-        for flag in FLAGS:
-            if flag.boolean:
-                names[f"--{flag.name}"] = flag.name
-                if flag.short:
-                    names[f"-{flag.short}"] = flag.name
-        explicit: dict[str, str] = {}
-        rest = []
-        for index, arg in enumerate(args):
-            if arg == "--":
-                rest += args[index:]
-                break
-            option, equals, value = arg.partition("=")
-            if equals and option in names:
-                explicit[names[option]] = value
-            else:
-                rest.append(arg)
-        ctx.meta[_EXPLICIT_BOOLEANS] = explicit
-        return super().parse_args(ctx, rest)
-
-
-@main.command("istio-iptables", cls=_IptablesCommand)
-@_capture_flags
-@_log_flags
-def istio_iptables(log_output_level: str | None, log_as_json: bool | None, **options: object) -> None:
+def istio_iptables(flags: Parsed) -> None:
     """Sets up the sidecar's traffic capture (Istio's istio-iptables); --dry-run prints the rules.
 
     Applies them in the current network namespace (or --network-namespace), --cleanup-only removes
@@ -541,15 +447,13 @@ def istio_iptables(log_output_level: str | None, log_as_json: bool | None, **opt
     from istio_agent.cni.apply import ApplyError
     from istio_agent.cni.capture_config import FLAGS, read_capture_config, read_run_mode
 
-    ctx = click.get_current_context()
-    explicit = ctx.meta.get(_EXPLICIT_BOOLEANS, {})
     given: dict[str, str | None] = {}
     for flag in FLAGS:
-        value = options[flag.name.replace("-", "_")]
         if flag.boolean:
-            given[flag.name] = explicit.get(flag.name, "true" if value else None)
+            value = flags.boolean(flag.name)
+            given[flag.name] = None if value is None else str(value).lower()  # a flag beats its env var
         else:
-            given[flag.name] = value  # type: ignore[assignment]
+            given[flag.name] = flags.text(flag.name)
     env = Env()
     try:
         config = read_capture_config(given, env)
@@ -562,11 +466,7 @@ def istio_iptables(log_output_level: str | None, log_as_json: bool | None, **opt
             sys.stdout.write(command.dry_run(config, mode))
             sys.stdout.flush()
             return
-        levels, as_json = (
-            log_output_level or ctx.obj["log_output_level"],
-            bool(log_as_json) or ctx.obj["log_as_json"],
-        )
-        configure(levels, as_json, stream=sys.stdout)
+        configure(flags.text("log_output_level") or "", bool(flags.boolean("log_as_json")), stream=sys.stdout)
     except ValueError as err:  # ConfigError, or a bad --log_output_level
         _fail(str(err))
     try:
@@ -586,8 +486,102 @@ def _resolv_conf_servers() -> tuple[str, ...]:
 
 
 def _fail(message: str) -> NoReturn:
-    click.echo(f"Error: {message}", err=True)
+    """Istio's command error: one line on stderr and exit status 255."""
+    print(f"Error: {message}", file=sys.stderr)
     sys.exit(EXIT_ERROR)
+
+
+# --- the command line (cobra's, read with argparse: click costs the agent 1.7 MB, issue 23) --------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One subcommand: its flags (built when it runs), what it does, and how cobra reads its arguments."""
+
+    name: str
+    run: Callable[[Parsed], None]
+    flags: Callable[[], Sequence[Flag]]
+    usage: str = "[flags]"
+    tolerant: bool = False
+    """Unknown flags are skipped (Istio's root and proxy whitelist them: FParseErrWhitelist)."""
+    takes_args: bool = False
+
+    @property
+    def help(self) -> str:
+        return (self.run.__doc__ or "").strip()
+
+
+COMMANDS = {
+    command.name: command
+    for command in (
+        Command("istio-iptables", istio_iptables, iptables_flags),
+        Command("proxy", proxy, lambda: PROXY_FLAGS, "[sidecar|router|...] [flags]", True, True),
+        Command(
+            "request", request, lambda: REQUEST_FLAGS, "<method> <path> [<body>] [flags]", takes_args=True
+        ),
+        Command("version", version, lambda: VERSION_FLAGS),
+        Command("wait", wait, lambda: WAIT_FLAGS),
+    )
+}
+_ROOT_VALUE_FLAGS = {f"--{flag.name}" for flag in ROOT_FLAGS if not flag.boolean}
+
+
+def _flag_set(command: Command) -> FlagSet:
+    hidden_root = tuple(dataclasses.replace(flag, help=None) for flag in ROOT_FLAGS)
+    return FlagSet(f"{PROG} {command.name}", command.help, (*command.flags(), *hidden_root), command.usage)
+
+
+def _root_help() -> str:
+    listed = "\n".join(
+        f"  {name:<16}{command.help.splitlines()[0]}" for name, command in sorted(COMMANDS.items())
+    )
+    text = FlagSet(PROG, ROOT_HELP, ROOT_FLAGS, "[command]").help()
+    return (
+        f"{text}\nAvailable Commands:\n{listed}\n"
+        f"  {'help':<16}Help about any command\n\n"
+        f'Use "{PROG} [command] --help" for more information about a command.\n'
+    )
+
+
+def _split_command(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """The command's name (the first argument that is neither a flag nor a root flag's value) and the
+    rest: flags before the name are the command's too, as cobra parses them."""
+    rest = list(argv)
+    at = 0
+    while at < len(rest):
+        arg = rest[at]
+        if arg == "--":
+            break
+        if not arg.startswith("-") or arg == "-":
+            return arg, rest[:at] + rest[at + 1 :]
+        at += 2 if arg in _ROOT_VALUE_FLAGS else 1
+    return None, rest
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``pilot-agent [command] [flags]``: run the command (``sys.argv`` when ``argv`` is None)."""
+    runtime.prepare_process()
+    name, rest = _split_command(sys.argv[1:] if argv is None else argv)
+    if name == "help":
+        name, rest = (rest[0], ["--help"]) if rest and rest[0] in COMMANDS else (None, [])
+    if name is None:
+        sys.stdout.write(_root_help())
+        return
+    command = COMMANDS.get(name)
+    if command is None:
+        _fail(f'unknown command "{name}" for "{PROG}"')
+    flag_set = _flag_set(command)
+    try:
+        flags = flag_set.parse(rest, tolerant=command.tolerant)
+    except FlagError as err:
+        _fail(str(err))
+    if flags.help:
+        sys.stdout.write(flag_set.help())
+        return
+    if flags.args and not command.takes_args:
+        plural = "s" if len(flags.args) > 1 else ""
+        _fail(f"Got unexpected extra argument{plural} ({' '.join(flags.args)})")
+    command.run(flags)
 
 
 if __name__ == "__main__":
