@@ -3,8 +3,9 @@
 There are no queues: each direction awaits the write on the other side, so a slow reader is
 back-pressured through gRPC flow control. Writes to one upstream call are serialised by the
 stream's lock, shared with the agent's own requests (ACKs, NDS/PCDS, health, debug questions).
-istiod's responses are relayed as the bytes received (see :mod:`istio_agent.xds.wire`); only the
-agent's own types are decoded.
+istiod's responses are relayed as the bytes received (see :mod:`istio_agent.xds.wire`), held once:
+the buffer a response was received into is what is written to Envoy, in slices of it
+(:mod:`istio_agent.rpc.message`); only the agent's own types are decoded.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from istio_agent.xds.wire import RawResponse
 
 log = scope("xdsproxy")
 
+UPSTREAM_MAX_RECEIVE_BYTES = 2**31 - 1
+"""The largest response istiod may send: Istio's agent opens its upstream with
+``grpc.MaxCallRecvMsgSize(math.MaxInt32)`` (pkg/istio-agent/xds_proxy.go), not gRPC's 4 MiB."""
+
 
 class TypeHandler(Protocol):
     """An agent-owned type: its responses go to ``handle`` instead of Envoy."""
@@ -45,8 +50,16 @@ class TypeHandler(Protocol):
 
 
 def _open_upstream(flavour: Flavour, channel: Channel, metadata: list[tuple[str, str]]) -> BidiStream:
-    """The upstream stream; responses arrive as bytes (see :class:`RawResponse`), requests go encoded."""
-    return channel.stream(f"/{ADS_SERVICE}/{flavour.method}", flavour.request_type, bytes, metadata=metadata)
+    """The upstream stream; requests go encoded, responses arrive undecoded, each in the one buffer
+    it was received into (``bytearray``: see :mod:`istio_agent.rpc.message`), which is what is
+    written to Envoy (see :class:`RawResponse`)."""
+    return channel.stream(
+        f"/{ADS_SERVICE}/{flavour.method}",
+        flavour.request_type,
+        bytearray,
+        metadata=metadata,
+        max_receive_bytes=UPSTREAM_MAX_RECEIVE_BYTES,
+    )
 
 
 @dataclass(frozen=True, eq=False)
