@@ -1,6 +1,7 @@
 """xDS benchmark: Envoy fed through the agent's xDS proxy vs Envoy connected to the control plane directly.
 
     python -m bench.xds [--sizes 1000,5000] [--rounds 5] [--repeats 3] [--flavours delta,sotw]
+                        [--baseline-src /tmp/base/src] [--src /tmp/this/src]
 
 For each mesh size (clusters, each with two endpoints) and ADS flavour, two paths side by side,
 each run ``--repeats`` times, interleaved (medians reported, push latencies pooled):
@@ -9,7 +10,11 @@ each run ``--repeats`` times, interleaved (medians reported, push latencies pool
   the agent's Unix socket and the agent relays it to the control plane;
 * **direct**: the same agent and Envoy, but the bootstrap's ``xds-grpc`` cluster points straight at
   the control plane (given to the agent as ProxyConfig ``customConfigFile``), so only the xDS path
-  differs; the agent still serves SDS, so both Envoys warm their TLS clusters the same way.
+  differs; the agent still serves SDS, so both Envoys warm their TLS clusters the same way;
+* **via baseline** (with ``--baseline-src``): as *via agent*, the agent imported from another
+  checkout's ``src`` (``PYTHONPATH``), so a previous build is measured alternated with this one;
+  ``--src`` does the same for the other two paths (a snapshot of this build, when others edit the
+  checkout meanwhile).
 
 The local control plane runs in this process (plaintext port for both paths, so neither pays for
 TLS) with a push observer that timestamps every response written and every ACK received.
@@ -210,7 +215,15 @@ class Result:
     peak_rss: int
 
 
-async def run_once(base: Path, size: int, flavour: str, mode: str, rounds: int) -> Result:
+async def run_once(
+    base: Path,
+    size: int,
+    flavour: str,
+    mode: str,
+    rounds: int,
+    baseline_src: str | None = None,
+    src: str | None = None,
+) -> Result:
     base.mkdir(parents=True)
     proxy = Workload("bench", base / "bench", calls=[f"svc-{i}" for i in range(OUTBOUND)])
     proxy.workdir.mkdir()
@@ -237,6 +250,9 @@ async def run_once(base: Path, size: int, flavour: str, mode: str, rounds: int) 
         )
         env["PROXY_CONFIG"] = json.dumps(proxy_config)
         env.pop("ISTIO_META_DNS_CAPTURE")  # Envoy types only: the direct Envoy never asks for NDS
+        agent_src = baseline_src if mode == "via baseline" else src
+        if agent_src:
+            env["PYTHONPATH"] = agent_src
         if mode == "direct":
             proxy_config["customConfigFile"] = direct_bootstrap(proxy, env, plane.port).name
             env["PROXY_CONFIG"] = json.dumps(proxy_config)
@@ -297,7 +313,14 @@ def _combine(mode: str, runs: list[Result]) -> Result:
     )
 
 
-async def main_async(sizes: list[int], rounds: int, flavours: list[str], repeats: int) -> None:
+async def main_async(
+    sizes: list[int],
+    rounds: int,
+    flavours: list[str],
+    repeats: int,
+    baseline_src: str | None = None,
+    src: str | None = None,
+) -> None:
     base = Path(tempfile.mkdtemp(prefix="ia-bx-", dir="/tmp"))
     print(f"xDS benchmark: Envoy via the agent vs Envoy direct to the control plane ({os.cpu_count()} CPUs)")
     print(
@@ -311,17 +334,20 @@ async def main_async(sizes: list[int], rounds: int, flavours: list[str], repeats
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
-    ratios: list[tuple[int, str, float, float, float, float]] = []
+    ratios: list[tuple[int, str, str, float, float, float, float]] = []
+    modes = ["direct", "via agent"] + (["via baseline"] if baseline_src else [])
     try:
         for size in sizes:
             probe = Workload("bench", base / "probe", calls=[f"svc-{i}" for i in range(OUTBOUND)])
             push_bytes = largest_push_bytes(mesh_document(size, probe), probe)
             for flavour in flavours:
-                runs: dict[str, list[Result]] = {"direct": [], "via agent": []}
+                runs: dict[str, list[Result]] = {mode: [] for mode in modes}
                 for repeat in range(repeats):  # interleaved, so machine noise hits both paths alike
                     for mode in runs:
                         run_dir = base / f"{size}-{flavour}-{mode.replace(' ', '-')}-{repeat}"
-                        runs[mode].append(await run_once(run_dir, size, flavour, mode, rounds))
+                        runs[mode].append(
+                            await run_once(run_dir, size, flavour, mode, rounds, baseline_src, src)
+                        )
                 results = {mode: _combine(mode, done) for mode, done in runs.items()}
                 for mode, result in results.items():
                     print(
@@ -331,27 +357,30 @@ async def main_async(sizes: list[int], rounds: int, flavours: list[str], repeats
                         f"{result.peak_rss / 2**20:.1f} MiB | {push_bytes / 2**20:.2f} MiB |",
                         flush=True,
                     )
-                via, direct = results["via agent"], results["direct"]
-                ratios.append(
-                    (
-                        size,
-                        flavour,
-                        via.applied / direct.applied,
-                        (via.initial_rss - direct.initial_rss) / push_bytes,
-                        (via.peak_rss - direct.peak_rss) / push_bytes,
-                        statistics.median(via.push_latencies) - statistics.median(direct.push_latencies),
+                direct = results["direct"]
+                for mode in modes[1:]:
+                    via = results[mode]
+                    ratios.append(
+                        (
+                            size,
+                            flavour,
+                            mode,
+                            via.applied / direct.applied,
+                            (via.initial_rss - direct.initial_rss) / push_bytes,
+                            (via.peak_rss - direct.peak_rss) / push_bytes,
+                            statistics.median(via.push_latencies) - statistics.median(direct.push_latencies),
+                        )
                     )
-                )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print()
     print(
-        "| clusters | ADS | time to applied, via/direct | agent RSS growth / largest push: initial sync "
-        "| same, after the pushes | added push latency p50 |"
+        "| clusters | ADS | path | time to applied, via/direct | agent RSS growth / largest push: "
+        "initial sync | same, after the pushes | added push latency p50 |"
     )
-    print("|---|---|---|---|---|---|")
-    for size, flavour, ratio, initial, final, added in ratios:
-        print(f"| {size:,} | {flavour} | {ratio:.2f} | {initial:.2f} | {final:.2f} | {_ms(added)} |")
+    print("|---|---|---|---|---|---|---|")
+    for size, flavour, mode, ratio, initial, final, added in ratios:
+        print(f"| {size:,} | {flavour} | {mode} | {ratio:.2f} | {initial:.2f} | {final:.2f} | {_ms(added)} |")
 
 
 def main() -> None:
@@ -360,10 +389,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="mesh changes to time per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per path (medians are reported)")
     parser.add_argument("--flavours", default="delta,sotw", help="ADS flavours: delta, sotw")
+    parser.add_argument(
+        "--baseline-src",
+        help="also run the agent from this src directory (a previous build), alternated with this one",
+    )
+    parser.add_argument("--src", help="run this build's agent from this src directory (default: installed)")
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
     flavours = [flavour.strip() for flavour in args.flavours.split(",")]
-    asyncio.run(main_async(sizes, args.rounds, flavours, args.repeats))
+    asyncio.run(main_async(sizes, args.rounds, flavours, args.repeats, args.baseline_src, args.src))
 
 
 if __name__ == "__main__":
