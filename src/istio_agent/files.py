@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from pathlib import Path
 
 
@@ -23,7 +22,7 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> None:
     durable by syncing the directory.
     """
     payload = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         try:

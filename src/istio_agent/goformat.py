@@ -11,7 +11,6 @@ import json
 import math
 import signal
 from datetime import timedelta
-from decimal import Decimal
 from typing import Any
 
 
@@ -194,6 +193,8 @@ def go_float(value: float) -> str:
         if exponent[:2] == "-0":  # Go writes e-07 as e-7 (but keeps e+21)
             exponent = "-" + exponent[2:]
         return f"{mantissa.removesuffix('.0')}e{exponent}"
+    from decimal import Decimal  # here, not at the top: only this rare case needs it (~0.3 MB)
+
     text = format(Decimal(repr(value)), "f")
     if "." in text:
         text = text.rstrip("0").rstrip(".")

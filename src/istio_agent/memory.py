@@ -10,7 +10,6 @@ keeps large buffers in their own mappings, which go back to the kernel as soon a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 M_MMAP_THRESHOLD = -3
 """glibc's mallopt() parameter number for the mmap threshold (malloc.h)."""
@@ -18,13 +17,13 @@ MMAP_THRESHOLD_BYTES = 128 * 1024
 
 
 def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fix glibc's mmap threshold (disabling its dynamic growth); False where there is no glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
+    """Fix glibc's mmap threshold (disabling its dynamic growth); False where there is no glibc.
+
+    The C library is the one the interpreter already runs on (``CDLL(None)``): ``ctypes.util``'s
+    search would spawn ``ldconfig`` at start-up and keep ``tempfile`` and ``shutil`` loaded (~1.4 MB).
+    """
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False  # not glibc (musl has no mallopt)
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)

@@ -637,3 +637,12 @@ def test_a_port_in_use_is_named() -> None:
             listening_socket("127.0.0.1", taken.getsockname()[1])
     finally:
         taken.close()
+
+
+@pytest.mark.parametrize("seconds", [0, 784111777, 951782400, 1_700_000_000, 2_000_000_000.9, 4_102_444_799])
+def test_http_date_is_the_imf_fixdate_the_email_package_writes(seconds: float) -> None:
+    from email.utils import formatdate
+
+    from istio_agent.http.server import format_http_date
+
+    assert format_http_date(seconds) == formatdate(int(seconds), usegmt=True)

@@ -33,7 +33,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from email.utils import formatdate
 from http import HTTPStatus
 from typing import Protocol
 
@@ -96,6 +95,21 @@ def reason_phrase(status: int) -> str:
 
 
 _date_cache: tuple[int, str] = (0, "")
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def format_http_date(seconds: float) -> str:
+    """RFC 9110's IMF-fixdate (``Sun, 06 Nov 1994 08:49:37 GMT``), in English whatever the locale.
+
+    Written here rather than taken from ``email.utils``, which would load the email package (~1 MB
+    resident) into every agent for this one line.
+    """
+    t = time.gmtime(seconds)
+    return (
+        f"{_DAYS[t.tm_wday]}, {t.tm_mday:02d} {_MONTHS[t.tm_mon - 1]} {t.tm_year:04d} "
+        f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT"
+    )
 
 
 def http_date() -> str:
@@ -103,7 +117,7 @@ def http_date() -> str:
     global _date_cache
     now = int(time.time())
     if _date_cache[0] != now:
-        _date_cache = (now, formatdate(now, usegmt=True))
+        _date_cache = (now, format_http_date(now))
     return _date_cache[1]
 
 
