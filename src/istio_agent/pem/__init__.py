@@ -92,39 +92,14 @@ def encode_pem(der: bytes, label: str = CERTIFICATE) -> bytes:
     return head + b"".join(line + b"\n" for line in lines) + tail
 
 
-def _serial_is_negative(der: bytes) -> bool:
-    """Peek at the serialNumber INTEGER (Certificate > TBSCertificate > [0] version? > INTEGER)."""
-
-    def header(pos: int) -> tuple[int, int, int]:
-        tag, first = der[pos], der[pos + 1]
-        if first < 0x80:
-            return tag, pos + 2, first
-        count = first & 0x7F
-        return tag, pos + 2 + count, int.from_bytes(der[pos + 2 : pos + 2 + count], "big")
-
-    try:
-        tag, pos, _ = header(0)
-        if tag != 0x30:
-            return False
-        tag, pos, _ = header(pos)
-        if tag != 0x30:
-            return False
-        if der[pos] == 0xA0:
-            _, start, length = header(pos)
-            pos = start + length
-        tag, start, length = header(pos)
-        return tag == 0x02 and length > 0 and bool(der[start] & 0x80)
-    except IndexError:
-        return False
-
-
 def _load_der(der: bytes) -> Certificate:
-    if _serial_is_negative(der):
-        raise PemError("failed to parse X.509 certificate: negative serial number")
     try:
-        return certificate.parse(der)
+        cert = certificate.parse(der)
     except DerError as e:
         raise PemError(f"failed to parse X.509 certificate: {e}") from None
+    if cert.serial_number < 0:  # Go refuses them (RFC 5280 wants positive serials)
+        raise PemError("failed to parse X.509 certificate: negative serial number")
+    return cert
 
 
 def _as_bytes(data: bytes | str) -> bytes:
