@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from istio_agent.security.model import ROOT_CERT, WORKLOAD_KEY_CERT, SecretItem
-from istio_agent.security.output import write_output_certs
+from istio_agent.security.output import check_writable, write_output_certs
 
 FULL = SecretItem(WORKLOAD_KEY_CERT, certificate_chain=b"chain", private_key=b"key", root_cert=b"root")
 
@@ -75,3 +75,16 @@ def test_directory_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "out").write_bytes(b"")
     with pytest.raises(OSError):
         write_output_certs(tmp_path / "out", FULL)
+
+
+def test_check_writable_creates_the_directory_and_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "x" / "y"
+    check_writable(out)
+    assert out.is_dir()
+    assert list(out.iterdir()) == []
+
+
+def test_check_writable_refuses_a_path_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_bytes(b"")
+    with pytest.raises(OSError):
+        check_writable(tmp_path / "taken")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 
@@ -23,6 +22,8 @@ def find_envoy(binary_path: str = "/usr/local/bin/envoy") -> Path:
             return packaged
     except ImportError:
         pass
+    import shutil  # only for this last resort: shutil brings bz2 and lzma into every agent (~0.6 MB)
+
     found = shutil.which("envoy")
     if found:
         return Path(found)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tempfile
+import os
 from pathlib import Path
 
 from istio_agent.config.security import CERT_CHAIN_FILE, KEY_FILE, ROOT_CERT_FILE
@@ -29,8 +29,9 @@ def check_writable(directory: Path) -> None:
     proxyless app that waits forever for certificates (Istio only logs each failed write).
     """
     directory.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
-        pass
+    probe = directory / f".write-check-{os.urandom(6).hex()}"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_MODE))
+    probe.unlink()
 
 
 def write_output_certs(directory: Path, item: SecretItem, world_readable: bool = False) -> list[str]:

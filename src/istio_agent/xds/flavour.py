@@ -9,7 +9,7 @@ response is written, and how a response is built from resources.
 from __future__ import annotations
 
 import hashlib
-import uuid
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeAlias
@@ -72,8 +72,15 @@ def resource_version(message: Message) -> str:
 
 
 def new_nonce() -> str:
-    """A response nonce: a random UUID (v4) in its usual text form, as Istio sends."""
-    return str(uuid.uuid4())
+    """A response nonce: a random UUID (v4) in its usual text form, as Istio sends.
+
+    Made from ``os.urandom`` as RFC 9562 lays out version 4, without the ``uuid`` module (~0.5 MB).
+    """
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC's variant
+    text = raw.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def unique(names: Iterable[str]) -> list[str]:
