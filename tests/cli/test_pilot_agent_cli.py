@@ -18,6 +18,7 @@ import pytest
 
 from istio_agent import __version__
 from tests.cli.invoke import pilot_agent
+from tests.test_import_side_effects import RUNNING_AGENT_NEVER_LOADS
 
 COMMANDS = ("istio-iptables", "proxy", "request", "version", "wait")
 
@@ -200,7 +201,8 @@ RUNNING = textwrap.dedent(
         while not socket.exists():
             time.sleep(0.05)
         time.sleep(1)
-        names = sorted(m for m in sys.modules if m.split(".")[0] in ("click", "grpc"))
+        never = set(os.environ["TEST_NEVER_LOADS"].split(","))
+        names = sorted(m for m in sys.modules if m in never or m.split(".")[0] in never)
         Path("loaded.json").write_text(json.dumps(names))
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -211,12 +213,13 @@ RUNNING = textwrap.dedent(
 )
 
 
-def test_a_running_agent_loads_no_click(short_tmp: Path) -> None:
+def test_a_running_agent_started_by_main_loads_none_of_what_it_does_without(short_tmp: Path) -> None:
     """``pilot-agent proxy`` through ``main``, serving (no Envoy, plaintext control plane refused)."""
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME")}
     env.update(
         DISABLE_ENVOY="true",
         PROXY_CONFIG=json.dumps({"discoveryAddress": "127.0.0.1:15010", "statusPort": 0}),
+        TEST_NEVER_LOADS=",".join(RUNNING_AGENT_NEVER_LOADS),
     )
     agent = subprocess.Popen(
         [sys.executable, "-c", RUNNING, "proxy", "sidecar", "--log_output_level=default:info"],

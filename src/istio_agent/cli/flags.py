@@ -13,6 +13,8 @@ resident (issue 23).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -73,11 +75,30 @@ class _Parser(argparse.ArgumentParser):
         raise FlagError(message)
 
 
+def _help_width() -> int:
+    """The terminal's width less 2, as argparse takes it, without the ``shutil`` argparse would load.
+
+    argparse makes a formatter for every flag it adds (to check the metavar), and its default width
+    comes from ``shutil.get_terminal_size``: every pilot-agent would keep shutil, bz2 and lzma. This
+    reads the same sources in the same order: ``COLUMNS``, the terminal of stdout, else 80.
+    """
+    try:
+        columns = int(os.environ.get("COLUMNS", "0"))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return (columns or 80) - 2
+
+
 class _Help(argparse.HelpFormatter):
     """Flags as pflag prints them: ``-n, --dry-run`` for booleans, ``--domain string`` for values."""
 
     def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=40)
+        super().__init__(prog, max_help_position=40, width=_help_width())
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         """Descriptions keep their paragraphs (argparse would join them into one)."""
