@@ -213,6 +213,8 @@ class RawClient:
     async def connect(self, path: str) -> None:
         self.reader, self.writer = await asyncio.open_unix_connection(path)
         self.h2.local_settings = h2.settings.Settings(client=True, initial_values=self.settings)
+        self.h2.max_inbound_frame_size = self.h2.local_settings.max_frame_size
+        self.h2.incoming_buffer.max_frame_size = self.h2.local_settings.max_frame_size
         self.h2.initiate_connection()
         await self.flush()
 
@@ -416,3 +418,48 @@ async def test_a_message_relayed_server_to_client_is_held_once(short_tmp: Path) 
         await server.stop(None)
     assert received[0] == message
     assert growth < 1.3 * size, f"peak {growth / size:.2f}x the message"
+
+
+async def test_sending_to_a_peer_that_allows_huge_frames_copies_no_more_than_a_frame(short_tmp: Path) -> None:
+    """grpcio announces 16 MiB frames and opens a wide window: a message sent as one frame would be
+    copied whole by h2's framing and asyncio's transport buffer. Frames stay small instead.
+
+    The peer is a raw h2 client that counts the bytes and drops them, so what is traced is the
+    sending side's."""
+    size = 8 * MiB
+    message = payload(size)
+
+    async def send_it(call: ServerCall) -> None:
+        await call.recv()
+        await call.send(message)
+
+    server = RpcServer(limits=uds.ServerLimits())
+    server.add_stream(GIVE, send_it, bytes, bytes)
+    path = short_tmp / "frames.sock"
+    await server.start(sock=uds.listen(path, "test server"))
+    wide = 2**31 - 1
+    client = RawClient(
+        {
+            h2.settings.SettingCodes.MAX_FRAME_SIZE: 2**24 - 1,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: wide,
+        }
+    )
+    frames: list[int] = []
+
+    async def sent() -> None:
+        await client.connect(str(path))
+        client.h2.increment_flow_control_window(wide - 65535)
+        await client.call(GIVE, _prefix(2) + b"go")
+        while sum(frames) < size + 5:
+            for event in await client.events(10):
+                if isinstance(event, h2.events.DataReceived):
+                    frames.append(len(event.data))
+
+    try:
+        growth = await _peak_growth(sent)
+    finally:
+        client.close()
+        await server.stop(None)
+    assert sum(frames) == size + 5
+    assert max(frames) <= 64 * 1024
+    assert growth < 0.25 * size, f"sending allocated {growth / size:.2f}x the message"

@@ -10,7 +10,8 @@ prepended (a copy), cut into frames. Here:
   as it arrives, dropping the chunk. The chunks are acknowledged (WINDOW_UPDATE) as they are taken,
   as grpclib's ``Buffer.read`` does, so the peer's window opens as the message is read;
 - :func:`write_message` sends the prefix with the first bytes of the payload, then memoryview
-  slices of the payload, each no larger than the peer's frame size and the stream's send window.
+  slices of the payload, each no larger than the peer's frame size, the stream's send window and
+  :data:`MAX_FRAME_BYTES`.
 
 h2 still copies each frame as it serialises it (hyperframe's ``DataFrame.serialize``), and asyncio's
 transport buffers what the socket does not take at once until ``pause_writing``; both are bounded
@@ -31,6 +32,11 @@ from grpclib.protocol import AckedData, Buffer, Stream, UnackedData
 
 PREFIX_BYTES = 5
 """The compressed flag, then the message's length (big-endian uint32)."""
+
+MAX_FRAME_BYTES = 64 * 1024
+"""The largest DATA frame sent, whatever the peer allows: h2 copies a frame while framing it and
+asyncio's transport may buffer it whole, so a frame as large as the message (grpcio announces
+16 MiB frames and opens a wide window) would cost copies of the whole message."""
 
 
 class MessageError(Exception):
@@ -166,7 +172,7 @@ async def write_message(stream: Stream, payload: Any, *, end: bool = False) -> N
                 stream.window_updated.clear()
                 await stream.window_updated.wait()
                 continue
-            count = min(window, h2.max_outbound_frame_size, total - position)
+            count = min(window, h2.max_outbound_frame_size, MAX_FRAME_BYTES, total - position)
             if position < 0:
                 head = prefix[position + PREFIX_BYTES : min(PREFIX_BYTES, position + PREFIX_BYTES + count)]
                 chunk: Any = head + body[: count - len(head)] if count > len(head) else head
