@@ -282,6 +282,8 @@ class RawServer:
         self.body = body
         self.settings = settings or {}
         self.resets: list[int] = []
+        self.client_settings: dict[int, int] = {}
+        self.connection_window_increments: list[int] = []
         self.server: asyncio.Server
 
     async def start(self, path: Path) -> None:
@@ -301,6 +303,11 @@ class RawServer:
                         conn.send_data(event.stream_id, self.body)
                     elif isinstance(event, h2.events.StreamReset):
                         self.resets.append(event.error_code)
+                    elif isinstance(event, h2.events.RemoteSettingsChanged):
+                        for code, change in event.changed_settings.items():
+                            self.client_settings[code] = change.new_value
+                    elif isinstance(event, h2.events.WindowUpdated) and event.stream_id == 0:
+                        self.connection_window_increments.append(event.delta)
                 writer.write(conn.data_to_send())
         except (ConnectionError, h2.exceptions.ProtocolError):
             pass
@@ -463,3 +470,21 @@ async def test_sending_to_a_peer_that_allows_huge_frames_copies_no_more_than_a_f
     assert sum(frames) == size + 5
     assert max(frames) <= 64 * 1024
     assert growth < 0.25 * size, f"sending allocated {growth / size:.2f}x the message"
+
+
+async def test_the_client_opens_the_windows_istios_agent_opens(short_tmp: Path) -> None:
+    """1 MiB for each stream and for the connection, as Istio's agent dials istiod
+    (pilot/pkg/grpc/grpc.go ClientOptions: defaultInitialWindowSize, defaultInitialConnWindowSize):
+    what istiod may send ahead of the relay, which the agent holds until it reads it."""
+    server = RawServer(_prefix(2) + b"ok")
+    await server.start(short_tmp / "raw.sock")
+    channel = Channel(f"unix:{short_tmp / 'raw.sock'}")
+    try:
+        stream = channel.stream(ECHO, bytes, bytes)
+        await stream.send(b"hello")
+        assert await asyncio.wait_for(stream.recv(), 5) == b"ok"
+    finally:
+        channel.close()
+        await server.stop()
+    assert server.client_settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE] == MiB
+    assert 65535 + sum(server.connection_window_increments) == MiB

@@ -47,6 +47,10 @@ CONNECT_TIMEOUT = 20.0
 DEFAULT_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
 """The largest response a call accepts unless told otherwise: grpc's default
 (grpc-go's ``defaultClientMaxReceiveMessageSize``, grpcio's ``max_receive_message_length``)."""
+WINDOW_BYTES = 1024 * 1024
+"""The receive window of each stream and of the connection: Istio's agent dials istiod with 1 MiB
+(pilot/pkg/grpc/grpc.go ``ClientOptions``); grpclib's default is 4 MiB. It bounds what the server
+may send ahead of the reader, which the agent holds until it reads it."""
 
 # grpc-go's status for a stream reset by its peer (internal/transport/http_util.go http2ErrConvTab).
 _RESET_CODES = {
@@ -155,6 +159,8 @@ class Channel:
             _http2_max_pings_without_data=0,
             _http2_min_sent_ping_interval_without_data=(keepalive_time or 1.0) / 2,
             ssl_target_name_override=server_name or None,
+            http2_connection_window_size=WINDOW_BYTES,
+            http2_stream_window_size=WINDOW_BYTES,
         )
         self._channel = grpclib.client.Channel(
             host, port, path=path, ssl=ssl_context, codec=Codec(), config=config
