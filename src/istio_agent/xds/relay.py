@@ -211,28 +211,36 @@ class Relay:
                 raise UpstreamError(err.code, err.details) from None
             if data is None:
                 return
-            response = RawResponse.decode(data)
-            if response.malformed:
-                raise UpstreamError(Status.INTERNAL, f"malformed response: {response.malformed}")
-            if not stream.answered:
-                stream.answered = True
-                self.outcomes.connected()
-            self.metrics.responses.inc()
-            handler = self.handlers.get(response.type_url)
-            if response.type_url.startswith(DEBUG_TYPE_PREFIX):
-                self.questions.answer(stream, response)
-            elif handler is not None:
-                await self._handle_agent_type(stream, handler, response)
-            elif not types.is_forwardable(response.type_url):
-                log.debug(
-                    "skipping forwarding type url %s to Envoy: not a valid Envoy type", response.type_url
-                )
-            else:
-                try:
-                    await downstream.send(response.data)
-                except CallEnded as err:
-                    raise DownstreamError(f"write failed: {err}") from None
-                self.metrics.pushes.labels(type_url=response.type_url).inc()
+            await self._relay_response(stream, downstream, data)
+            # Let go of this push before receiving the next (SotW sends CDS and EDS back to back):
+            # a loop variable would keep it alive while the next one is read.
+            del data
+
+    async def _relay_response(self, stream: ProxyStream, downstream: Call, data: bytes) -> None:
+        """One response from istiod: to Envoy, to the agent's own handler, or to a debug question.
+
+        ``data`` is the bytearray the response was received into (typed as :class:`RawResponse`
+        takes it), written to Envoy as it is."""
+        response = RawResponse.decode(data)
+        if response.malformed:
+            raise UpstreamError(Status.INTERNAL, f"malformed response: {response.malformed}")
+        if not stream.answered:
+            stream.answered = True
+            self.outcomes.connected()
+        self.metrics.responses.inc()
+        handler = self.handlers.get(response.type_url)
+        if response.type_url.startswith(DEBUG_TYPE_PREFIX):
+            self.questions.answer(stream, response)
+        elif handler is not None:
+            await self._handle_agent_type(stream, handler, response)
+        elif not types.is_forwardable(response.type_url):
+            log.debug("skipping forwarding type url %s to Envoy: not a valid Envoy type", response.type_url)
+        else:
+            try:
+                await downstream.send(response.data)
+            except CallEnded as err:
+                raise DownstreamError(f"write failed: {err}") from None
+            self.metrics.pushes.labels(type_url=response.type_url).inc()
 
     async def _handle_agent_type(self, stream: ProxyStream, handler: TypeHandler, raw: RawResponse) -> None:
         try:
