@@ -216,11 +216,10 @@ class Relay:
             # a loop variable would keep it alive while the next one is read.
             del data
 
-    async def _relay_response(self, stream: ProxyStream, downstream: Call, data: bytes) -> None:
+    async def _relay_response(self, stream: ProxyStream, downstream: Call, data: bytearray) -> None:
         """One response from istiod: to Envoy, to the agent's own handler, or to a debug question.
 
-        ``data`` is the bytearray the response was received into (typed as :class:`RawResponse`
-        takes it), written to Envoy as it is."""
+        ``data`` is the buffer the response was received into, written to Envoy as it is."""
         response = RawResponse.decode(data)
         if response.malformed:
             raise UpstreamError(Status.INTERNAL, f"malformed response: {response.malformed}")

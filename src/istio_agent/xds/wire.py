@@ -18,7 +18,7 @@ class WireError(ValueError):
     """The bytes are not a well-formed protobuf message."""
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= len(data) or shift > 63:
@@ -31,9 +31,9 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def string_field(data: bytes, number: int) -> str:
+def string_field(data: bytes | bytearray, number: int) -> str:
     """The last value of top-level string field ``number`` ("" when absent); WireError when malformed."""
-    value = b""
+    value: bytes | bytearray = b""
     pos = 0
     end = len(data)
     while pos < end:
@@ -66,16 +66,16 @@ def string_field(data: bytes, number: int) -> str:
 class RawResponse:
     """An encoded DiscoveryResponse or DeltaDiscoveryResponse, with its type URL read off the wire."""
 
-    data: bytes
+    data: bytes | bytearray  # the relay's receive buffer, handed on to Envoy as is
     type_url: str
     malformed: str = ""
 
     @classmethod
-    def decode(cls, data: bytes) -> RawResponse:
+    def decode(cls, data: bytes | bytearray) -> RawResponse:
         try:
             return cls(data, string_field(data, TYPE_URL_FIELD))
         except WireError as err:
             return cls(data, "", str(err))
 
-    def encode(self) -> bytes:
+    def encode(self) -> bytes | bytearray:
         return self.data
