@@ -9,7 +9,7 @@ import json
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -261,8 +261,15 @@ async def peer(answer: bytes) -> AsyncIterator[str]:
         async for _ in requests:
             yield answer
 
+    async with ads_server(reply) as address:
+        yield address
+
+
+@contextlib.asynccontextmanager
+async def ads_server(behaviour: Callable[..., AsyncIterator[bytes]]) -> AsyncIterator[str]:
+    """grpcio's server on 127.0.0.1 with ``behaviour`` as its SotW ADS method (bytes in, bytes out)."""
     server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(reply)  # no serializers: bytes go out as they are
+    handler = grpc.stream_stream_rpc_method_handler(behaviour)  # no serializers: bytes go out as they are
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(ADS_SERVICE, {SOTW.method: handler}),)
     )
@@ -396,17 +403,8 @@ async def silent_peer() -> AsyncIterator[str]:
             await asyncio.sleep(60)
         yield b""  # pragma: no cover
 
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(never)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(ADS_SERVICE, {SOTW.method: handler}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
+    async with ads_server(never) as address:
+        yield address
 
 
 async def test_agents_that_do_not_answer_in_time_or_refuse_are_skipped_in_istioctls_words() -> None:
@@ -445,19 +443,10 @@ async def test_a_control_plane_error_status_is_its_code_and_details() -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, ps.AUTHENTICATION_REQUIRED)
         yield b""  # pragma: no cover
 
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(refuse)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(ADS_SERVICE, {SOTW.method: handler}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        code, out, err = await agentctl("--xds-address", f"127.0.0.1:{port}", "--plaintext")
-    finally:
-        await server.stop(0)
+    async with ads_server(refuse) as address:
+        code, out, err = await agentctl("--xds-address", address, "--plaintext")
     assert code == 1 and out == ""
     (line,) = err.splitlines()
     assert line.startswith(
-        f"Error: control plane 127.0.0.1:{port}: UNAUTHENTICATED: authentication required (istiod answers"
+        f"Error: control plane {address}: UNAUTHENTICATED: authentication required (istiod answers"
     ), line
