@@ -219,6 +219,10 @@ def report(
     print(f"\nGoal: difference <= {GOAL_EXTRA_SECONDS * 1000:.0f} ms at p50: {verdict}.\n")
 
     report_idle_memory("pilot-agent process memory, Envoy excluded (MB)", agent, GOAL_RSS_MB, "ready")
+    if baseline:
+        report_idle_memory(
+            "previous build's pilot-agent, the same moments (MB)", baseline, GOAL_RSS_MB, "ready"
+        )
 
 
 class IdleMemory(Protocol):
