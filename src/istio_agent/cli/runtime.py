@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -26,9 +28,56 @@ T = TypeVar("T")
 
 def prepare_process() -> None:
     """Process-wide settings every command makes first, before it imports what does the work."""
+    sys.stdout = _finishing_writes(sys.stdout)
+    sys.stderr = _finishing_writes(sys.stderr)
     # Some roots in the OS trust store (SYSTEM roots, file-root:system) have serial number 0, which
     # RFC 5280 forbids; cryptography warns once per process. They are the OS's roots, not ours to fix.
     warnings.filterwarnings("ignore", message="Parsed a serial number which wasn't positive")
+
+
+class _WholeWrites(io.RawIOBase):
+    """A raw file whose ``write`` returns only once all of it is written, as a buffered one does.
+
+    Under ``PYTHONUNBUFFERED`` (``-u``) stdout and stderr have no buffered layer, and a raw write may
+    come back short: a write to a full pipe is cut short when the task has pending work, which
+    uvloop's io_uring leaves behind. The text layer never writes the rest, so output a reader takes
+    late (agentctl's config dumps, the agent's log lines in a busy container runtime) lost all but
+    its first 64 KiB. Writes stay unbuffered: each returns when its bytes are with the kernel.
+    """
+
+    def __init__(self, raw: io.RawIOBase) -> None:
+        super().__init__()
+        self._raw = raw
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def isatty(self) -> bool:
+        return self._raw.isatty()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            written = self._raw.write(view)
+            if written is None:  # a non-blocking file that is full: wait until it takes more
+                select.select([], [self._raw], [])
+                continue
+            view = view[written:]
+        return total
+
+
+def _finishing_writes(stream: Any) -> Any:
+    """``stream``, or an unbuffered equivalent whose writes are finished, when it has no buffer."""
+    raw = getattr(stream, "buffer", None)
+    if not isinstance(raw, io.FileIO):
+        return stream  # buffered (its flush finishes short writes), already replaced, or not a file
+    return io.TextIOWrapper(
+        _WholeWrites(raw), encoding=stream.encoding, errors=stream.errors, write_through=True
+    )
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
