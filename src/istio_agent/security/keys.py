@@ -128,7 +128,7 @@ def _request_info(public_key: bytes, names: list[bytes]) -> bytes:
 def generate_csr(hosts: str, options: KeyOptions) -> tuple[bytes, bytes]:
     """A new private key and a CSR for ``hosts`` (comma-separated): ``(csr_pem, private_key_pem)``.
 
-    CPU-bound (RSA key generation takes tens of milliseconds): call it from a worker thread.
+    CPU-bound (RSA 2048 key generation takes 0.1-0.2 s with OpenSSL 3.0): call it from a worker thread.
     """
     names = [_san(host, hosts) for host in hosts.split(",")]
     try:
