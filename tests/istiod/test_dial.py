@@ -173,6 +173,15 @@ async def test_channels_are_the_agents_own_and_connect_only_when_called(pki: Mes
         channel.close()
 
 
+async def test_channels_accept_responses_as_large_as_istios_clients_do(pki: MeshCA) -> None:
+    """Istio's ClientOptions (pilot/pkg/grpc/grpc.go) lift gRPC's 4 MiB receive limit to MaxInt32
+    for every channel to istiod: the CA client's as well as the xDS upstream's."""
+    for creds in (credentials(plaintext()), credentials(tls(pki.root))):
+        channel = creds.channel(creds.material())
+        assert channel.max_receive_bytes == dial.MAX_RECEIVE_BYTES == 2**31 - 1
+        channel.close()
+
+
 async def test_a_client_certificate_replaced_after_it_was_read_is_left_out(
     tmp_path: Path, pki: MeshCA, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -52,6 +52,11 @@ Purpose = Literal["CA", "XDS"]
 _LOG_SCOPES: dict[Purpose, str] = {"CA": "citadelclient", "XDS": "xdsproxy"}
 
 
+MAX_RECEIVE_BYTES = 2**31 - 1
+"""The largest response a channel to istiod accepts: Istio's ``ClientOptions`` (pilot/pkg/grpc/grpc.go)
+lift gRPC's 4 MiB default to ``math.MaxInt32`` for the CA client and the xDS upstream alike."""
+
+
 @dataclass(frozen=True)
 class ChannelSettings:
     """How a channel to istiod is made, apart from the files: keepalive and the TLS server name."""
@@ -277,6 +282,7 @@ class IstiodCredentials:
             server_name=settings.server_name,
             keepalive_time=settings.keepalive_time,
             keepalive_timeout=settings.keepalive_timeout,
+            max_receive_bytes=MAX_RECEIVE_BYTES,
         )
 
     def _client_cert_paths(self, material: DialMaterial) -> tuple[str, str] | None:

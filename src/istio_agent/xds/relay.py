@@ -19,6 +19,7 @@ from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 from grpclib.exceptions import GRPCError
 
+from istio_agent.istiod.dial import MAX_RECEIVE_BYTES
 from istio_agent.log import scope
 from istio_agent.rpc import Status
 from istio_agent.rpc.call import Call, CallEnded
@@ -35,9 +36,10 @@ from istio_agent.xds.wire import RawResponse
 
 log = scope("xdsproxy")
 
-UPSTREAM_MAX_RECEIVE_BYTES = 2**31 - 1
+UPSTREAM_MAX_RECEIVE_BYTES = MAX_RECEIVE_BYTES
 """The largest response istiod may send: Istio's agent opens its upstream with
-``grpc.MaxCallRecvMsgSize(math.MaxInt32)`` (pkg/istio-agent/xds_proxy.go), not gRPC's 4 MiB."""
+``grpc.MaxCallRecvMsgSize(math.MaxInt32)`` (pkg/istio-agent/xds_proxy.go), not gRPC's 4 MiB; set on
+the call too, since the relay is handed its channel."""
 
 
 class TypeHandler(Protocol):
