@@ -266,35 +266,26 @@ class DnsResolver:
         return self.forwarded_reply(query, reply, tcp=tcp)
 
     def forwarded_reply(self, query: Query, result: bytes | UpstreamError, *, tcp: bool) -> bytes:
-        """The client's reply to a forwarded query (``client_reply``), counted (``count_forwarded``)."""
-        reply = self.client_reply(query, result, tcp=tcp)
-        self.count_forwarded(query, result)
-        return reply
-
-    def client_reply(self, query: Query, result: bytes | UpstreamError, *, tcp: bool) -> bytes:
-        """The upstream's reply within the client's size, or SERVFAIL; not counted (the caller does).
+        """The client's reply to a forwarded query: the upstream's within the client's size, or SERVFAIL.
 
         Over the limit it is cut and marked TC, so the client retries over TCP.
         """
         if isinstance(result, UpstreamError):
             log.debug("upstream failed for a %s query: %s", _TYPE_NAMES.get(query.qtype, query.qtype), result)
+            self.stats.answered(query.qtype, RCODE_SERVFAIL, "upstream")
             return servfail(query)
+        reply = result
+        self.stats.queries[
+            (query.qtype, reply[3] & 0x0F if len(reply) >= 4 else RCODE_SERVFAIL, "upstream")
+        ] += 1
         limit = TCP_LIMIT if tcp else query.udp_limit
-        if len(result) <= limit:
-            return result
+        if len(reply) <= limit:
+            return reply
         try:
-            return truncate(result, limit)
+            return truncate(reply, limit)
         except ValueError as err:  # DnsFormatError: the forwarder already checked it, so this is a bug
             log.warning("cannot truncate an upstream reply: %s", err)
             return servfail(query)
-
-    def count_forwarded(self, query: Query, result: bytes | UpstreamError) -> None:
-        """``dns_queries_total`` for a forwarded query: the upstream's rcode, SERVFAIL when all failed."""
-        if isinstance(result, UpstreamError):
-            rcode = RCODE_SERVFAIL
-        else:
-            rcode = result[3] & 0x0F if len(result) >= 4 else RCODE_SERVFAIL
-        self.stats.queries[(query.qtype, rcode, "upstream")] += 1
 
 
 class _Forwards:
@@ -411,14 +402,7 @@ class _UdpListener:
     def forwarded(self, parsed: Query, result: bytes | UpstreamError, client: Any) -> None:
         """The forwarder's outcome for a query this listener forwarded on the short path: reply now."""
         self._pending.callbacks -= 1
-        resolver = self._resolver
-        reply = resolver.client_reply(parsed, result, tcp=False)
-        if not self._closed:  # sent here rather than through ``_send``: one call less before the reply
-            try:
-                self.sock.sendto(reply, client)
-            except OSError as err:  # a full send buffer or a gone client: UDP, the client retries
-                log.debug("DNS UDP reply not sent: %s", err)
-        resolver.count_forwarded(parsed, result)  # after the client has its reply
+        self._send(self._resolver.forwarded_reply(parsed, result, tcp=False), client)
 
     async def _forward(self, data: bytes, query: Query, addr: tuple[str | int, ...]) -> None:
         try:
