@@ -11,11 +11,13 @@ STAMP := $(VENV)/.installed
 # in /usr/lib/cni) for the CNI tests in network namespaces; curl, the app of the CNI pod end-to-end test;
 # a static busybox, the only program of the node root the self-contained plugin is tested in, and strip,
 # which takes the debug sections out of the libraries that plugin carries; containerd and runc, the container
-# runtime the CRI tests (tests/cri) drive; mmdebstrap and buildah, which build the images (make images).
+# runtime the CRI tests (tests/cri) drive; mmdebstrap and buildah, which build the images (make images);
+# wat2wasm (wabt), which builds the test Wasm filter, and the CNCF distribution registry (docker-registry),
+# skopeo and htpasswd (apache2-utils), the OCI registry the Wasm fetch tests pull from.
 DEB_TOOLS := dnsmasq dig dnsperf iptables-legacy iptables-nft nft conntrack ip /usr/lib/cni/bridge curl \
-	busybox strip containerd runc mmdebstrap buildah
+	busybox strip containerd runc mmdebstrap buildah wat2wasm docker-registry skopeo htpasswd
 DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf iptables nftables conntrack iproute2 containernetworking-plugins curl \
-	busybox-static binutils containerd runc mmdebstrap buildah
+	busybox-static binutils containerd runc mmdebstrap buildah wabt docker-registry skopeo apache2-utils
 
 $(STAMP): pyproject.toml
 	@missing=""; for t in $(DEB_TOOLS); do command -v $$t >/dev/null || [ -x /usr/sbin/$$t ] || missing=yes; done; \
