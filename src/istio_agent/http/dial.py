@@ -14,22 +14,40 @@ from collections.abc import Callable
 
 SocketFactory = Callable[[int, int, int], socket.socket]
 """Makes an unconnected socket for ``(family, type, proto)``; may bind it to a source address."""
+AddressCheck = Callable[[str], None]
+"""Vets a resolved IP address before it is dialled; raises (any exception) to refuse it."""
 
 CLOSE_TIMEOUT = 0.1
 """How long close() lets the transport flush before dropping it."""
 STREAM_LIMIT = 2**16
 
 
-async def connect(host: str, port: int, socket_factory: SocketFactory | None = None) -> socket.socket:
+async def connect(
+    host: str,
+    port: int,
+    socket_factory: SocketFactory | None = None,
+    *,
+    check_address: AddressCheck | None = None,
+) -> socket.socket:
     """A connected non-blocking socket to the first address of ``host`` that accepts.
 
     Raises the ``OSError`` of the last address tried (``socket.gaierror`` when ``host`` does not resolve).
+    With ``check_address``, each resolved address is vetted before it is dialled (after resolution, so
+    a name cannot smuggle in a refused address): refused ones are skipped, and when every address is
+    refused, the check's first exception is raised.
     """
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     last: OSError | None = None
+    refused: Exception | None = None
     make = socket_factory or socket.socket
     for family, kind, proto, _, address in infos:
+        if check_address is not None:
+            try:
+                check_address(str(address[0]))
+            except Exception as err:
+                refused = refused or err
+                continue
         sock = make(family, kind, proto)
         try:
             sock.setblocking(False)
@@ -42,6 +60,8 @@ async def connect(host: str, port: int, socket_factory: SocketFactory | None = N
             sock.close()
             raise
         return sock
+    if last is None and refused is not None:
+        raise refused
     raise last or OSError(f"no address for {host}")
 
 
@@ -92,14 +112,16 @@ async def open_stream(
     tls: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
     socket_factory: SocketFactory | None = None,
+    check_address: AddressCheck | None = None,
 ) -> Stream:
     """Dial ``host:port`` (TLS when ``tls`` is given: ALPN and verification are the context's).
 
     Connect errors are the socket's ``OSError``; a failed handshake is an ``ssl.SSLError`` or, when
     the server just drops the connection, a ``ConnectionError``. SNI is ``server_hostname``, by
-    default the dialled name (the ssl module leaves it out for IP literals).
+    default the dialled name (the ssl module leaves it out for IP literals). ``check_address``: see
+    ``connect``.
     """
-    sock = await connect(host, port, socket_factory)
+    sock = await connect(host, port, socket_factory, check_address=check_address)
     try:
         reader, writer = await asyncio.open_connection(
             sock=sock,
