@@ -1,0 +1,294 @@
+"""A real OCI registry for the Wasm tests: Debian's ``docker-registry`` (CNCF distribution 2.8) on loopback.
+
+Images are written as an OCI layout directory here in Python and pushed with ``skopeo copy``, so what
+the registry serves was stored by the registry itself (its manifest checks, its digests, its media
+types), not by us. API:
+
+- :func:`running_registry` (context manager): a registry on a free 127.0.0.1 port, storage in a
+  temporary directory; ``auth=(user, password)`` puts it behind htpasswd (Basic), ``tls=True``
+  behind a self-signed certificate (for the fetcher's insecure flag).
+- :func:`push_wasm`: a module as one of the three Wasm image formats Istio reads (:data:`DOCKER`,
+  :data:`OCI`, :data:`ARTIFACT`); returns the manifest digest as the registry has it (hex).
+- :func:`push_image`: any layers (for images that are not Wasm images); :func:`push_index`: an
+  image index of per-platform Wasm images.
+
+A test that needs the registry and finds a tool missing skips with "not installed" (CI fails it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import shutil
+import socket
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
+
+REGISTRY = "/usr/bin/docker-registry"
+TOOLS = {"docker-registry": REGISTRY, "skopeo": "skopeo", "htpasswd": "htpasswd"}
+START_TIMEOUT = 15.0
+
+DOCKER = "docker"
+"""Docker schema2 manifest, the module as ``plugin.wasm`` in its (last) tar.gz layer."""
+OCI = "oci"
+"""OCI manifest, "compat" variant: ``plugin.wasm`` in an ``application/vnd.oci.image.layer.v1.tar+gzip`` layer."""
+ARTIFACT = "artifact"
+"""OCI manifest, "oci" variant: two layers, the raw module as ``application/vnd.module.wasm.content.layer.v1+wasm``."""
+FORMATS = (DOCKER, OCI, ARTIFACT)
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+WASM_LAYER = "application/vnd.module.wasm.content.layer.v1+wasm"
+WASM_CONFIG = "application/vnd.module.wasm.config.v1+json"
+
+
+@dataclass(frozen=True)
+class Registry:
+    """A running registry: ``host`` is ``127.0.0.1:PORT`` as an ``oci://`` reference starts."""
+
+    host: str
+    scheme: str
+    credentials: tuple[str, str] | None
+    root: Path
+
+    def reference(self, repo: str, tag: str = "latest") -> str:
+        """``host/repo:tag``: what ``ImageFetcher.prepare`` takes."""
+        return f"{self.host}/{repo}:{tag}"
+
+    def pull_secret(self, user: str | None = None, password: str | None = None) -> bytes:
+        """A docker config JSON for this registry (its own credentials unless others are given)."""
+        given = self.credentials or ("", "")
+        return docker_config(self.host, user or given[0], password or given[1])
+
+
+def docker_config(host: str, user: str, password: str) -> bytes:
+    """``{"auths": {host: {"auth": base64(user:password)}}}``, as ``kubectl create secret docker-registry``."""
+    import base64
+
+    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return json.dumps({"auths": {host: {"auth": auth}}}).encode()
+
+
+def require_tools() -> None:
+    """Skip (a failure in CI) when a tool the registry needs is missing."""
+    for name, path in TOOLS.items():
+        if shutil.which(path) is None:
+            pytest.skip(f"{name} is not installed (Debian's docker-registry, skopeo, apache2-utils)")
+
+
+@contextlib.contextmanager
+def running_registry(
+    *, auth: tuple[str, str] | None = None, tls: bool = False, workdir: Path | None = None
+) -> Iterator[Registry]:
+    """Start a registry and stop it on exit (its storage goes with the temporary directory)."""
+    require_tools()
+    with contextlib.ExitStack() as stack:
+        root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="registry-")))
+        port = _free_port()
+        config = _config(root, port, auth, tls)
+        log = stack.enter_context((root / "registry.log").open("wb"))
+        process = subprocess.Popen([REGISTRY, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
+        stack.callback(_stop, process)
+        scheme = "https" if tls else "http"
+        registry = Registry(f"127.0.0.1:{port}", scheme, auth, root)
+        _wait_ready(process, port, root / "registry.log")
+        yield registry
+
+
+def push_wasm(registry: Registry, repo: str, tag: str, module: bytes, fmt: str) -> str:
+    """Push ``module`` as a Wasm image in format ``fmt``; the manifest's digest (hex) in the registry."""
+    if fmt == ARTIFACT:
+        layers = [(WASM_LAYER, module), (WASM_CONFIG, b'{"type":"envoy_proxy"}')]
+        return push_image(registry, repo, tag, layers, config_media_type=WASM_CONFIG, config=b"{}")
+    if fmt in (DOCKER, OCI):
+        layers = [(OCI_LAYER_GZIP, tar_gz({"plugin.wasm": module}))]
+        return push_image(registry, repo, tag, layers, docker=fmt == DOCKER)
+    raise ValueError(f"unknown Wasm image format {fmt!r}; expected one of {FORMATS}")
+
+
+def push_image(
+    registry: Registry,
+    repo: str,
+    tag: str,
+    layers: Sequence[tuple[str, bytes]],
+    *,
+    config_media_type: str = OCI_CONFIG,
+    config: bytes | None = None,
+    docker: bool = False,
+) -> str:
+    """Push an image of ``layers`` (media type, content); with ``docker`` skopeo converts it to
+    Docker schema2 (``--format v2s2``, which renames the OCI layer types to Docker's)."""
+    with tempfile.TemporaryDirectory(prefix="oci-layout-") as scratch:
+        layout = Path(scratch)
+        _layout_header(layout)
+        manifest = _image_manifest(layout, layers, config_media_type, config)
+        _write_index(layout, [_descriptor(manifest, OCI_MANIFEST, tag=tag)])
+        return _skopeo_copy(registry, layout, repo, tag, ["--format", "v2s2"] if docker else [])
+
+
+def push_index(registry: Registry, repo: str, tag: str, modules: dict[tuple[str, str], bytes]) -> str:
+    """Push an image index of OCI-format Wasm images, one per ``(os, architecture)``; the index digest."""
+    with tempfile.TemporaryDirectory(prefix="oci-layout-") as scratch:
+        layout = Path(scratch)
+        _layout_header(layout)
+        entries = []
+        for (os_name, arch), module in modules.items():
+            config = json.dumps({"architecture": arch, "os": os_name, "rootfs": _rootfs()}).encode()
+            layers = [(OCI_LAYER_GZIP, tar_gz({"plugin.wasm": module}))]
+            manifest = _image_manifest(layout, layers, OCI_CONFIG, config)
+            entry = _descriptor(manifest, OCI_MANIFEST)
+            entry["platform"] = {"architecture": arch, "os": os_name}
+            entries.append(entry)
+        index = json.dumps({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": entries}).encode()
+        _blob(layout, index)
+        _write_index(layout, [_descriptor(index, OCI_INDEX, tag=tag)])
+        return _skopeo_copy(registry, layout, repo, tag, ["--all"])
+
+
+def tar_gz(files: dict[str, bytes]) -> bytes:
+    """A gzip-compressed tar of regular files (fixed times, so the same files give the same digest)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name, content in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(content)
+            info.mode = 0o644
+            archive.addfile(info, io.BytesIO(content))
+    return gzip.compress(buffer.getvalue(), mtime=0)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _rootfs() -> dict[str, object]:
+    return {"type": "layers", "diff_ids": []}
+
+
+def _layout_header(layout: Path) -> None:
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+
+
+def _blob(layout: Path, data: bytes) -> str:
+    directory = layout / "blobs" / "sha256"
+    directory.mkdir(parents=True, exist_ok=True)
+    digest = sha256(data)
+    (directory / digest).write_bytes(data)
+    return f"sha256:{digest}"
+
+
+def _descriptor(data: bytes, media_type: str, *, tag: str | None = None) -> dict[str, object]:
+    entry: dict[str, object] = {
+        "mediaType": media_type,
+        "digest": f"sha256:{sha256(data)}",
+        "size": len(data),
+    }
+    if tag is not None:
+        entry["annotations"] = {"org.opencontainers.image.ref.name": tag}
+    return entry
+
+
+def _image_manifest(
+    layout: Path, layers: Sequence[tuple[str, bytes]], config_media_type: str, config: bytes | None
+) -> bytes:
+    """Write the blobs and the manifest of one image; the manifest's bytes."""
+    if config is None:
+        config = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": _rootfs()}).encode()
+    _blob(layout, config)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": _descriptor(config, config_media_type),
+        "layers": [_descriptor(data, media_type) for media_type, data in layers],
+    }
+    for _, data in layers:
+        _blob(layout, data)
+    encoded = json.dumps(manifest).encode()
+    _blob(layout, encoded)
+    return encoded
+
+
+def _write_index(layout: Path, manifests: list[dict[str, object]]) -> None:
+    (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": manifests}))
+
+
+def _skopeo_copy(registry: Registry, layout: Path, repo: str, tag: str, extra: list[str]) -> str:
+    digest_file = layout / "pushed.digest"
+    command = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--digestfile", str(digest_file)]
+    if registry.credentials is not None:
+        command += ["--dest-creds", ":".join(registry.credentials)]
+    command += [*extra, f"oci:{layout}:{tag}", f"docker://{registry.host}/{repo}:{tag}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"skopeo copy to {registry.host}/{repo}:{tag} failed: {done.stderr.strip()}")
+    return digest_file.read_text().strip().removeprefix("sha256:")
+
+
+def _config(root: Path, port: int, auth: tuple[str, str] | None, tls: bool) -> Path:
+    config: dict[str, object] = {
+        "version": 0.1,
+        "log": {"level": "warn", "accesslog": {"disabled": True}},
+        "storage": {"filesystem": {"rootdirectory": str(root / "storage")}, "delete": {"enabled": True}},
+        "http": {"addr": f"127.0.0.1:{port}", "secret": "wasm-tests"},
+    }
+    http = config["http"]
+    assert isinstance(http, dict)
+    if auth is not None:
+        user, password = auth
+        entry = subprocess.run(
+            ["htpasswd", "-Bbn", user, password], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        (root / "htpasswd").write_text(entry + "\n")
+        config["auth"] = {"htpasswd": {"realm": "wasm-tests", "path": str(root / "htpasswd")}}
+    if tls:
+        ca_key, ca = make_ca("registry test CA")
+        key = new_key()
+        cert = issue(ca_key, ca, public_key=key.public_key(), dns_sans=["registry.test"])
+        (root / "cert.pem").write_bytes(to_pem(cert) + to_pem(ca))
+        (root / "key.pem").write_bytes(key_to_pem(key))
+        http["tls"] = {"certificate": str(root / "cert.pem"), "key": str(root / "key.pem")}
+    path = root / "config.yml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_ready(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    """Until the registry accepts connections (it listens once its storage and auth are set up)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"docker-registry exited with {process.returncode}: {log.read_text()[-2000:]}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.02)
+    raise RuntimeError(f"docker-registry did not listen on 127.0.0.1:{port} in {START_TIMEOUT}s")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
