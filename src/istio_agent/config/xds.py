@@ -23,6 +23,7 @@ from istio_agent.config.security import (
     SecuritySettings,
     is_plaintext_address,
 )
+from istio_agent.config.wasm import WasmSettings, wasm_settings
 
 XDS_SOCKET_FILE = "XDS"
 DEFAULT_MAX_STREAMS = 100000
@@ -60,6 +61,9 @@ class XdsSettings:
     pcds_enabled: bool = False
     debug_tap_port: int | None = None
     """The debug tap's port on localhost (PROXY_XDS_DEBUG_VIA_AGENT[_PORT]); None: no tap."""
+    wasm: WasmSettings | None = None
+    """Remote Wasm modules in ECDS fetched by the agent; None: ECDS goes to Envoy unchanged
+    (ISTIO_AGENT_ENABLE_WASM_REMOTE_LOAD_CONVERSION=false)."""
 
     @classmethod
     def from_env(
@@ -97,6 +101,7 @@ class XdsSettings:
         if security.credential_fetcher_type in ("JWT", "") and security.jwt_policy in FILE_JWT_POLICIES:
             token_path = security.token_path
 
+        wasm = wasm_settings(env, workdir)
         return cls(
             socket_path=resolve(proxy_config.config_path) / XDS_SOCKET_FILE,
             discovery_address=address,
@@ -126,6 +131,7 @@ class XdsSettings:
                 if env.flag("PROXY_XDS_DEBUG_VIA_AGENT", True)
                 else None
             ),
+            wasm=wasm if wasm.conversion_enabled else None,
         )
 
 

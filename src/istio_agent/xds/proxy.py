@@ -11,7 +11,8 @@ three deliberate differences:
 
 This module is the server: it owns the streams and wires the parts together: the relay, the
 outcomes, the health reports (:mod:`~istio_agent.xds.health_report`), the debug tap's questions
-(:mod:`~istio_agent.xds.questions`) and the metrics (:mod:`~istio_agent.xds.proxy_metrics`).
+(:mod:`~istio_agent.xds.questions`), the ECDS conversion (:mod:`~istio_agent.xds.extension_configs`)
+and the metrics (:mod:`~istio_agent.xds.proxy_metrics`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from istio_agent.metrics import Registry
 from istio_agent.rpc import Status
 from istio_agent.rpc.call import Call, CallEnded
 from istio_agent.rpc.server import RpcServer
+from istio_agent.xds.extension_configs import ExtensionConfigs
 from istio_agent.xds.flavour import ADS_SERVICE, DELTA, SOTW, Flavour
 from istio_agent.xds.health_report import HealthReport
 from istio_agent.xds.outcome import Outcome, Outcomes
@@ -83,6 +85,9 @@ class XdsProxy:
         self._ids = itertools.count(1)
         self._health = HealthReport()
         self._questions = DebugQuestions(self._streams, self._dialer.describe)
+        self._extension_configs = (
+            ExtensionConfigs(settings.wasm, registry) if settings.wasm is not None else None
+        )
         self._relay = Relay(
             dialer=self._dialer,
             handlers=by_type,
@@ -90,6 +95,7 @@ class XdsProxy:
             health=self._health,
             questions=self._questions,
             outcomes=Outcomes(self._metrics, self._dialer),
+            extension_configs=self._extension_configs,
         )
         self._stopping = False
 
@@ -142,6 +148,8 @@ class XdsProxy:
             await server.stop(0.5)
             self.socket_path.unlink(missing_ok=True)  # as Go's listener (and grpcio) remove theirs
             log.info("xDS proxy stopped")
+        if self._extension_configs is not None:
+            await self._extension_configs.stop()
 
     def _handler(self, flavour: Flavour) -> Callable[[Call], Awaitable[None]]:
         async def serve(call: Call) -> None:

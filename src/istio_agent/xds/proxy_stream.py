@@ -25,6 +25,11 @@ class ProxyStream:
     """istiod has sent at least one response on this stream (the connection attempt succeeded)."""
     half_closed: bool = False
     stopping: bool = False
+    extension_configs: asyncio.Queue[bytearray] = field(default_factory=asyncio.Queue)
+    """ECDS responses waiting for their Wasm modules, converted one after another so Envoy gets
+    them in istiod's order, while other types go on past them."""
+    extension_config_version: str = ""
+    """The last ECDS version Envoy acknowledged: what a SotW NACK of a conversion carries."""
 
     def shutdown(self) -> None:
         self.stopping = True

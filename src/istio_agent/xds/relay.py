@@ -5,7 +5,9 @@ back-pressured through gRPC flow control. Writes to one upstream call are serial
 stream's lock, shared with the agent's own requests (ACKs, NDS/PCDS, health, debug questions).
 istiod's responses are relayed as the bytes received (see :mod:`istio_agent.xds.wire`), held once:
 the buffer a response was received into is what is written to Envoy, in slices of it
-(:mod:`istio_agent.rpc.message`); only the agent's own types are decoded.
+(:mod:`istio_agent.rpc.message`); only the agent's own types are decoded, and ECDS, whose remote
+Wasm modules the agent fetches first (:mod:`istio_agent.xds.extension_configs`): those responses are
+converted in a task of their own, in order, so a slow registry holds back no other type.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from istio_agent.rpc import Status
 from istio_agent.rpc.call import Call, CallEnded
 from istio_agent.rpc.channel import BidiStream, Channel, RpcError
 from istio_agent.xds import types
+from istio_agent.xds.extension_configs import ConversionRefused, ExtensionConfigs
 from istio_agent.xds.flavour import ADS_SERVICE, Flavour, Request
 from istio_agent.xds.health_report import HealthReport
 from istio_agent.xds.outcome import DownstreamError, Outcome, Outcomes, UpstreamError
@@ -75,6 +78,8 @@ class Relay:
     health: HealthReport
     questions: DebugQuestions
     outcomes: Outcomes
+    extension_configs: ExtensionConfigs | None = None
+    """Converts ECDS responses (remote Wasm made local); None: ECDS is relayed as it comes."""
 
     async def run(
         self, stream: ProxyStream, downstream: Call, first: Request, requests: AsyncIterator[Request]
@@ -96,6 +101,13 @@ class Relay:
                 ),
                 asyncio.create_task(self._pump_health(stream), name=f"xds-{stream.id}-health"),
             )
+            if self.extension_configs is not None:
+                stream.tasks += (
+                    asyncio.create_task(
+                        self._pump_extension_configs(stream, downstream, self.extension_configs),
+                        name=f"xds-{stream.id}-ecds",
+                    ),
+                )
             return self.outcomes.settle(stream, await self._first_outcome(stream))
         finally:
             # Shielded: a second cancellation (server stopping) must not leave the channel open.
@@ -148,7 +160,7 @@ class Relay:
     ) -> None:
         request = first
         while True:
-            self._observe(request)
+            self._observe(stream, request)
             await self.send(stream, request)
             if not stream.initial_sent and request.type_url == types.LISTENER:
                 await self._send_initial_requests(stream)
@@ -169,8 +181,10 @@ class Relay:
                 except RpcError as err:
                     raise self._upstream_error(stream, err) from None
 
-    def _observe(self, request: Request) -> None:
+    def _observe(self, stream: ProxyStream, request: Request) -> None:
         self.metrics.request_size(request.ByteSize())
+        if request.type_url == types.EXTENSION_CONFIG and not stream.flavour.delta and request.version_info:
+            stream.extension_config_version = request.version_info
         if request.HasField("error_detail"):
             self.metrics.nacks.labels(type_url=request.type_url).inc()
             log.debug("Envoy rejected %s: %s", request.type_url, request.error_detail.message)
@@ -236,12 +250,50 @@ class Relay:
             await self._handle_agent_type(stream, handler, response)
         elif not types.is_forwardable(response.type_url):
             log.debug("skipping forwarding type url %s to Envoy: not a valid Envoy type", response.type_url)
+        elif response.type_url == types.EXTENSION_CONFIG and self.extension_configs is not None:
+            stream.extension_configs.put_nowait(data)
         else:
+            await self._forward(downstream, response.type_url, response.data)
+
+    async def _forward(self, downstream: Call, type_url: str, data: bytes | bytearray) -> None:
+        try:
+            await downstream.send(data)
+        except CallEnded as err:
+            raise DownstreamError(f"write failed: {err}") from None
+        self.metrics.pushes.labels(type_url=type_url).inc()
+
+    async def _pump_extension_configs(
+        self, stream: ProxyStream, downstream: Call, converter: ExtensionConfigs
+    ) -> None:
+        """ECDS responses, one after another: their Wasm modules fetched and made local, then to
+        Envoy; a response that cannot be converted is NACKed to istiod instead (Istio's
+        rewriteAndForward), with the last version Envoy accepted."""
+        flavour = stream.flavour
+        while True:
+            data = await stream.extension_configs.get()
             try:
-                await downstream.send(response.data)
-            except CallEnded as err:
-                raise DownstreamError(f"write failed: {err}") from None
-            self.metrics.pushes.labels(type_url=response.type_url).inc()
+                response = flavour.response_type.FromString(data)
+            except DecodeError as err:
+                raise UpstreamError(
+                    Status.INTERNAL, f"malformed {types.EXTENSION_CONFIG} response: {err}"
+                ) from None
+            del data
+            resources = (
+                [entry.resource for entry in response.resources] if flavour.delta else response.resources
+            )
+            try:
+                converted = await converter.convert(list(resources))
+            except ConversionRefused as err:
+                log.warning("rejecting ECDS response from istiod: %s", err)
+                nack = flavour.reply(response, str(err))
+                if not flavour.delta:
+                    nack.version_info = stream.extension_config_version
+                await self.send(stream, nack)
+                continue
+            for index, resource in enumerate(converted):
+                target = response.resources[index]
+                (target.resource if flavour.delta else target).CopyFrom(resource)
+            await self._forward(downstream, response.type_url, response.SerializeToString())
 
     async def _handle_agent_type(self, stream: ProxyStream, handler: TypeHandler, raw: RawResponse) -> None:
         try:
