@@ -7,13 +7,32 @@ tag and digest references, pull secrets, the bearer realm guard, an image of no 
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from istio_agent.wasm import metrics
 from istio_agent.wasm.dockerconfig import ANONYMOUS, Credentials, credentials_for, default_credentials
 from istio_agent.wasm.errors import FetchError
+from istio_agent.wasm.oci import ImageFetcher, Reference, extract_plugin
+from istio_agent.wasm.ssrf import DialGuard
+from tests.wasm.registry import (
+    ARTIFACT,
+    DOCKER,
+    FORMATS,
+    OCI,
+    Registry,
+    docker_config,
+    push_image,
+    push_index,
+    push_wasm,
+    running_registry,
+    tar_gz,
+)
 
 
 def b64(text: str) -> str:
@@ -93,3 +112,290 @@ def test_default_credentials_from_docker_config_dir(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"auths": {"reg": {"auth": b64("u:p")}}}))
     assert default_credentials("reg", {"DOCKER_CONFIG": str(tmp_path)}) == Credentials("u", "p")
     assert default_credentials("reg", {"HOME": str(tmp_path / "nobody")}) is ANONYMOUS
+
+
+# --- references ---
+
+
+@pytest.mark.parametrize(
+    ("text", "registry", "repository", "tag", "digest"),
+    [
+        ("reg.example/wasm/filter:v1", "reg.example", "wasm/filter", "v1", None),
+        ("127.0.0.1:5000/a/b/c", "127.0.0.1:5000", "a/b/c", "latest", None),
+        (f"reg.example/f@sha256:{'a' * 64}", "reg.example", "f", None, f"sha256:{'a' * 64}"),
+        (f"reg.example/f:v2@sha256:{'b' * 64}", "reg.example", "f", None, f"sha256:{'b' * 64}"),
+        ("localhost:5000/f:1.0_rc-2", "localhost:5000", "f", "1.0_rc-2", None),
+        ("docker.io/istio/f:v1", "index.docker.io", "istio/f", "v1", None),
+        ("docker.io/f", "index.docker.io", "library/f", "latest", None),
+        ("[::1]:5000/f:v1", "[::1]:5000", "f", "v1", None),
+    ],
+)
+def test_reference_parsing(
+    text: str, registry: str, repository: str, tag: str | None, digest: str | None
+) -> None:
+    reference = Reference.parse(text)
+    assert (reference.registry, reference.repository, reference.tag, reference.digest) == (
+        registry,
+        repository,
+        tag,
+        digest,
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "filter",  # no registry: Istio's oci:// URLs always name one
+        "filter:v1",
+        "reg.example/",
+        "reg.example/Upper/case",
+        "reg.example/f:",
+        "reg.example/f:-bad",
+        "reg.example/f@sha256:abc",
+        f"reg.example/f@md5:{'a' * 32}",
+        "reg.example/a//b",
+        "reg ex/f",
+        "reg.example/f?x=1",
+    ],
+)
+def test_invalid_references_are_manifest_failures(text: str) -> None:
+    with pytest.raises(FetchError) as caught:
+        Reference.parse(text)
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+
+
+# --- Wasm layer extraction ---
+
+
+def test_plugin_wasm_is_found_under_a_directory() -> None:
+    blob = tar_gz({"README": b"x", "./dir/plugin.wasm": MODULE})
+    assert extract_plugin(blob, 1024) == MODULE
+
+
+def test_archive_without_plugin_wasm() -> None:
+    with pytest.raises(FetchError, match=r"plugin\.wasm not found"):
+        extract_plugin(tar_gz({"other.wasm": MODULE}), 1024)
+
+
+def test_plugin_wasm_over_the_limit_is_refused_not_truncated() -> None:
+    with pytest.raises(FetchError, match="limit of 100 bytes"):
+        extract_plugin(tar_gz({"plugin.wasm": MODULE + bytes(200)}), 100)
+
+
+def test_a_gzip_bomb_is_not_inflated_past_the_limit() -> None:
+    with pytest.raises(FetchError, match="limit of 4096 bytes"):
+        extract_plugin(tar_gz({"filler": bytes(10_000_000), "plugin.wasm": MODULE}), 4096)
+
+
+def test_a_layer_that_is_not_tar_gz() -> None:
+    with pytest.raises(FetchError, match="not a gzip-compressed tar"):
+        extract_plugin(b"plain bytes", 1024)
+
+
+# --- pulls from a real registry ---
+
+MODULE = b"\0asm\x01\0\0\0" + b"\x00" * 8  # a module header and an empty custom-section-ish tail
+OPEN = DialGuard()
+
+
+@pytest.fixture(scope="module")
+def registry() -> Iterator[Registry]:
+    with running_registry() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def auth_registry() -> Iterator[Registry]:
+    with running_registry(auth=("wasm-user", "s3cret-pass")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def tls_registry() -> Iterator[Registry]:
+    with running_registry(tls=True) as running:
+        yield running
+
+
+def fetcher(
+    *,
+    insecure: bool = True,
+    pull_secret: bytes | None = None,
+    max_bytes: int = 1 << 20,
+    guard: DialGuard = OPEN,
+) -> ImageFetcher:
+    return ImageFetcher(guard=guard, max_bytes=max_bytes, insecure=insecure, pull_secret=pull_secret)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_each_format_is_pulled_by_tag(registry: Registry, fmt: str) -> None:
+    module = MODULE + fmt.encode()
+    digest = push_wasm(registry, f"formats/{fmt}", "v1", module, fmt)
+    prepared = await fetcher().prepare(registry.reference(f"formats/{fmt}", "v1"))
+    assert prepared.digest == digest
+    assert await prepared.fetch() == module
+
+
+async def test_default_tag_is_latest(registry: Registry) -> None:
+    digest = push_wasm(registry, "tags/default", "latest", MODULE, OCI)
+    prepared = await fetcher().prepare(f"{registry.host}/tags/default")
+    assert prepared.digest == digest
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_pulled_by_digest(registry: Registry, fmt: str) -> None:
+    digest = push_wasm(registry, f"digests/{fmt}", "v1", MODULE, fmt)
+    prepared = await fetcher().prepare(f"{registry.host}/digests/{fmt}@sha256:{digest}")
+    assert prepared.digest == digest
+    assert await prepared.fetch() == MODULE
+
+
+async def test_unknown_digest_is_a_manifest_failure(registry: Registry) -> None:
+    push_wasm(registry, "digests/unknown", "v1", MODULE, OCI)
+    with pytest.raises(FetchError) as caught:
+        await fetcher().prepare(f"{registry.host}/digests/unknown@sha256:{'0' * 64}")
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+    message = str(caught.value)
+    assert registry.host in message and "digests/unknown" in message and "MANIFEST_UNKNOWN" in message
+
+
+async def test_unknown_tag_is_a_manifest_failure(registry: Registry) -> None:
+    with pytest.raises(FetchError) as caught:
+        await fetcher().prepare(registry.reference("nothing/here", "v9"))
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+
+
+async def test_index_gives_the_linux_amd64_image(registry: Registry) -> None:
+    amd64, arm64 = MODULE + b"amd64", MODULE + b"arm64"
+    push_index(registry, "index/multi", "v1", {("linux", "arm64"): arm64, ("linux", "amd64"): amd64})
+    prepared = await fetcher().prepare(registry.reference("index/multi", "v1"))
+    assert await prepared.fetch() == amd64
+
+
+async def test_index_with_one_image_of_another_platform_gives_it(registry: Registry) -> None:
+    push_index(registry, "index/single", "v1", {("linux", "arm64"): MODULE})
+    prepared = await fetcher().prepare(registry.reference("index/single", "v1"))
+    assert await prepared.fetch() == MODULE
+
+
+async def test_index_without_linux_amd64_among_several_is_a_manifest_failure(registry: Registry) -> None:
+    push_index(registry, "index/none", "v1", {("linux", "arm64"): MODULE, ("linux", "s390x"): MODULE})
+    with pytest.raises(FetchError, match="linux/amd64") as caught:
+        await fetcher().prepare(registry.reference("index/none", "v1"))
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+
+
+async def test_image_of_no_wasm_format_is_a_manifest_failure(registry: Registry) -> None:
+    # Not Istio's uncompressed-tar case: skopeo gzips an uncompressed tar layer on its way to a registry.
+    layer = ("application/vnd.example.unknown", b"not a tar at all")
+    push_image(registry, "formats/invalid", "v1", [layer])
+    with pytest.raises(FetchError) as caught:
+        await fetcher().prepare(registry.reference("formats/invalid", "v1"))
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+    message = str(caught.value)
+    assert (
+        "application/vnd.example.unknown" in message
+        and "application/vnd.oci.image.layer.v1.tar+gzip" in message
+    )
+    assert "1 layers (expect 2)" in message
+
+
+async def test_docker_image_without_plugin_wasm_is_a_download_failure(registry: Registry) -> None:
+    layer = ("application/vnd.oci.image.layer.v1.tar+gzip", tar_gz({"other.wasm": MODULE}))
+    push_image(registry, "formats/noplugin", "v1", [layer], docker=True)
+    prepared = await fetcher().prepare(registry.reference("formats/noplugin", "v1"))
+    with pytest.raises(FetchError, match=r"plugin\.wasm not found") as caught:
+        await prepared.fetch()
+    assert caught.value.reason == metrics.DOWNLOAD_FAILURE
+
+
+async def test_oversized_raw_layer_is_refused(registry: Registry) -> None:
+    push_wasm(registry, "size/artifact", "v1", MODULE + bytes(5000), ARTIFACT)
+    prepared = await fetcher(max_bytes=1000).prepare(registry.reference("size/artifact", "v1"))
+    with pytest.raises(FetchError, match="limit of 1000 bytes") as caught:
+        await prepared.fetch()
+    assert caught.value.reason == metrics.DOWNLOAD_FAILURE
+
+
+async def test_oversized_module_in_a_small_layer_is_refused(registry: Registry) -> None:
+    push_wasm(registry, "size/compat", "v1", MODULE + bytes(50_000), OCI)  # compresses to ~100 bytes
+    prepared = await fetcher(max_bytes=10_000).prepare(registry.reference("size/compat", "v1"))
+    with pytest.raises(FetchError, match="limit of 10000 bytes") as caught:
+        await prepared.fetch()
+    assert caught.value.reason == metrics.DOWNLOAD_FAILURE
+
+
+async def test_registry_that_is_down() -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(FetchError) as caught:
+        await fetcher().prepare(f"127.0.0.1:{port}/down/f:v1")
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+    assert f"127.0.0.1:{port}" in str(caught.value)
+
+
+async def test_every_connection_goes_through_the_guard(registry: Registry) -> None:
+    guard = DialGuard((ipaddress.ip_network("127.0.0.0/8"),))
+    with pytest.raises(FetchError, match="blocked") as caught:
+        await fetcher(guard=guard).prepare(registry.reference("formats/oci", "v1"))
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+
+
+# --- TLS and plain HTTP ---
+
+
+async def test_plain_http_registry_needs_insecure(registry: Registry) -> None:
+    push_wasm(registry, "insecure/plain", "v1", MODULE, OCI)
+    with pytest.raises(FetchError) as caught:
+        await fetcher(insecure=False).prepare(registry.reference("insecure/plain", "v1"))
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+    assert "WASM_INSECURE_REGISTRIES" in str(caught.value)
+    prepared = await fetcher(insecure=True).prepare(registry.reference("insecure/plain", "v1"))
+    assert await prepared.fetch() == MODULE
+
+
+async def test_self_signed_registry_needs_insecure(tls_registry: Registry) -> None:
+    push_wasm(tls_registry, "insecure/tls", "v1", MODULE, DOCKER)
+    with pytest.raises(FetchError, match="certificate") as caught:
+        await fetcher(insecure=False).prepare(tls_registry.reference("insecure/tls", "v1"))
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+    prepared = await fetcher(insecure=True).prepare(tls_registry.reference("insecure/tls", "v1"))
+    assert await prepared.fetch() == MODULE
+
+
+# --- Basic auth (htpasswd) ---
+
+
+async def test_auth_with_the_right_pull_secret(auth_registry: Registry) -> None:
+    digest = push_wasm(auth_registry, "auth/f", "v1", MODULE, ARTIFACT)
+    prepared = await fetcher(pull_secret=auth_registry.pull_secret()).prepare(
+        auth_registry.reference("auth/f", "v1")
+    )
+    assert prepared.digest == digest
+    assert await prepared.fetch() == MODULE
+
+
+async def test_auth_with_the_wrong_pull_secret(auth_registry: Registry) -> None:
+    push_wasm(auth_registry, "auth/f", "v1", MODULE, ARTIFACT)
+    secret = auth_registry.pull_secret("wasm-user", "wrong-password")
+    with pytest.raises(FetchError) as caught:
+        await fetcher(pull_secret=secret).prepare(auth_registry.reference("auth/f", "v1"))
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+    message = str(caught.value)
+    assert "401" in message and "auth/f" in message
+    assert "wrong-password" not in message
+
+
+async def test_auth_without_a_pull_secret(auth_registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOCKER_CONFIG", "/nonexistent")
+    push_wasm(auth_registry, "auth/f", "v1", MODULE, ARTIFACT)
+    with pytest.raises(FetchError) as caught:
+        await fetcher().prepare(auth_registry.reference("auth/f", "v1"))
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+    assert "401" in str(caught.value)
+
+
+async def test_pull_secret_for_another_registry_is_anonymous(auth_registry: Registry) -> None:
+    secret = docker_config("other.example", "wasm-user", "s3cret-pass")
+    with pytest.raises(FetchError, match="401"):
+        await fetcher(pull_secret=secret).prepare(auth_registry.reference("auth/f", "v1"))
