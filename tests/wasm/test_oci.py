@@ -10,16 +10,18 @@ import base64
 import ipaddress
 import json
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from istio_agent.wasm import metrics
 from istio_agent.wasm.dockerconfig import ANONYMOUS, Credentials, credentials_for, default_credentials
 from istio_agent.wasm.errors import FetchError
-from istio_agent.wasm.oci import ImageFetcher, Reference, extract_plugin
+from istio_agent.wasm.oci import OCI_MANIFEST, ImageFetcher, Reference, extract_plugin, parse_challenges
 from istio_agent.wasm.ssrf import DialGuard
+from tests.aiohttp_apps import serve_app
 from tests.wasm.registry import (
     ARTIFACT,
     DOCKER,
@@ -31,6 +33,7 @@ from tests.wasm.registry import (
     push_index,
     push_wasm,
     running_registry,
+    sha256,
     tar_gz,
 )
 
@@ -399,3 +402,209 @@ async def test_pull_secret_for_another_registry_is_anonymous(auth_registry: Regi
     secret = docker_config("other.example", "wasm-user", "s3cret-pass")
     with pytest.raises(FetchError, match="401"):
         await fetcher(pull_secret=secret).prepare(auth_registry.reference("auth/f", "v1"))
+
+
+# --- a stand-in registry (aiohttp) for what a real one will not do: bad digests, redirects, tokens ---
+
+
+class StandIn:
+    """A registry stand-in serving one artifact image of ``module`` at ``repo:v1``, optionally behind
+    a Bearer token from its own ``/token`` realm; it records the requests it gets."""
+
+    def __init__(self, module: bytes, *, realm_host: str | None = None, token_key: str = "token") -> None:
+        self.module = module
+        self.realm_host = realm_host
+        self.token_key = token_key
+        self.requests: list[web.Request] = []
+        self.token_requests: list[web.Request] = []
+        self.blob_override: bytes | None = None
+        self.manifest_override: bytes | None = None
+        self.blob_redirect: str | None = None
+        self.port = 0
+        self.layer = {
+            "mediaType": "application/vnd.module.wasm.content.layer.v1+wasm",
+            "digest": f"sha256:{sha256(module)}",
+            "size": len(module),
+        }
+        config = {
+            "mediaType": "application/vnd.module.wasm.config.v1+json",
+            "digest": f"sha256:{sha256(b'{}')}",
+            "size": 2,
+        }
+        other = {
+            "mediaType": "application/vnd.module.wasm.config.v1+json",
+            "digest": config["digest"],
+            "size": 2,
+        }
+        self.manifest = json.dumps(
+            {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "config": config, "layers": [self.layer, other]}
+        ).encode()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v2/", self.ping)
+        app.router.add_get("/v2/{repo:.+}/manifests/{ref}", self.get_manifest)
+        app.router.add_get("/v2/{repo:.+}/blobs/{digest}", self.get_blob)
+        app.router.add_get("/token", self.token)
+        return app
+
+    def _authorized(self, request: web.Request) -> web.Response | None:
+        self.requests.append(request)
+        if self.realm_host is None or request.headers.get("Authorization") == "Bearer t0ken":
+            return None
+        realm = f"http://{self.realm_host}:{self.port}/token"
+        challenge = f'Bearer realm="{realm}",service="stand-in",scope="repository:bearer/f:pull"'
+        return web.json_response(
+            {"errors": [{"code": "UNAUTHORIZED"}]}, status=401, headers={"WWW-Authenticate": challenge}
+        )
+
+    async def ping(self, request: web.Request) -> web.StreamResponse:
+        return self._authorized(request) or web.json_response({})
+
+    async def get_manifest(self, request: web.Request) -> web.StreamResponse:
+        refused = self._authorized(request)
+        if refused is not None:
+            return refused
+        body = self.manifest_override or self.manifest
+        return web.Response(body=body, content_type=OCI_MANIFEST)
+
+    async def get_blob(self, request: web.Request) -> web.StreamResponse:
+        refused = self._authorized(request)
+        if refused is not None:
+            return refused
+        if self.blob_redirect is not None:
+            raise web.HTTPTemporaryRedirect(self.blob_redirect)
+        return web.Response(body=self.blob_override or self.module, content_type="application/octet-stream")
+
+    async def token(self, request: web.Request) -> web.StreamResponse:
+        self.token_requests.append(request)
+        return web.json_response({self.token_key: "t0ken"})
+
+
+@pytest.fixture
+async def stand_in() -> AsyncIterator[StandIn]:
+    server = StandIn(MODULE)
+    runner, server.port = await serve_app(server.app())
+    try:
+        yield server
+    finally:
+        await runner.cleanup()
+
+
+def loopback_name() -> str:
+    """A host name (not ``localhost``) that resolves to loopback: a realm the realm rules let by."""
+    name = socket.gethostname()
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
+    except OSError:
+        addresses = set()
+    if (
+        not addresses
+        or not all(ipaddress.ip_address(a).is_loopback for a in addresses)
+        or name == "localhost"
+    ):
+        pytest.skip(f"this machine's host name {name!r} does not resolve to loopback only")
+    return name
+
+
+async def test_manifest_whose_digest_is_not_the_referenced_one(stand_in: StandIn) -> None:
+    wanted = sha256(stand_in.manifest)
+    stand_in.manifest_override = stand_in.manifest + b" "  # same JSON, other bytes, other digest
+    with pytest.raises(FetchError, match="digest") as caught:
+        await fetcher().prepare(f"127.0.0.1:{stand_in.port}/digest/f@sha256:{wanted}")
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+
+
+async def test_blob_whose_digest_is_not_the_layers(stand_in: StandIn) -> None:
+    stand_in.blob_override = MODULE[:-1] + b"X"
+    prepared = await fetcher().prepare(f"127.0.0.1:{stand_in.port}/digest/f:v1")
+    with pytest.raises(FetchError, match="digest") as caught:
+        await prepared.fetch()
+    assert caught.value.reason == metrics.DOWNLOAD_FAILURE
+
+
+async def test_blob_redirect_to_storage_gets_no_authorization(stand_in: StandIn) -> None:
+    storage_requests: list[web.Request] = []
+
+    async def storage(request: web.Request) -> web.Response:
+        storage_requests.append(request)
+        return web.Response(body=MODULE)
+
+    app = web.Application()
+    app.router.add_get("/blob", storage)
+    runner, port = await serve_app(app)
+    try:
+        stand_in.blob_redirect = f"http://127.0.0.1:{port}/blob"
+        secret = docker_config(f"127.0.0.1:{stand_in.port}", "u", "p")
+        stand_in.realm_host = None
+        prepared = await fetcher(pull_secret=secret).prepare(f"127.0.0.1:{stand_in.port}/redirect/f:v1")
+        assert await prepared.fetch() == MODULE
+    finally:
+        await runner.cleanup()
+    assert len(storage_requests) == 1
+    assert "Authorization" not in storage_requests[0].headers
+
+
+async def test_blob_redirect_to_a_blocked_address_is_refused(stand_in: StandIn) -> None:
+    stand_in.blob_redirect = "http://169.254.169.254/latest/meta-data/"
+    prepared = await fetcher().prepare(f"127.0.0.1:{stand_in.port}/redirect/f:v1")
+    with pytest.raises(FetchError, match="link-local") as caught:
+        await prepared.fetch()
+    assert caught.value.reason == metrics.DOWNLOAD_FAILURE
+
+
+async def test_bearer_realm_at_a_forbidden_address_is_never_requested(stand_in: StandIn) -> None:
+    stand_in.realm_host = "127.0.0.1"
+    with pytest.raises(FetchError, match="rejected unsafe bearer realm") as caught:
+        await fetcher().prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+    assert stand_in.token_requests == []
+
+
+@pytest.mark.parametrize("token_key", ["token", "access_token"])
+async def test_bearer_token_flow_with_the_pull_secret(stand_in: StandIn, token_key: str) -> None:
+    stand_in.realm_host = loopback_name()
+    stand_in.token_key = token_key
+    secret = docker_config(f"127.0.0.1:{stand_in.port}", "wasm-user", "pw")
+    prepared = await fetcher(pull_secret=secret).prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
+    assert prepared.digest == sha256(stand_in.manifest)
+    assert await prepared.fetch() == MODULE
+    (token_request,) = stand_in.token_requests
+    assert token_request.query["scope"] == "repository:bearer/f:pull"
+    assert token_request.query["service"] == "stand-in"
+    assert token_request.headers["Authorization"] == "Basic " + b64("wasm-user:pw")
+    assert stand_in.requests[-1].headers["Authorization"] == "Bearer t0ken"
+
+
+async def test_bearer_token_flow_anonymous(stand_in: StandIn, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOCKER_CONFIG", "/nonexistent")
+    stand_in.realm_host = loopback_name()
+    prepared = await fetcher().prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
+    assert await prepared.fetch() == MODULE
+    assert "Authorization" not in stand_in.token_requests[0].headers
+
+
+async def test_registry_token_in_the_pull_secret_is_sent_as_is(stand_in: StandIn) -> None:
+    stand_in.realm_host = loopback_name()
+    secret = json.dumps({"auths": {f"127.0.0.1:{stand_in.port}": {"registrytoken": "t0ken"}}}).encode()
+    prepared = await fetcher(pull_secret=secret).prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
+    assert await prepared.fetch() == MODULE
+    assert stand_in.token_requests == []  # the secret's registrytoken is the token
+
+
+# --- WWW-Authenticate ---
+
+
+def test_challenges_parsed() -> None:
+    value = 'Bearer realm="https://auth.example/token",service="reg, example", Basic realm="x\\"y"'
+    assert parse_challenges(value) == [
+        ("bearer", {"realm": "https://auth.example/token", "service": "reg, example"}),
+        ("basic", {"realm": 'x"y'}),
+    ]
+    assert parse_challenges('Negotiate abc==, Basic charset="UTF-8"') == [
+        ("negotiate", {}),
+        ("basic", {"charset": "UTF-8"}),
+    ]
+    assert parse_challenges("Bearer realm=https://auth.example/t?x=1,service=reg") == [
+        ("bearer", {"realm": "https://auth.example/t?x=1", "service": "reg"})
+    ]

@@ -88,6 +88,7 @@ _TAG = re.compile(r"[\w][\w.-]{0,127}", re.ASCII)
 _DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
 _REGISTRY = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)(?::[0-9]{1,5})?")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_TOKEN68 = re.compile(r"\s+[A-Za-z0-9._~+/-]+=*\s*(?:,|$)")
 _PARAM = re.compile(r'\s*([!#$%&\'*+.^_`|~0-9A-Za-z-]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^\s,]*)\s*(?:,|$)')
 
 
@@ -488,6 +489,12 @@ def parse_challenges(value: str) -> list[tuple[str, dict[str, str]]]:
             continue
         position = scheme.end()
         params: dict[str, str] = {}
+        if (token68 := _TOKEN68.match(value, position)) is not None and "=" in token68.group().rstrip(" ,="):
+            token68 = None  # a parameter (name=value), not a token68 blob
+        if token68 is not None:
+            challenges.append((scheme.group().lower(), params))
+            position = token68.end()
+            continue
         while (param := _PARAM.match(value, position)) is not None and param.end() > position:
             name, raw = param.groups()
             params[name.lower()] = re.sub(r"\\(.)", r"\1", raw[1:-1]) if raw.startswith('"') else raw
