@@ -20,6 +20,7 @@ holds at most one pending mesh.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import hashlib
 import json
 import time
@@ -40,6 +41,7 @@ from istio_agent.controlplane.nodeid import node_id_error
 from istio_agent.controlplane.xdsgen import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
+    EXTENSION_CONFIG_TYPE,
     LISTENER_TYPE,
     NAME_TABLE_TYPE,
     ROUTE_TYPE,
@@ -77,8 +79,10 @@ __all__ = [
 
 log = scope("ads")
 
-PUSH_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, NAME_TABLE_TYPE)
-"""The served types, in the order pushes go out: make before break (clusters before their users)."""
+PUSH_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, NAME_TABLE_TYPE, EXTENSION_CONFIG_TYPE)
+"""The served types, in the order pushes go out: make before break (clusters before their users).
+ECDS (WasmPlugins) is last, as istiod pushes the types its PushOrder does not list after those it does;
+like RDS it serves the names asked for (the listeners' ``config_discovery`` filters)."""
 WILDCARD_TYPES = frozenset({CLUSTER_TYPE, LISTENER_TYPE, NAME_TABLE_TYPE})
 """Types a client gets in full; EDS and RDS serve only the names asked for."""
 
@@ -219,6 +223,10 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         identity = (
             await self._authorize(call, node) if self._authorize is not None and _AUTHORIZING.get() else None
         )
+        if (
+            identity is not None
+        ):  # istiod's VerifiedIdentity: WasmPlugins' pull secrets go only to such proxies
+            node = dataclasses.replace(node, verified=True)
         return _Proxy(
             node,
             grpc=is_grpc_node(node),
@@ -242,7 +250,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
     # -- what is served --------------------------------------------------------------------------
 
     def watched_type(self, stream: _AdsStream, type_url: str) -> str | None:
-        """``type_url`` when it is one of the five served types; unknown ones are logged and counted."""
+        """``type_url`` when it is one of the served types; unknown ones are logged and counted."""
         if type_url in PUSH_ORDER:
             return type_url
         if not type_url:

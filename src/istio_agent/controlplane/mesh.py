@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 import yaml
 
 from istio_agent.config.document import Keys, Node, kind
+from istio_agent.controlplane.wasmplugins import WasmPlugin, read_pull_secrets, read_wasm_plugins
 
 DEFAULT_TRUST_DOMAIN = "cluster.local"
 DEFAULT_DOMAIN_SUFFIX = "cluster.local"
@@ -38,7 +39,15 @@ _HOST = re.compile(
     r"(\.[A-Za-z0-9_]([-A-Za-z0-9_]{0,61}[A-Za-z0-9_])?)*\.?$"
 )
 
-_TOP_KEYS = ("trustDomain", "domainSuffix", "services", "workloads", "nameTable")
+_TOP_KEYS = (
+    "trustDomain",
+    "domainSuffix",
+    "services",
+    "workloads",
+    "nameTable",
+    "pullSecrets",
+    "wasmPlugins",
+)
 _SERVICE_KEYS = ("name", "namespace", "port", "protocol", "addresses")
 _WORKLOAD_KEYS = (
     "name",
@@ -152,6 +161,10 @@ class MeshConfig:
     services: tuple[Service, ...] = ()
     workloads: tuple[Workload, ...] = ()
     name_table: dict[str, NameEntry] = field(default_factory=dict)
+    wasm_plugins: tuple[WasmPlugin, ...] = ()
+    """WasmPlugins, in file order (:mod:`istio_agent.controlplane.wasmplugins`)."""
+    pull_secrets: dict[str, bytes] = field(default_factory=dict)
+    """Image pull secrets by ``kubernetes://<ns>/<name>``: docker config JSON."""
 
     def service(self, ref: str, default_namespace: str) -> Service | None:
         """The service ``ref`` names: ``name`` (in ``default_namespace``) or ``name.namespace``."""
@@ -311,6 +324,7 @@ class _MeshReader:
         services = self._services(top.items("services"), domain_suffix)
         partial = MeshConfig(trust_domain=trust_domain, domain_suffix=domain_suffix, services=services)
         workloads = self._workloads(top.items("workloads"), partial)
+        pull_secrets = read_pull_secrets(top.fields["pullSecrets"], self.path.parent)
         return MeshConfig(
             trust_domain=trust_domain,
             raw=document,
@@ -318,6 +332,8 @@ class _MeshReader:
             services=services,
             workloads=workloads,
             name_table=self._name_table(top.fields["nameTable"]),
+            wasm_plugins=read_wasm_plugins(top.fields["wasmPlugins"], pull_secrets),
+            pull_secrets=pull_secrets,
         )
 
     def _services(self, items: list[Node], domain_suffix: str) -> tuple[Service, ...]:

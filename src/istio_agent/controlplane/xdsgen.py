@@ -30,6 +30,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from istio_agent.bootstrap.sds import mtls_context
+from istio_agent.controlplane import wasmgen
 from istio_agent.controlplane.mesh import MeshConfig, Service, Workload
 from istio_agent.protos import nds_pb2
 
@@ -38,7 +39,15 @@ ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignm
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 NAME_TABLE_TYPE = "type.googleapis.com/istio.networking.nds.v1.NameTable"
-SNAPSHOT_TYPES = (CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, NAME_TABLE_TYPE)
+EXTENSION_CONFIG_TYPE = wasmgen.EXTENSION_CONFIG_TYPE
+SNAPSHOT_TYPES = (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    ROUTE_TYPE,
+    NAME_TABLE_TYPE,
+    EXTENSION_CONFIG_TYPE,
+)
 NAME_TABLE_RESOURCE = ""
 """The name of the one NameTable resource (Istio's NDS is a singleton)."""
 
@@ -72,6 +81,8 @@ class ProxyNode:
     namespace: str
     cluster: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    verified: bool = False
+    """The caller proved an identity (TLS port): only then do WasmPlugins carry their pull secrets."""
 
     @classmethod
     def from_node(cls, node: base_pb2.Node) -> ProxyNode:
@@ -102,7 +113,8 @@ def _parse_node_id(node_id: str) -> tuple[str, str]:
 
 
 def build_snapshot(mesh: MeshConfig, proxy: ProxyNode) -> Snapshot:
-    """Everything ``proxy`` gets, by type; every type is present so an empty SotW answer is possible.
+    """Everything ``proxy`` gets, by type; every type but ECDS (there only with WasmPlugins) is present
+    so an empty SotW answer is possible.
 
     An unknown proxy (no workload with its name and namespace) gets clusters and endpoints for all
     services and the name table, but no listeners or routes.
@@ -123,24 +135,37 @@ def build_snapshot(mesh: MeshConfig, proxy: ProxyNode) -> Snapshot:
             listener = _inbound_listener(mesh, workload)
             listeners[listener["name"]] = parse_resource(listener, listener_pb2.Listener())
         for port, service in _bindings(mesh, workload):
-            listener = _outbound_listener(service, port)
+            listener = _outbound_listener(mesh, workload, service, port)
             listeners[listener["name"]] = parse_resource(listener, listener_pb2.Listener())
             if service.is_http:
                 route = _outbound_route(service, port)
                 routes[route["name"]] = parse_resource(route, route_pb2.RouteConfiguration())
         if workload.capture:
             clusters[PASSTHROUGH_CLUSTER] = parse_resource(_passthrough_cluster(), cluster_pb2.Cluster())
-            for listener in _capture_listeners(mesh):
+            for listener in _capture_listeners(mesh, workload):
                 listeners[listener["name"]] = parse_resource(listener, listener_pb2.Listener())
             for route in _capture_routes(mesh, workload):
                 routes[route["name"]] = parse_resource(route, route_pb2.RouteConfiguration())
-    return {
+    snapshot: Snapshot = {
         CLUSTER_TYPE: _sorted(clusters),
         ENDPOINT_TYPE: _sorted(endpoints),
         LISTENER_TYPE: _sorted(listeners),
         ROUTE_TYPE: _sorted(routes),
         NAME_TABLE_TYPE: {NAME_TABLE_RESOURCE: build_name_table(mesh)},
     }
+    if (
+        mesh.wasm_plugins
+    ):  # ECDS only where there is something to ask for (the ADS server defaults it to none)
+        snapshot[EXTENSION_CONFIG_TYPE] = dict(
+            wasmgen.extension_configs(
+                mesh.wasm_plugins,
+                proxy.namespace,
+                pull_secrets=mesh.pull_secrets,
+                verified=proxy.verified,
+                istio_version=str(proxy.metadata.get("ISTIO_VERSION") or ""),
+            )
+        )
+    return snapshot
 
 
 def build_name_table(mesh: MeshConfig) -> nds_pb2.NameTable:
@@ -300,7 +325,7 @@ def _inbound_listener(mesh: MeshConfig, workload: Workload) -> dict[str, Any]:
                         }
                     ],
                 },
-                "http_filters": router_filters(),
+                "http_filters": _http_filters(mesh, workload, workload.app_port, wasmgen.SERVER),
             },
         }
     else:
@@ -308,13 +333,14 @@ def _inbound_listener(mesh: MeshConfig, workload: Workload) -> dict[str, Any]:
             "name": _TCP_PROXY,
             "typed_config": {"@type": _TCP_PROXY_TYPE, "stat_prefix": cluster, "cluster": cluster},
         }
+    filters = [*_network_filters(mesh, workload, workload.app_port, wasmgen.SERVER), filter_config]
     return {
         "name": inbound_listener_name(workload),
         "address": socket_address(workload.address, workload.inbound_port),
         "traffic_direction": "INBOUND",
         "filter_chains": [
             {
-                "filters": [filter_config],
+                "filters": filters,
                 "transport_socket": mtls_context(
                     downstream=True, peer_spiffe_prefix=f"spiffe://{mesh.trust_domain}/"
                 ),
@@ -333,7 +359,7 @@ def _bindings(mesh: MeshConfig, workload: Workload) -> list[tuple[int, Service]]
     return result
 
 
-def _outbound_listener(service: Service, port: int) -> dict[str, Any]:
+def _outbound_listener(mesh: MeshConfig, workload: Workload, service: Service, port: int) -> dict[str, Any]:
     name = outbound_listener_name(port)
     cluster = outbound_cluster_name(service)
     if service.is_http:
@@ -343,7 +369,7 @@ def _outbound_listener(service: Service, port: int) -> dict[str, Any]:
                 "@type": HCM_TYPE,
                 "stat_prefix": f"outbound_{name}",
                 "rds": {"config_source": ads_source(), "route_config_name": str(port)},
-                "http_filters": router_filters(),
+                "http_filters": _http_filters(mesh, workload, service.port, wasmgen.CLIENT),
             },
         }
     else:
@@ -351,11 +377,12 @@ def _outbound_listener(service: Service, port: int) -> dict[str, Any]:
             "name": _TCP_PROXY,
             "typed_config": {"@type": _TCP_PROXY_TYPE, "stat_prefix": cluster, "cluster": cluster},
         }
+    filters = [*_network_filters(mesh, workload, service.port, wasmgen.CLIENT), filter_config]
     return {
         "name": name,
         "address": socket_address(LOOPBACK, port),
         "traffic_direction": "OUTBOUND",
-        "filter_chains": [{"filters": [filter_config]}],
+        "filter_chains": [{"filters": filters}],
     }
 
 
@@ -392,7 +419,7 @@ def _tcp_proxy(stat_prefix: str, cluster: str) -> dict[str, Any]:
     }
 
 
-def _capture_listeners(mesh: MeshConfig) -> list[dict[str, Any]]:
+def _capture_listeners(mesh: MeshConfig, workload: Workload) -> list[dict[str, Any]]:
     """istiod's ``virtualOutbound`` on 15001 (``use_original_dst``: Envoy hands the connection to the
     listener of its original destination) and those listeners, not bound to a port: ``0.0.0.0_<port>``
     for HTTP services (routes by Host, RDS ``<port>``), ``<address>_<port>`` for TCP ones."""
@@ -404,16 +431,20 @@ def _capture_listeners(mesh: MeshConfig) -> list[dict[str, Any]]:
                 "@type": HCM_TYPE,
                 "stat_prefix": f"outbound_{name}",
                 "rds": {"config_source": ads_source(), "route_config_name": str(service.port)},
-                "http_filters": router_filters(),
+                "http_filters": _http_filters(mesh, workload, service.port, wasmgen.CLIENT),
             }
-            filters = [{"name": _HCM, "typed_config": hcm}]
+            filters = [
+                *_network_filters(mesh, workload, service.port, wasmgen.CLIENT),
+                {"name": _HCM, "typed_config": hcm},
+            ]
             listeners[name] = _unbound_listener(name, WILDCARD, service.port, filters)
         else:
             cluster = outbound_cluster_name(service)
             for address in _service_addresses(mesh, service):
                 name = f"{address}_{service.port}"
+                network = _network_filters(mesh, workload, service.port, wasmgen.CLIENT)
                 listeners[name] = _unbound_listener(
-                    name, address, service.port, [_tcp_proxy(cluster, cluster)]
+                    name, address, service.port, [*network, _tcp_proxy(cluster, cluster)]
                 )
     virtual = {
         "name": VIRTUAL_OUTBOUND,
@@ -469,6 +500,25 @@ def _capture_routes(mesh: MeshConfig, workload: Workload) -> list[dict[str, Any]
 def _service_addresses(mesh: MeshConfig, service: Service) -> list[str]:
     """What callers connect to: the service's VIPs, else (headless) its workloads' addresses."""
     return list(service.addresses) or _sorted_ips({w.address for w in mesh.backing_workloads(service)})
+
+
+# -- WasmPlugins -------------------------------------------------------------------------------------
+
+
+def _http_filters(mesh: MeshConfig, workload: Workload, port: int, mode: str) -> list[dict[str, Any]]:
+    """The HTTP WasmPlugins of this listener (fetched over ECDS), then the router."""
+    plugins = wasmgen.listener_plugins(
+        mesh.wasm_plugins, workload.namespace, workload.labels, port=port, mode=mode, network=False
+    )
+    return [*(wasmgen.discovery_filter(plugin) for plugin in plugins), *router_filters()]
+
+
+def _network_filters(mesh: MeshConfig, workload: Workload, port: int, mode: str) -> list[dict[str, Any]]:
+    """The NETWORK WasmPlugins of this listener, which go before its terminal filter."""
+    plugins = wasmgen.listener_plugins(
+        mesh.wasm_plugins, workload.namespace, workload.labels, port=port, mode=mode, network=True
+    )
+    return [wasmgen.discovery_filter(plugin) for plugin in plugins]
 
 
 # -- helpers ------------------------------------------------------------------------------------------
