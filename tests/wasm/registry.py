@@ -5,8 +5,9 @@ the registry serves was stored by the registry itself (its manifest checks, its 
 types), not by us. API:
 
 - :func:`running_registry` (context manager): a registry on a free 127.0.0.1 port, storage in a
-  temporary directory; ``auth=(user, password)`` puts it behind htpasswd (Basic), ``tls=True``
-  behind a self-signed certificate (for the fetcher's insecure flag).
+  temporary directory; ``auth=(user, password)`` puts it behind htpasswd (Basic), or with
+  ``token=True`` behind distribution's token auth (Bearer) with a :class:`TokenServer` here as its
+  realm; ``tls=True`` behind a self-signed certificate (for the fetcher's insecure flag).
 - :func:`push_wasm`: a module as one of the three Wasm image formats Istio reads (:data:`DOCKER`,
   :data:`OCI`, :data:`ARTIFACT`); returns the manifest digest as the registry has it (hex).
 - :func:`push_image`: any layers (for images that are not Wasm images); :func:`push_index`: an
@@ -17,22 +18,30 @@ A test that needs the registry and finds a tool missing skips with "not installe
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gzip
 import hashlib
 import io
+import ipaddress
 import json
 import shutil
 import socket
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
 from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
 
@@ -57,6 +66,127 @@ WASM_CONFIG = "application/vnd.module.wasm.config.v1+json"
 
 
 @dataclass(frozen=True)
+class TokenRequest:
+    """What the token server was asked: the query and the user it authenticated (``None``: anonymous)."""
+
+    service: str
+    scopes: list[str]
+    user: str | None
+
+
+@dataclass
+class TokenServer:
+    """distribution's token auth realm: JWTs (ES256, the signer's certificate in ``x5c``) granting the
+    asked scope to ``users`` (HTTP Basic) and ``pull`` to anonymous callers when ``anonymous_pull``.
+
+    It listens on loopback, but the realm names it by this machine's host name: the fetcher refuses
+    a realm that is ``localhost`` or a loopback literal (Istio's rule), not a name that resolves there.
+    """
+
+    users: dict[str, str]
+    anonymous_pull: bool = False
+    issuer: str = "wasm-tests-issuer"
+    service: str = "wasm-tests-registry"
+    requests: list[TokenRequest] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        key, cert = make_ca("wasm-tests token signer")
+        assert isinstance(key, ec.EllipticCurvePrivateKey)
+        self._key = key
+        self.certificate_pem = to_pem(cert)
+        self._x5c = base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode()
+        self._server: ThreadingHTTPServer | None = None
+
+    @property
+    def realm(self) -> str:
+        assert self._server is not None
+        return f"http://{realm_host()}:{self._server.server_address[1]}/token"
+
+    def start(self) -> None:
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                status, body = owner._answer(self.path, self.headers.get("Authorization"))
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:  # quiet
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def _answer(self, path: str, authorization: str | None) -> tuple[int, bytes]:
+        query = parse_qs(urlsplit(path).query)
+        user = None
+        if authorization is not None:
+            scheme, _, encoded = authorization.partition(" ")
+            name, _, password = base64.b64decode(encoded).decode().partition(":")
+            if scheme != "Basic" or self.users.get(name) != password:
+                return 401, b'{"details": "wrong user or password"}'
+            user = name
+        scopes = query.get("scope", [])
+        self.requests.append(TokenRequest(query.get("service", [""])[0], scopes, user))
+        access = []
+        for scope in scopes:
+            kind, _, rest = scope.partition(":")
+            name, _, actions = rest.rpartition(":")
+            granted = actions.split(",") if user is not None else ["pull"] if self.anonymous_pull else []
+            access.append(
+                {"type": kind, "name": name, "actions": [a for a in granted if a in actions.split(",")]}
+            )
+        token = self._jwt(user or "", access)
+        return 200, json.dumps({"token": token, "expires_in": 300}).encode()
+
+    def _jwt(self, subject: str, access: list[dict[str, object]]) -> str:
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "ES256", "x5c": [self._x5c]}
+        claims = {
+            "iss": self.issuer,
+            "sub": subject,
+            "aud": self.service,
+            "exp": now + 300,
+            "nbf": now - 10,
+            "iat": now,
+            "jti": base64.b16encode(hashlib.sha256(str(time.monotonic_ns()).encode()).digest()[:8]).decode(),
+            "access": access,
+        }
+        signing_input = f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+        r, s = decode_dss_signature(self._key.sign(signing_input.encode(), ec.ECDSA(hashes.SHA256())))
+        return f"{signing_input}.{_b64url(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def realm_host() -> str:
+    """This machine's host name when it resolves to loopback only (a realm the fetcher may ask);
+    skips the test otherwise."""
+    name = socket.gethostname()
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
+    except OSError:
+        addresses = set()
+    if (
+        name == "localhost"
+        or not addresses
+        or not all(ipaddress.ip_address(a).is_loopback for a in addresses)
+    ):
+        pytest.skip(f"this machine's host name {name!r} does not resolve to loopback only")
+    return name
+
+
+@dataclass(frozen=True)
 class Registry:
     """A running registry: ``host`` is ``127.0.0.1:PORT`` as an ``oci://`` reference starts."""
 
@@ -64,6 +194,7 @@ class Registry:
     scheme: str
     credentials: tuple[str, str] | None
     root: Path
+    token_server: TokenServer | None = None
 
     def reference(self, repo: str, tag: str = "latest") -> str:
         """``host/repo:tag``: what ``ImageFetcher.prepare`` takes."""
@@ -92,19 +223,33 @@ def require_tools() -> None:
 
 @contextlib.contextmanager
 def running_registry(
-    *, auth: tuple[str, str] | None = None, tls: bool = False, workdir: Path | None = None
+    *,
+    auth: tuple[str, str] | None = None,
+    token: bool = False,
+    anonymous_pull: bool = False,
+    tls: bool = False,
+    workdir: Path | None = None,
 ) -> Iterator[Registry]:
-    """Start a registry and stop it on exit (its storage goes with the temporary directory)."""
+    """Start a registry and stop it on exit (its storage goes with the temporary directory).
+
+    ``auth`` alone: htpasswd (Basic); with ``token``: a :class:`TokenServer` knowing that user
+    (``anonymous_pull``: it grants pull to anyone).
+    """
     require_tools()
     with contextlib.ExitStack() as stack:
         root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="registry-")))
         port = _free_port()
-        config = _config(root, port, auth, tls)
+        token_server = None
+        if token:
+            token_server = TokenServer(dict([auth]) if auth else {}, anonymous_pull=anonymous_pull)
+            token_server.start()
+            stack.callback(token_server.stop)
+        config = _config(root, port, auth, tls, token_server)
         log = stack.enter_context((root / "registry.log").open("wb"))
         process = subprocess.Popen([REGISTRY, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
         stack.callback(_stop, process)
         scheme = "https" if tls else "http"
-        registry = Registry(f"127.0.0.1:{port}", scheme, auth, root)
+        registry = Registry(f"127.0.0.1:{port}", scheme, auth, root, token_server)
         _wait_ready(process, port, root / "registry.log")
         yield registry
 
@@ -238,7 +383,9 @@ def _skopeo_copy(registry: Registry, layout: Path, repo: str, tag: str, extra: l
     return digest_file.read_text().strip().removeprefix("sha256:")
 
 
-def _config(root: Path, port: int, auth: tuple[str, str] | None, tls: bool) -> Path:
+def _config(
+    root: Path, port: int, auth: tuple[str, str] | None, tls: bool, token_server: TokenServer | None
+) -> Path:
     config: dict[str, object] = {
         "version": 0.1,
         "log": {"level": "warn", "accesslog": {"disabled": True}},
@@ -247,7 +394,17 @@ def _config(root: Path, port: int, auth: tuple[str, str] | None, tls: bool) -> P
     }
     http = config["http"]
     assert isinstance(http, dict)
-    if auth is not None:
+    if token_server is not None:
+        (root / "token-signer.pem").write_bytes(token_server.certificate_pem)
+        config["auth"] = {
+            "token": {
+                "realm": token_server.realm,
+                "service": token_server.service,
+                "issuer": token_server.issuer,
+                "rootcertbundle": str(root / "token-signer.pem"),
+            }
+        }
+    elif auth is not None:
         user, password = auth
         entry = subprocess.run(
             ["htpasswd", "-Bbn", user, password], capture_output=True, text=True, check=True

@@ -608,3 +608,66 @@ def test_challenges_parsed() -> None:
     assert parse_challenges("Bearer realm=https://auth.example/t?x=1,service=reg") == [
         ("bearer", {"realm": "https://auth.example/t?x=1", "service": "reg"})
     ]
+
+
+# --- Bearer auth against the real registry (distribution's token auth, our token server as its realm) ---
+
+
+@pytest.fixture(scope="module")
+def token_registry() -> Iterator[Registry]:
+    with running_registry(auth=("wasm-user", "s3cret-pass"), token=True) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def public_token_registry() -> Iterator[Registry]:
+    with running_registry(auth=("wasm-user", "s3cret-pass"), token=True, anonymous_pull=True) as running:
+        yield running
+
+
+async def test_bearer_with_the_right_pull_secret(token_registry: Registry) -> None:
+    assert token_registry.token_server is not None
+    digest = push_wasm(token_registry, "bearer/real", "v1", MODULE, DOCKER)
+    token_registry.token_server.requests.clear()
+    prepared = await fetcher(pull_secret=token_registry.pull_secret()).prepare(
+        token_registry.reference("bearer/real", "v1")
+    )
+    assert prepared.digest == digest
+    assert await prepared.fetch() == MODULE
+    (asked,) = token_registry.token_server.requests
+    assert (asked.service, asked.scopes, asked.user) == (
+        "wasm-tests-registry",
+        ["repository:bearer/real:pull"],
+        "wasm-user",
+    )
+
+
+async def test_bearer_with_the_wrong_pull_secret(token_registry: Registry) -> None:
+    push_wasm(token_registry, "bearer/real", "v1", MODULE, DOCKER)
+    secret = token_registry.pull_secret("wasm-user", "not-the-password")
+    with pytest.raises(FetchError) as caught:
+        await fetcher(pull_secret=secret).prepare(token_registry.reference("bearer/real", "v1"))
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+    message = str(caught.value)
+    assert "token request" in message and "401" in message and "not-the-password" not in message
+
+
+async def test_bearer_without_a_pull_secret(
+    token_registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DOCKER_CONFIG", "/nonexistent")
+    push_wasm(token_registry, "bearer/real", "v1", MODULE, DOCKER)
+    with pytest.raises(FetchError, match="401") as caught:
+        await fetcher().prepare(token_registry.reference("bearer/real", "v1"))
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+
+
+async def test_bearer_anonymous_pull(
+    public_token_registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DOCKER_CONFIG", "/nonexistent")
+    push_wasm(public_token_registry, "bearer/public", "v1", MODULE, OCI)
+    prepared = await fetcher().prepare(public_token_registry.reference("bearer/public", "v1"))
+    assert await prepared.fetch() == MODULE
+    assert public_token_registry.token_server is not None
+    assert public_token_registry.token_server.requests[-1].user is None
