@@ -22,6 +22,7 @@ from istio_agent.wasm.errors import FetchError
 from istio_agent.wasm.oci import OCI_MANIFEST, ImageFetcher, Reference, extract_plugin, parse_challenges
 from istio_agent.wasm.ssrf import DialGuard
 from tests.aiohttp_apps import serve_app
+from tests.http.h2server import tls_server_context
 from tests.wasm.registry import (
     ARTIFACT,
     DOCKER,
@@ -32,6 +33,7 @@ from tests.wasm.registry import (
     push_image,
     push_index,
     push_wasm,
+    realm_host,
     running_registry,
     sha256,
     tar_gz,
@@ -491,22 +493,6 @@ async def stand_in() -> AsyncIterator[StandIn]:
         await runner.cleanup()
 
 
-def loopback_name() -> str:
-    """A host name (not ``localhost``) that resolves to loopback: a realm the realm rules let by."""
-    name = socket.gethostname()
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
-    except OSError:
-        addresses = set()
-    if (
-        not addresses
-        or not all(ipaddress.ip_address(a).is_loopback for a in addresses)
-        or name == "localhost"
-    ):
-        pytest.skip(f"this machine's host name {name!r} does not resolve to loopback only")
-    return name
-
-
 async def test_manifest_whose_digest_is_not_the_referenced_one(stand_in: StandIn) -> None:
     wanted = sha256(stand_in.manifest)
     stand_in.manifest_override = stand_in.manifest + b" "  # same JSON, other bytes, other digest
@@ -545,6 +531,23 @@ async def test_blob_redirect_to_storage_gets_no_authorization(stand_in: StandIn)
     assert "Authorization" not in storage_requests[0].headers
 
 
+async def test_blob_redirect_from_https_to_plain_http_is_refused(tmp_path: Path) -> None:
+    server = StandIn(MODULE)
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls_server_context(tmp_path, None))
+    await site.start()
+    try:
+        server.port = int(runner.addresses[0][1])
+        server.blob_redirect = f"http://127.0.0.1:{server.port}/v2/plain/blob"
+        prepared = await fetcher(insecure=True).prepare(f"127.0.0.1:{server.port}/redirect/f:v1")
+        with pytest.raises(FetchError, match="plain http") as caught:
+            await prepared.fetch()
+    finally:
+        await runner.cleanup()
+    assert caught.value.reason == metrics.DOWNLOAD_FAILURE
+
+
 async def test_blob_redirect_to_a_blocked_address_is_refused(stand_in: StandIn) -> None:
     stand_in.blob_redirect = "http://169.254.169.254/latest/meta-data/"
     prepared = await fetcher().prepare(f"127.0.0.1:{stand_in.port}/redirect/f:v1")
@@ -563,7 +566,7 @@ async def test_bearer_realm_at_a_forbidden_address_is_never_requested(stand_in: 
 
 @pytest.mark.parametrize("token_key", ["token", "access_token"])
 async def test_bearer_token_flow_with_the_pull_secret(stand_in: StandIn, token_key: str) -> None:
-    stand_in.realm_host = loopback_name()
+    stand_in.realm_host = realm_host()
     stand_in.token_key = token_key
     secret = docker_config(f"127.0.0.1:{stand_in.port}", "wasm-user", "pw")
     prepared = await fetcher(pull_secret=secret).prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
@@ -578,14 +581,14 @@ async def test_bearer_token_flow_with_the_pull_secret(stand_in: StandIn, token_k
 
 async def test_bearer_token_flow_anonymous(stand_in: StandIn, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DOCKER_CONFIG", "/nonexistent")
-    stand_in.realm_host = loopback_name()
+    stand_in.realm_host = realm_host()
     prepared = await fetcher().prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
     assert await prepared.fetch() == MODULE
     assert "Authorization" not in stand_in.token_requests[0].headers
 
 
 async def test_registry_token_in_the_pull_secret_is_sent_as_is(stand_in: StandIn) -> None:
-    stand_in.realm_host = loopback_name()
+    stand_in.realm_host = realm_host()
     secret = json.dumps({"auths": {f"127.0.0.1:{stand_in.port}": {"registrytoken": "t0ken"}}}).encode()
     prepared = await fetcher(pull_secret=secret).prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
     assert await prepared.fetch() == MODULE

@@ -19,11 +19,12 @@ platform, or its only image whatever the platform. Auth: anonymous, Basic, or th
 flow, with the credentials of the pull secret (or the agent's own docker config when there is none).
 
 Where we differ from Istio, on purpose: a module over the size limit is refused with an error saying
-so (Istio's ``io.LimitReader`` silently truncates it); every blob's digest is checked; plain HTTP is
-used only for registries the operator listed insecure (go-containerregistry also falls back to it
-for loopback and RFC 1918 addresses); only Bearer realms are held to the realm rules (Istio applies
-them to Basic realms too, which are names, not URLs, so it refuses every htpasswd-protected
-registry); a manifest of no Wasm format fails before any blob is downloaded.
+so (Istio's ``io.LimitReader`` silently truncates it), also when only its decompressed layer is that
+large; plain HTTP is used only for registries the operator listed insecure (go-containerregistry also
+falls back to it for loopback and RFC 1918 addresses); only Bearer realms are held to the realm rules
+(Istio applies them to Basic realms too, which are names, not URLs, so it refuses every
+htpasswd-protected registry); a redirect from https to plain http is refused; a manifest of no Wasm
+format fails before any blob is downloaded, as a ``manifest_failure`` (Istio: ``download_failure``).
 """
 
 from __future__ import annotations
@@ -337,7 +338,7 @@ class _Session:
             async with client.stream("GET", url, headers=headers) as response:
                 location = response.headers.get("Location")
                 if response.status in REDIRECT_CODES and location:
-                    url = url.join(location)
+                    url = _follow(url, location)
                     continue
                 if response.status != 200:
                     return (
@@ -354,6 +355,17 @@ class _Session:
             return await open_guarded_stream(url.host, url.port, tls=tls, guard=self.guard)
         except OSError as err:
             raise ConnectError(url.address, err) from None
+
+
+def _follow(url: URL, location: str) -> URL:
+    """A redirect's target; never from https down to plain http (as the HTTP fetcher)."""
+    try:
+        following = url.join(location)
+    except (HTTPError, ValueError) as err:
+        raise FetchError(f"bad redirect location {location!r}: {err}") from None
+    if url.scheme == "https" and following.scheme == "http":
+        raise FetchError(f"refusing the redirect from https ({url}) to plain http ({following})")
+    return following
 
 
 async def _resolve(session: _Session, ref: Reference) -> tuple[str, dict[str, Any]]:
