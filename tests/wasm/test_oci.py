@@ -674,3 +674,19 @@ async def test_bearer_anonymous_pull(
     assert await prepared.fetch() == MODULE
     assert public_token_registry.token_server is not None
     assert public_token_registry.token_server.requests[-1].user is None
+
+
+async def test_index_by_its_digest(registry: Registry) -> None:
+    amd64 = MODULE + b"amd64"
+    index_digest = push_index(registry, "index/pinned", "v1", {("linux", "amd64"): amd64})
+    prepared = await fetcher().prepare(f"{registry.host}/index/pinned@sha256:{index_digest}")
+    assert prepared.index_digest == index_digest
+    assert (
+        prepared.digest != index_digest
+    )  # the image's manifest, as Istio (go-containerregistry's img.Digest())
+    assert await prepared.fetch() == amd64
+    tagged = await fetcher().prepare(registry.reference("index/pinned", "v1"))
+    assert (tagged.digest, tagged.index_digest) == (prepared.digest, index_digest)
+    push_wasm(registry, "index/plain", "v1", MODULE, OCI)
+    plain = await fetcher().prepare(registry.reference("index/plain", "v1"))
+    assert plain.index_digest is None

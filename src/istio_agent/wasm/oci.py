@@ -172,22 +172,27 @@ class ImageFetcher:
             else:
                 session.credentials = default_credentials(ref.registry)
             await session.ping()
-            digest, manifest = await _resolve(session, ref)
+            digest, manifest, index_digest = await _resolve(session, ref)
             layer = _wasm_layer(manifest)
         except FetchError as err:
             raise session.failure(str(err), metrics.MANIFEST_FAILURE) from None
         except (HTTPError, OSError) as err:
             raise session.failure(describe(err), metrics.MANIFEST_FAILURE) from None
-        return PreparedImage(session, digest, layer, self._max_bytes)
+        return PreparedImage(session, digest, layer, self._max_bytes, index_digest)
 
 
 class PreparedImage:
     """An image whose manifest is in: its digest, and the module to download when it is wanted."""
 
-    def __init__(self, session: _Session, digest: str, layer: Layer, max_bytes: int) -> None:
+    def __init__(
+        self, session: _Session, digest: str, layer: Layer, max_bytes: int, index_digest: str | None = None
+    ) -> None:
         self._session = session
         self.digest = digest
         """The image manifest's sha256 (hex, no ``sha256:``): the module's checksum in the cache."""
+        self.index_digest = index_digest
+        """When the reference named an index: the index's sha256 (hex), which a ``@sha256:`` reference
+        pins, while ``digest`` is its chosen image's (as Istio's, go-containerregistry's ``img.Digest()``)."""
         self.layer = layer
         self._max_bytes = max_bytes
 
@@ -368,18 +373,21 @@ def _follow(url: URL, location: str) -> URL:
     return following
 
 
-async def _resolve(session: _Session, ref: Reference) -> tuple[str, dict[str, Any]]:
-    """The image manifest ``ref`` names (through an index if it is one) and its digest (hex)."""
+async def _resolve(session: _Session, ref: Reference) -> tuple[str, dict[str, Any], str | None]:
+    """The image manifest ``ref`` names (through an index if it is one), its digest (hex), and the
+    index's digest when there was one."""
     body, media_type = await session.manifest(ref.identifier)
     digest = hashlib.sha256(body).hexdigest()
     if ref.digest and f"sha256:{digest}" != ref.digest:
         raise FetchError(f"manifest {ref.digest}: the registry sent one whose digest is sha256:{digest}")
     manifest = _json(body, ref.identifier)
     media_type = manifest.get("mediaType") or media_type
+    index_digest = None
     if media_type in (OCI_INDEX, DOCKER_MANIFEST_LIST) or (
         "manifests" in manifest and "layers" not in manifest
     ):
         child = _platform_manifest(manifest)
+        index_digest = digest
         body, _ = await session.manifest(child)
         digest = hashlib.sha256(body).hexdigest()
         if f"sha256:{digest}" != child:
@@ -387,7 +395,7 @@ async def _resolve(session: _Session, ref: Reference) -> tuple[str, dict[str, An
         manifest = _json(body, child)
         if "manifests" in manifest:
             raise FetchError(f"manifest {child}: an index within an index")
-    return digest, manifest
+    return digest, manifest, index_digest
 
 
 def _platform_manifest(index: dict[str, Any]) -> str:
