@@ -16,10 +16,15 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from istio_agent.config.wasm import WasmSettings
+from istio_agent.metrics import Registry as MetricsRegistry
 from istio_agent.wasm import metrics
+from istio_agent.wasm.cache import ModuleCache
 from istio_agent.wasm.dockerconfig import ANONYMOUS, Credentials, credentials_for, default_credentials
 from istio_agent.wasm.errors import FetchError
+from istio_agent.wasm.metrics import WasmMetrics
 from istio_agent.wasm.oci import OCI_MANIFEST, ImageFetcher, Reference, extract_plugin, parse_challenges
+from istio_agent.wasm.options import GetOptions
 from istio_agent.wasm.ssrf import DialGuard
 from tests.aiohttp_apps import serve_app
 from tests.http.h2server import tls_server_context
@@ -690,3 +695,29 @@ async def test_index_by_its_digest(registry: Registry) -> None:
     push_wasm(registry, "index/plain", "v1", MODULE, OCI)
     plain = await fetcher().prepare(registry.reference("index/plain", "v1"))
     assert plain.index_digest is None
+
+
+# --- through the module cache (the fetcher's one caller) ---
+
+
+async def test_module_cache_gets_an_oci_module_from_the_registry(registry: Registry, tmp_path: Path) -> None:
+    digest = push_wasm(registry, "cache/f", "v1", MODULE, ARTIFACT)
+    push_wasm(registry, "cache/f", "v2", MODULE, ARTIFACT)  # the same image under another tag
+    settings = WasmSettings(cache_dir=tmp_path, insecure_registries=frozenset({registry.host}))
+    cache = ModuleCache(settings, WasmMetrics(MetricsRegistry()))
+    await cache.start()
+    try:
+        path = await cache.get(f"oci://{registry.reference('cache/f', 'v1')}", GetOptions(timeout=10))
+        assert path.read_bytes() == MODULE
+        assert path.name == f"{digest}.wasm"
+        pinned = await cache.get(
+            f"oci://{registry.reference('cache/f', 'v2')}", GetOptions(checksum=digest, timeout=10)
+        )
+        assert pinned == path
+        with pytest.raises(FetchError) as caught:
+            await cache.get(
+                f"oci://{registry.reference('cache/f', 'v1')}", GetOptions(checksum="0" * 64, timeout=10)
+            )
+        assert caught.value.reason == metrics.CHECKSUM_MISMATCH
+    finally:
+        await cache.stop()
