@@ -424,6 +424,7 @@ class StandIn:
         self.token_key = token_key
         self.requests: list[web.Request] = []
         self.token_requests: list[web.Request] = []
+        self.token_forms: list[dict[str, str]] = []
         self.blob_override: bytes | None = None
         self.manifest_override: bytes | None = None
         self.blob_redirect: str | None = None
@@ -453,6 +454,7 @@ class StandIn:
         app.router.add_get("/v2/{repo:.+}/manifests/{ref}", self.get_manifest)
         app.router.add_get("/v2/{repo:.+}/blobs/{digest}", self.get_blob)
         app.router.add_get("/token", self.token)
+        app.router.add_post("/token", self.token)
         return app
 
     def _authorized(self, request: web.Request) -> web.Response | None:
@@ -485,6 +487,9 @@ class StandIn:
 
     async def token(self, request: web.Request) -> web.StreamResponse:
         self.token_requests.append(request)
+        if request.method == "POST":
+            self.token_forms.append({k: str(v) for k, v in (await request.post()).items()})
+            return web.json_response({"access_token": "t0ken", "refresh_token": "refresh-me"})
         return web.json_response({self.token_key: "t0ken"})
 
 
@@ -721,3 +726,26 @@ async def test_module_cache_gets_an_oci_module_from_the_registry(registry: Regis
         assert caught.value.reason == metrics.CHECKSUM_MISMATCH
     finally:
         await cache.stop()
+
+
+def test_pull_secret_identity_token() -> None:
+    config = json.dumps({"auths": {"reg": {"auth": b64("<token>:"), "identitytoken": "refresh-me"}}}).encode()
+    assert credentials_for(config, "reg") == Credentials("<token>", "", identity_token="refresh-me")
+
+
+async def test_identity_token_is_exchanged_by_oauth2_refresh(stand_in: StandIn) -> None:
+    stand_in.realm_host = realm_host()
+    secret = json.dumps(
+        {"auths": {f"127.0.0.1:{stand_in.port}": {"auth": b64("<token>:"), "identitytoken": "refresh-me"}}}
+    ).encode()
+    prepared = await fetcher(pull_secret=secret).prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
+    assert await prepared.fetch() == MODULE
+    (token_request,) = stand_in.token_requests
+    assert token_request.method == "POST"
+    assert stand_in.token_forms[0] == {
+        "grant_type": "refresh_token",
+        "refresh_token": "refresh-me",
+        "service": "stand-in",
+        "scope": "repository:bearer/f:pull",
+        "client_id": "istio-agent",
+    }

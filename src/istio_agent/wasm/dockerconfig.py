@@ -33,13 +33,15 @@ class Credentials:
     password: str = ""
     registry_token: str = ""
     """Sent as the registry's bearer token as is, with no token exchange."""
+    identity_token: str = ""
+    """An OAuth2 refresh token, exchanged at the registry's token realm for a bearer token."""
 
     def __repr__(self) -> str:  # never print a secret
         return f"Credentials(username={self.username!r}, password=<redacted>)"
 
     @property
     def anonymous(self) -> bool:
-        return not (self.username or self.password or self.registry_token)
+        return not (self.username or self.password or self.registry_token or self.identity_token)
 
 
 ANONYMOUS = Credentials()
@@ -97,7 +99,8 @@ def _hostname(key: str) -> str:
 def _decode(entry: object, key: str) -> Credentials:
     if not isinstance(entry, dict):
         raise FetchError(f"the image pull secret's entry for {key} is not an object")
-    fields = {name: entry.get(name) or "" for name in ("auth", "username", "password", "registrytoken")}
+    names = ("auth", "username", "password", "registrytoken", "identitytoken")
+    fields = {name: entry.get(name) or "" for name in names}
     if not all(isinstance(value, str) for value in fields.values()):
         raise FetchError(f"the image pull secret's entry for {key} has a field that is not a string")
     username, password = fields["username"], fields["password"]
@@ -112,4 +115,4 @@ def _decode(entry: object, key: str) -> Credentials:
         if not separator or not username:
             raise FetchError(f'the image pull secret\'s "auth" for {key} is not base64 of user:password')
         password = password.strip("\x00")
-    return Credentials(username, password, fields["registrytoken"])
+    return Credentials(username, password, fields["registrytoken"], fields["identitytoken"])

@@ -76,6 +76,7 @@ DEFAULT_PLATFORM = ("linux", "amd64")
 MAX_MANIFEST_BYTES = 4 << 20
 """distribution's own limit on a manifest it accepts."""
 MAX_TOKEN_BYTES = 1 << 20
+OAUTH_CLIENT_ID = "istio-agent"
 MAX_ERROR_BYTES = 64 << 10
 MAX_REDIRECTS = 10
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
@@ -285,8 +286,12 @@ class _Session:
             target = URL.parse(realm + ("&" if "?" in realm else "?") + urlencode(query))
         except HTTPError as err:
             raise FetchError(f"bearer realm: {err}") from None
-        headers = {"Authorization": _basic(self.credentials)} if self.credentials.username else {}
-        status, _, body = await self.get(target, authorize=False, extra=headers, max_body=MAX_TOKEN_BYTES)
+        status, body = 404, b""
+        if self.credentials.identity_token:
+            status, body = await self._refresh(realm, query)
+        if status == 404:  # no identity token, or a realm without OAuth2: the plain token GET
+            headers = {"Authorization": _basic(self.credentials)} if self.credentials.username else {}
+            status, _, body = await self.get(target, authorize=False, extra=headers, max_body=MAX_TOKEN_BYTES)
         if status != 200:
             raise FetchError(f"token request to {target.host} for {query['scope']}: status {status}")
         try:
@@ -297,6 +302,25 @@ class _Session:
         if not isinstance(token, str) or not token:
             raise FetchError(f"token response from {target.host} holds no token")
         return token
+
+    async def _refresh(self, realm: str, query: dict[str, str]) -> tuple[int, bytes]:
+        """The OAuth2 refresh-token grant docker and go-containerregistry make with an identity token."""
+        form = {
+            "grant_type": "refresh_token",
+            "refresh_token": self.credentials.identity_token,
+            **query,
+            "client_id": OAUTH_CLIENT_ID,
+        }
+        try:
+            target = URL.parse(realm)
+        except HTTPError as err:
+            raise FetchError(f"bearer realm: {err}") from None
+        headers = {"Content-Type": "application/x-www-form-urlencoded"}
+        body = urlencode(form).encode()
+        status, _, answer = await self.get(
+            target, method="POST", body=body, authorize=False, extra=headers, max_body=MAX_TOKEN_BYTES
+        )
+        return status, answer
 
     async def manifest(self, identifier: str) -> tuple[bytes, str]:
         """A manifest's bytes and its media type (the response's Content-Type)."""
@@ -325,13 +349,15 @@ class _Session:
         self,
         url: URL,
         *,
+        method: str = "GET",
+        body: bytes = b"",
         authorize: bool = True,
         accept: str | None = None,
         extra: dict[str, str] | None = None,
         max_body: int = MAX_ERROR_BYTES,
     ) -> tuple[int, Headers, bytes]:
-        """GET following redirects; Authorization goes only to the registry itself. Bodies of
-        answers other than 200 are read up to ``MAX_ERROR_BYTES`` (for the registry's error)."""
+        """A request (a GET following redirects); Authorization goes only to the registry itself. Bodies
+        of answers other than 200 are read up to ``MAX_ERROR_BYTES`` (for the registry's error)."""
         client = Client(connector=self._connect)
         origin = (url.scheme, url.host, url.port)
         for _ in range(MAX_REDIRECTS + 1):
@@ -340,9 +366,9 @@ class _Session:
                 headers["Accept"] = accept
             if authorize and self.authorization and (url.scheme, url.host, url.port) == origin:
                 headers["Authorization"] = self.authorization
-            async with client.stream("GET", url, headers=headers) as response:
+            async with client.stream(method, url, headers=headers, body=body) as response:
                 location = response.headers.get("Location")
-                if response.status in REDIRECT_CODES and location:
+                if response.status in REDIRECT_CODES and location and method == "GET":
                     url = _follow(url, location)
                     continue
                 if response.status != 200:
