@@ -652,5 +652,38 @@ async def test_stop_cancels_fetches_in_flight(harness: Harness, server: Server) 
     await asyncio.sleep(0.05)
     await cache.stop()
     harness.caches.remove(cache)
-    with pytest.raises((asyncio.CancelledError, FetchError)):
+    with pytest.raises(FetchError, match="stopped"):  # not a CancelledError: the caller was not cancelled
         await task
+
+
+# --- with the real image fetcher and a real registry ---
+
+
+async def test_oci_through_a_real_registry_and_a_restart_without_it(tmp_path: Path) -> None:
+    """The default image fetcher pulls from Debian's docker-registry; after a restart the module is
+    served from disk with the registry gone."""
+    from tests.wasm.registry import OCI, push_wasm, running_registry
+
+    settings = WasmSettings(cache_dir=tmp_path / "data", insecure_registries=frozenset({"127.0.0.1"}))
+    with running_registry() as registry:
+        digest = push_wasm(registry, "cache/real", "v1", OCI_MODULE, OCI)
+        url = f"oci://{registry.reference('cache/real', 'v1')}"
+        cache = ModuleCache(settings, WasmMetrics(Registry()))
+        await cache.start()
+        try:
+            path = await cache.get(url, opts(resource_name="ns.res", resource_version="1"))
+            assert path.name == f"{digest}.wasm"
+            assert path.read_bytes() == OCI_MODULE
+            with pytest.raises(FetchError) as caught:
+                await cache.get(f"oci://{registry.reference('cache/real', 'missing')}", opts())
+            assert caught.value.reason == metrics.MANIFEST_FAILURE
+        finally:
+            await cache.stop()
+    restarted = ModuleCache(settings, WasmMetrics(Registry()))
+    await restarted.start()
+    try:
+        assert await restarted.get(url, opts(resource_name="ns.res", resource_version="1")) == path
+        pinned = f"{url.rpartition(':')[0]}@sha256:{digest}"
+        assert await restarted.get(pinned, opts()) == path
+    finally:
+        await restarted.stop()
