@@ -33,6 +33,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 
 from istio_agent.controlplane.ads import AdsServer
+from istio_agent.controlplane.debug import DebugAccess
 from istio_agent.controlplane.mesh import MeshConfig, MeshError, parse_mesh
 from istio_agent.controlplane.wasmgen import struct_json
 from istio_agent.controlplane.wasmplugins import WasmPlugin
@@ -604,6 +605,35 @@ async def test_an_authenticated_proxy_gets_the_pull_secret(tmp_path: Path) -> No
         assert secret == DOCKER_CONFIG.decode()
     finally:
         await client.close()
+        await channel.close()
+        await server.close()
+        await rpc.stop(0)
+
+
+async def test_delta_never_removes_an_extension_config(tmp_path: Path) -> None:
+    """istiod's neverRemoveDelta (``pilot/pkg/xds/delta.go``, envoyproxy/envoy#32823): a plugin gone from
+    the mesh is not removed over Delta; Envoy unsubscribes once no listener refers to it."""
+    (tmp_path / "reg.json").write_bytes(DOCKER_CONFIG)
+    server = AdsServer(
+        load(REMOTE, tmp_path), build_snapshot, registry=Registry(), debug_access=DebugAccess(enabled=False)
+    )
+    rpc = RpcServer()
+    server.add_to(rpc, authorize=False)
+    await rpc.start(host="127.0.0.1", port=0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{rpc.sockets()[0].getsockname()[1]}")
+    stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+    delta = Client(stub.DeltaAggregatedResources(), apps_node(), delta=True)
+    sotw = Client(stub.StreamAggregatedResources(), apps_node(), delta=False)
+    try:
+        await delta.subscribe(EXTENSION_CONFIG_TYPE, [PREFIX + "apps.auth"])
+        await sotw.subscribe(EXTENSION_CONFIG_TYPE, [PREFIX + "apps.auth"])
+        await server.update_mesh(load("wasmPlugins: []", tmp_path))
+        await delta.barrier()  # nothing was sent before the barrier's answer: no removal
+        response = await sotw.response(EXTENSION_CONFIG_TYPE)  # SotW answers with what exists now
+        assert list(response.resources) == []
+    finally:
+        await delta.close()
+        await sotw.close()
         await channel.close()
         await server.close()
         await rpc.stop(0)

@@ -183,6 +183,17 @@ def _content_version(pairs: Iterable[tuple[str, str]]) -> str:
     return digest.hexdigest()[:16]
 
 
+def _keep_extension_configs(previous: _View, current: _View) -> None:
+    """istiod's ``neverRemoveDelta`` (``pilot/pkg/xds/delta.go``, envoyproxy/envoy#32823): over Delta an
+    ECDS resource gone from the mesh is kept as last sent, never removed; Envoy unsubscribes from it
+    once no listener refers to it."""
+    kept = current.messages[EXTENSION_CONFIG_TYPE]
+    for name, message in previous.messages[EXTENSION_CONFIG_TYPE].items():
+        if name not in kept:
+            kept[name] = message
+            current.versions[EXTENSION_CONFIG_TYPE][name] = previous.versions[EXTENSION_CONFIG_TYPE][name]
+
+
 class _Snapshots(Source[_Proxy, MeshConfig]):
     """The control plane's answers to the stream core: each proxy's view of the current mesh."""
 
@@ -285,6 +296,7 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         proxy = stream.data
         if proxy.view is None or proxy.view.mesh is event:
             return ()  # nothing computed yet (it will use the newest mesh) or already current
+        previous = proxy.view
         try:
             proxy.view = self._compute(proxy, event)
         except ValueError as err:
@@ -294,6 +306,8 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
                 err,
             )
             return ()
+        if stream.flavour is DELTA:
+            _keep_extension_configs(previous, proxy.view)
         return [(type_url, None) for type_url in PUSH_ORDER]
 
     def _compute(self, proxy: _Proxy, mesh: MeshConfig) -> _View:
