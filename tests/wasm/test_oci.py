@@ -339,9 +339,11 @@ async def test_registry_that_is_down() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(FetchError) as caught:
-        await fetcher().prepare(f"127.0.0.1:{port}/down/f:v1")
+        await fetcher(insecure=False).prepare(f"127.0.0.1:{port}/down/f:v1")
     assert caught.value.reason == metrics.MANIFEST_FAILURE
     assert f"127.0.0.1:{port}" in str(caught.value)
+    assert "Connection refused" in str(caught.value)
+    assert "WASM_INSECURE_REGISTRIES" not in str(caught.value)  # no hint where it would mislead
 
 
 async def test_every_connection_goes_through_the_guard(registry: Registry) -> None:

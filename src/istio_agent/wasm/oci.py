@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-from istio_agent.http.client import URL, BodyTooLarge, Client, ConnectError, HTTPError
+from istio_agent.http.client import URL, BodyTooLarge, Client, ConnectError, HTTPError, ProtocolError
 from istio_agent.http.dial import Stream
 from istio_agent.http.exchange import default_tls, describe
 from istio_agent.http.headers import Headers
@@ -179,6 +179,8 @@ class ImageFetcher:
             raise session.failure(str(err), metrics.MANIFEST_FAILURE) from None
         except (HTTPError, OSError) as err:
             raise session.failure(describe(err), metrics.MANIFEST_FAILURE) from None
+        finally:
+            await session.close()
         return PreparedImage(session, digest, layer, self._max_bytes, index_digest)
 
 
@@ -211,6 +213,8 @@ class PreparedImage:
             raise self._session.failure(str(err), metrics.DOWNLOAD_FAILURE) from None
         except (HTTPError, OSError) as err:
             raise self._session.failure(describe(err), metrics.DOWNLOAD_FAILURE) from None
+        finally:
+            await self._session.close()
 
 
 class _Session:
@@ -224,6 +228,13 @@ class _Session:
         self.credentials: Credentials = ANONYMOUS
         self.authorization: str | None = None
         self._tls = _unverified_tls() if insecure else default_tls()
+        self._client: Client | None = None
+
+    async def close(self) -> None:
+        """Close the kept-alive connections (a later request opens new ones)."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
 
     def failure(self, what: str, reason: str) -> FetchError:
         """An error naming the registry and repository (never a credential)."""
@@ -239,12 +250,9 @@ class _Session:
         """``GET /v2/``: which scheme the registry speaks, and how it wants to be authenticated."""
         try:
             status, headers, _ = await self.get(self.url("/v2/"), authorize=False)
-        except (ConnectError, HTTPError, OSError) as err:
+        except (HTTPError, OSError) as err:
             if not self.insecure:
-                hint = (
-                    " (a registry on plain HTTP, or whose certificate is not to be verified, must be listed"
-                    " in WASM_INSECURE_REGISTRIES)"
-                )
+                hint = _TLS_HINT if _tls_trouble(err) else ""
                 raise FetchError(f"GET {self.url('/v2/')}: {describe(err)}{hint}") from None
             log.info("fetching image with plain text from %s", self.ref)
             self.scheme = "http"
@@ -358,7 +366,9 @@ class _Session:
     ) -> tuple[int, Headers, bytes]:
         """A request (a GET following redirects); Authorization goes only to the registry itself. Bodies
         of answers other than 200 are read up to ``MAX_ERROR_BYTES`` (for the registry's error)."""
-        client = Client(connector=self._connect)
+        if self._client is None:
+            self._client = Client(connector=self._connect, keepalive=True)
+        client = self._client
         origin = (url.scheme, url.host, url.port)
         for _ in range(MAX_REDIRECTS + 1):
             headers = Headers(extra)
@@ -386,6 +396,13 @@ class _Session:
             return await open_guarded_stream(url.host, url.port, tls=tls, guard=self.guard)
         except OSError as err:
             raise ConnectError(url.address, err) from None
+
+
+def _tls_trouble(err: BaseException) -> bool:
+    """A failed handshake or an answer that was no TLS: what a plain-HTTP or self-signed registry gives."""
+    if isinstance(err, ConnectError):
+        err = err.os_error
+    return isinstance(err, ssl.SSLError | ProtocolError | ConnectionResetError)
 
 
 def _follow(url: URL, location: str) -> URL:
@@ -578,6 +595,10 @@ def _over(limit: int) -> str:
     return f"over the limit of {limit} bytes (ISTIO_WASM_MAX_BINARY_SIZE_BYTES); refused, not truncated"
 
 
+_TLS_HINT = (
+    " (a registry on plain HTTP, or whose certificate is not to be verified, must be listed in"
+    " WASM_INSECURE_REGISTRIES)"
+)
 _UNVERIFIED: ssl.SSLContext | None = None
 
 
