@@ -107,6 +107,12 @@ async def test_open_guarded_stream_refuses_a_blocked_literal() -> None:
             await open_guarded_stream("127.0.0.1", port, tls=None, guard=guard)
 
 
+async def test_open_guarded_stream_names_an_ipv6_host_in_brackets() -> None:
+    guard = DialGuard((ipaddress.ip_network("::1/128"),))
+    with pytest.raises(FetchError, match=r"^\[::1\]:9: connection blocked"):
+        await open_guarded_stream("::1", 9, tls=None, guard=guard)
+
+
 async def test_open_guarded_stream_refuses_a_name_resolving_to_a_blocked_address() -> None:
     """The check is on what the name resolves to, not on the name (``localhost`` is not in any list)."""
     async with _listener("127.0.0.1") as port:
@@ -128,6 +134,34 @@ async def test_open_guarded_stream_skips_blocked_addresses_for_allowed_ones() ->
             assert stream.peer[0] == "127.0.0.1"
         finally:
             await stream.close()
+
+
+async def test_blocked_addresses_of_a_name_are_never_dialled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name whose first answer is blocked and second allowed: only the allowed one is connected to.
+
+    The resolver's answer is fixed here (no name resolves that way on a test machine); the sockets are real.
+    """
+    loop = asyncio.get_running_loop()
+    async with _listener("127.0.0.1") as port, _listener("127.0.0.2") as blocked_port:
+        answers = [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", blocked_port)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+        ]
+
+        async def resolve(host: str, wanted: int, **_: object) -> list[tuple[object, ...]]:
+            assert host == "registry.test"
+            return answers
+
+        monkeypatch.setattr(loop, "getaddrinfo", resolve)
+        guard = DialGuard((ipaddress.ip_network("127.0.0.2/32"),))
+        stream = await open_guarded_stream("registry.test", port, tls=None, guard=guard)
+        try:
+            assert stream.peer == ("127.0.0.1", port)
+        finally:
+            await stream.close()
+        answers.pop()
+        with pytest.raises(FetchError, match=r"^registry\.test:\d+: .*127\.0\.0\.2"):
+            await open_guarded_stream("registry.test", port, tls=None, guard=guard)
 
 
 async def test_open_guarded_stream_connection_refused_is_an_oserror() -> None:

@@ -67,7 +67,8 @@ async def open_guarded_stream(
     try:
         return await open_stream(host, port, tls=tls, server_hostname=host, check_address=guard.check)
     except FetchError as err:
-        raise FetchError(f"{host}:{port}: {err}", err.reason) from None
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise FetchError(f"{where}: {err}", err.reason) from None
 
 
 def check_bearer_realm(realm: str) -> None:
