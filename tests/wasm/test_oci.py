@@ -23,7 +23,14 @@ from istio_agent.wasm.cache import ModuleCache
 from istio_agent.wasm.dockerconfig import ANONYMOUS, Credentials, credentials_for, default_credentials
 from istio_agent.wasm.errors import FetchError
 from istio_agent.wasm.metrics import WasmMetrics
-from istio_agent.wasm.oci import OCI_MANIFEST, ImageFetcher, Reference, extract_plugin, parse_challenges
+from istio_agent.wasm.oci import (
+    OCI_MANIFEST,
+    ImageFetcher,
+    Reference,
+    extract_plugin,
+    parse_challenges,
+    wasm_layer,
+)
 from istio_agent.wasm.options import GetOptions
 from istio_agent.wasm.ssrf import DialGuard
 from tests.aiohttp_apps import serve_app
@@ -751,3 +758,65 @@ async def test_identity_token_is_exchanged_by_oauth2_refresh(stand_in: StandIn) 
         "scope": "repository:bearer/f:pull",
         "client_id": "istio-agent",
     }
+
+
+# --- which layer holds the module (Istio's TestExtractDockerImage / OCIStandard / OCIArtifact cases) ---
+
+
+def descriptor(media_type: str, content: bytes = b"x") -> dict[str, object]:
+    return {"mediaType": media_type, "digest": f"sha256:{sha256(content)}", "size": len(content)}
+
+
+def image_manifest(*layers: dict[str, object], docker: bool = False) -> dict[str, object]:
+    media_type = "application/vnd.docker.distribution.manifest.v2+json" if docker else OCI_MANIFEST
+    return {"schemaVersion": 2, "mediaType": media_type, "layers": list(layers)}
+
+
+DOCKER_LAYER = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+OCI_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+WASM_LAYER = "application/vnd.module.wasm.content.layer.v1+wasm"
+
+
+@pytest.mark.parametrize("docker", [True, False])
+def test_no_layers(docker: bool) -> None:
+    with pytest.raises(FetchError, match="no layers"):
+        wasm_layer(image_manifest(docker=docker))
+
+
+@pytest.mark.parametrize(("docker", "media_type"), [(True, DOCKER_LAYER), (False, OCI_LAYER)])
+def test_compat_images_take_the_last_layer(docker: bool, media_type: str) -> None:
+    last = descriptor(media_type, b"last")
+    layer = wasm_layer(image_manifest(descriptor(media_type, b"first"), last, docker=docker))
+    assert (layer.digest, layer.archive) == (last["digest"], True)
+
+
+def test_docker_image_with_another_last_layer_type() -> None:
+    with pytest.raises(FetchError, match=f"expect {DOCKER_LAYER}"):
+        wasm_layer(image_manifest(descriptor(OCI_LAYER), docker=True))
+
+
+def test_artifact_takes_the_wasm_layer_of_two() -> None:
+    wasm = descriptor(WASM_LAYER, b"module")
+    layer = wasm_layer(image_manifest(descriptor("application/vnd.module.wasm.config.v1+json"), wasm))
+    assert (layer.digest, layer.archive) == (wasm["digest"], False)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_artifact_needs_exactly_two_layers(count: int) -> None:
+    with pytest.raises(FetchError, match=f"it has {count} layers"):
+        wasm_layer(image_manifest(*[descriptor(WASM_LAYER, bytes([n])) for n in range(count)]))
+
+
+def test_artifact_without_a_wasm_layer() -> None:
+    with pytest.raises(FetchError, match="no layer of type"):
+        wasm_layer(image_manifest(descriptor("a/b"), descriptor("c/d")))
+
+
+@pytest.mark.parametrize("digest", ["sha256:../../v2/x", "sha512:" + "a" * 128, None])
+def test_layer_digest_must_be_sha256_hex(digest: str | None) -> None:
+    with pytest.raises(FetchError, match="digest"):
+        wasm_layer(image_manifest({"mediaType": OCI_LAYER, "digest": digest, "size": 1}))
+
+
+def test_plugin_wasm_with_a_relative_path_prefix() -> None:
+    assert extract_plugin(tar_gz({"./plugin.wasm": MODULE}), 1024) == MODULE

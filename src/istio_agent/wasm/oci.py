@@ -174,7 +174,7 @@ class ImageFetcher:
                 session.credentials = default_credentials(ref.registry)
             await session.ping()
             digest, manifest, index_digest = await _resolve(session, ref)
-            layer = _wasm_layer(manifest)
+            layer = wasm_layer(manifest)
         except FetchError as err:
             raise session.failure(str(err), metrics.MANIFEST_FAILURE) from None
         except (HTTPError, OSError) as err:
@@ -457,7 +457,7 @@ def _platform_manifest(index: dict[str, Any]) -> str:
     raise FetchError(f"the image index has no linux/amd64 image among its {len(entries)}")
 
 
-def _wasm_layer(manifest: dict[str, Any]) -> Layer:
+def wasm_layer(manifest: dict[str, Any]) -> Layer:
     """The layer holding the module, by Istio's rules (see the module docstring)."""
     if manifest.get("schemaVersion") != 2 or not isinstance(manifest.get("layers"), list):
         raise FetchError("the manifest is not a schema 2 image manifest")
