@@ -25,6 +25,7 @@ import hashlib
 import io
 import ipaddress
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -48,6 +49,7 @@ from tests.security.certs import issue, key_to_pem, make_ca, new_key, to_pem
 REGISTRY = "/usr/bin/docker-registry"
 TOOLS = {"docker-registry": REGISTRY, "skopeo": "skopeo", "htpasswd": "htpasswd"}
 START_TIMEOUT = 15.0
+_LISTENING = re.compile(r'msg="listening on 127\.0\.0\.1:([0-9]+)')
 
 DOCKER = "docker"
 """Docker schema2 manifest, the module as ``plugin.wasm`` in its (last) tar.gz layer."""
@@ -238,20 +240,17 @@ def running_registry(
     require_tools()
     with contextlib.ExitStack() as stack:
         root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="registry-")))
-        port = _free_port()
         token_server = None
         if token:
             token_server = TokenServer(dict([auth]) if auth else {}, anonymous_pull=anonymous_pull)
             token_server.start()
             stack.callback(token_server.stop)
-        config = _config(root, port, auth, tls, token_server)
+        config = _config(root, auth, tls, token_server)
         log = stack.enter_context((root / "registry.log").open("wb"))
         process = subprocess.Popen([REGISTRY, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
         stack.callback(_stop, process)
-        scheme = "https" if tls else "http"
-        registry = Registry(f"127.0.0.1:{port}", scheme, auth, root, token_server)
-        _wait_ready(process, port, root / "registry.log")
-        yield registry
+        port = _wait_ready(process, root / "registry.log")
+        yield Registry(f"127.0.0.1:{port}", "https" if tls else "http", auth, root, token_server)
 
 
 def push_wasm(registry: Registry, repo: str, tag: str, module: bytes, fmt: str) -> str:
@@ -383,14 +382,12 @@ def _skopeo_copy(registry: Registry, layout: Path, repo: str, tag: str, extra: l
     return digest_file.read_text().strip().removeprefix("sha256:")
 
 
-def _config(
-    root: Path, port: int, auth: tuple[str, str] | None, tls: bool, token_server: TokenServer | None
-) -> Path:
+def _config(root: Path, auth: tuple[str, str] | None, tls: bool, token_server: TokenServer | None) -> Path:
     config: dict[str, object] = {
         "version": 0.1,
-        "log": {"level": "warn", "accesslog": {"disabled": True}},
+        "log": {"level": "info", "accesslog": {"disabled": True}},  # info: "listening on ADDRESS"
         "storage": {"filesystem": {"rootdirectory": str(root / "storage")}, "delete": {"enabled": True}},
-        "http": {"addr": f"127.0.0.1:{port}", "secret": "wasm-tests"},
+        "http": {"addr": "127.0.0.1:0", "secret": "wasm-tests"},
     }
     http = config["http"]
     assert isinstance(http, dict)
@@ -423,23 +420,20 @@ def _config(
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_ready(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    """Until the registry accepts connections (it listens once its storage and auth are set up)."""
+def _wait_ready(process: subprocess.Popen[bytes], log: Path) -> int:
+    """The port the registry listens on (it binds port 0 and logs the address once it listens, so no
+    other process can take the port between our choosing it and the registry binding it)."""
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"docker-registry exited with {process.returncode}: {log.read_text()[-2000:]}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        listening = _LISTENING.search(log.read_text())
+        if listening is not None:
+            return int(listening.group(1))
         time.sleep(0.02)
-    raise RuntimeError(f"docker-registry did not listen on 127.0.0.1:{port} in {START_TIMEOUT}s")
+    raise RuntimeError(
+        f"docker-registry did not log its address in {START_TIMEOUT}s: {log.read_text()[-2000:]}"
+    )
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
