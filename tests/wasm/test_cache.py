@@ -116,17 +116,28 @@ class FakePrepared:
 class Server:
     url: str
     requests: list[str]
+    gate: asyncio.Event
+    """``/slow`` answers once this is set."""
+
+    async def asked(self, count: int = 1) -> None:
+        """Wait until the server has had ``count`` requests."""
+        for _ in range(500):
+            if len(self.requests) >= count:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"the server had {len(self.requests)} requests, expected {count}")
 
 
 @pytest.fixture(name="server")
 async def server_fixture(aio: Serve) -> Server:
     """Istio's test server: ``/different-url`` and ``/invalid-wasm-header`` differ, the rest is MODULE."""
     requests: list[str] = []
+    gate = asyncio.Event()
 
     async def handle(request: web.Request) -> web.Response:
         requests.append(request.path)
         if request.path == "/slow":
-            await asyncio.sleep(0.3)
+            await gate.wait()
         if request.path == "/different-url":
             return web.Response(body=OTHER)
         if request.path == "/invalid-wasm-header":
@@ -134,7 +145,7 @@ async def server_fixture(aio: Serve) -> Server:
         return web.Response(body=MODULE)
 
     port = await aio(handle)
-    return Server(f"http://127.0.0.1:{port}", requests)
+    return Server(f"http://127.0.0.1:{port}", requests, gate)
 
 
 @dataclass
@@ -529,9 +540,11 @@ async def test_failed_repull_is_retried_at_the_same_version(harness: Harness) ->
 async def test_concurrent_gets_fetch_once(harness: Harness, server: Server) -> None:
     cache = await harness.cache()
     url = server.url + "/slow"
-    paths = await asyncio.gather(
-        cache.get(url, opts()), cache.get(url, opts()), cache.get(url, opts(checksum=sha(MODULE)))
-    )
+    gets = [cache.get(url, opts()), cache.get(url, opts()), cache.get(url, opts(checksum=sha(MODULE)))]
+    tasks = [asyncio.create_task(get) for get in gets]
+    await server.asked(2)
+    server.gate.set()
+    paths = await asyncio.gather(*tasks)
     assert server.requests == ["/slow", "/slow"]  # one per (url, checksum) asked
     assert len(set(paths)) == 1
 
@@ -539,7 +552,11 @@ async def test_concurrent_gets_fetch_once(harness: Harness, server: Server) -> N
 async def test_concurrent_gets_fetch_once_same_options(harness: Harness, server: Server) -> None:
     cache = await harness.cache()
     url = server.url + "/slow"
-    paths = await asyncio.gather(*(cache.get(url, opts()) for _ in range(5)))
+    tasks = [asyncio.create_task(cache.get(url, opts())) for _ in range(5)]
+    await server.asked()
+    await asyncio.sleep(0.05)  # time for a second request, were there one
+    server.gate.set()
+    paths = await asyncio.gather(*tasks)
     assert server.requests == ["/slow"]
     assert len(set(paths)) == 1
     assert harness.sample("wasm_remote_fetch_count", result="success") == 1
@@ -549,10 +566,12 @@ async def test_a_cancelled_waiter_does_not_cancel_the_fetch(harness: Harness, se
     cache = await harness.cache()
     url = server.url + "/slow"
     first = asyncio.create_task(cache.get(url, opts()))
-    await asyncio.sleep(0.05)
+    await server.asked()
     second = asyncio.create_task(cache.get(url, opts()))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.01)
     first.cancel()
+    await asyncio.sleep(0.01)
+    server.gate.set()
     path = await second
     assert first.cancelled()
     assert path.read_bytes() == MODULE
@@ -649,7 +668,7 @@ async def test_unwritable_cache_directory(harness: Harness, server: Server) -> N
 async def test_stop_cancels_fetches_in_flight(harness: Harness, server: Server) -> None:
     cache = await harness.cache()
     task = asyncio.create_task(cache.get(server.url + "/slow", opts()))
-    await asyncio.sleep(0.05)
+    await server.asked()
     await cache.stop()
     harness.caches.remove(cache)
     with pytest.raises(FetchError, match="stopped"):  # not a CancelledError: the caller was not cancelled
