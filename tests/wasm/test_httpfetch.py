@@ -96,6 +96,14 @@ async def test_max_retries_setting(aio: Serve) -> None:
     assert count == [2]
 
 
+async def test_zero_max_retries_still_tries_once(aio: Serve) -> None:
+    """Istio's loop makes no attempt at all with WASM_HTTP_REQUEST_MAX_RETRIES=0; one is the least useful."""
+    handle, count = counting(lambda n: web.Response(body=WASM))
+    port = await aio(handle)
+    assert await fetcher(http_max_retries=0).fetch(f"http://127.0.0.1:{port}/", timeout=5) == WASM
+    assert count == [1]
+
+
 @pytest.mark.parametrize("status", [501, 505, 511, 404, 403])
 async def test_no_retry_on_final_statuses(aio: Serve, status: int) -> None:
     handle, count = counting(lambda n: web.Response(status=status))
