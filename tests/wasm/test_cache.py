@@ -329,6 +329,14 @@ async def test_purge_keeps_modules_in_use(harness: Harness, server: Server) -> N
     assert len(harness.files()) == 1
 
 
+async def test_zero_expiry_is_the_default(harness: Harness, server: Server) -> None:
+    """As Istio's options: WASM_MODULE_EXPIRY=0 is the default (24h), not "expire at once"."""
+    cache = await harness.cache(purge_interval=timedelta(milliseconds=10), module_expiry=timedelta(0))
+    await cache.get(server.url, opts())
+    await asyncio.sleep(0.1)
+    assert len(harness.files()) == 1
+
+
 async def test_purge_removes_the_checksums_of_every_url_of_the_module(harness: Harness) -> None:
     """Istio's "purge OCI image on expiry": tag and digest URLs of one repository go together."""
     cache = await harness.cache(

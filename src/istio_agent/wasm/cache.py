@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from istio_agent.config.wasm import WasmSettings
+from istio_agent.config.wasm import DEFAULT_MODULE_EXPIRY, DEFAULT_PURGE_INTERVAL, WasmSettings
 from istio_agent.files import write_atomic
 from istio_agent.http.client import HTTPError
 from istio_agent.http.exchange import describe
@@ -326,7 +326,7 @@ class ModuleCache:
     # --- purging ---
 
     async def _purge_loop(self) -> None:
-        interval = self._settings.purge_interval.total_seconds()
+        interval = (self._settings.purge_interval or DEFAULT_PURGE_INTERVAL).total_seconds()
         while True:
             await asyncio.sleep(interval)
             try:
@@ -336,7 +336,7 @@ class ModuleCache:
 
     async def purge(self) -> None:
         """Remove the modules unused for ``module_expiry`` (files, and the URLs that gave them)."""
-        expiry = self._settings.module_expiry.total_seconds()
+        expiry = (self._settings.module_expiry or DEFAULT_MODULE_EXPIRY).total_seconds()  # 0: Istio's default
         now = self._clock()
         removed = False
         for key, module in list(self._modules.items()):
