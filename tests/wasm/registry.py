@@ -23,7 +23,6 @@ import contextlib
 import gzip
 import hashlib
 import io
-import ipaddress
 import json
 import re
 import shutil
@@ -37,6 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -81,8 +81,8 @@ class TokenServer:
     """distribution's token auth realm: JWTs (ES256, the signer's certificate in ``x5c``) granting the
     asked scope to ``users`` (HTTP Basic) and ``pull`` to anonymous callers when ``anonymous_pull``.
 
-    It listens on loopback, but the realm names it by this machine's host name: the fetcher refuses
-    a realm that is ``localhost`` or a loopback literal (Istio's rule), not a name that resolves there.
+    The realm names it by this machine's host name (:func:`realm_host`): the fetcher refuses a realm
+    that is ``localhost`` or a loopback or private IP literal (Istio's rule), not a name resolving there.
     """
 
     users: dict[str, str]
@@ -102,7 +102,7 @@ class TokenServer:
     @property
     def realm(self) -> str:
         assert self._server is not None
-        return f"http://{realm_host()}:{self._server.server_address[1]}/token"
+        return f"http://{self._host.name}:{self._server.server_address[1]}/token"
 
     def start(self) -> None:
         owner = self
@@ -119,7 +119,8 @@ class TokenServer:
             def log_message(self, format: str, *args: object) -> None:  # quiet
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._host = realm_host()
+        self._server = ThreadingHTTPServer((self._host.address, 0), Handler)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
@@ -171,21 +172,26 @@ def _b64url(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def realm_host() -> str:
-    """This machine's host name when it resolves to loopback only (a realm the fetcher may ask);
-    skips the test otherwise."""
+class RealmHost(NamedTuple):
+    name: str
+    """What a realm URL says: a name, which the realm rules leave to the dial guard."""
+    address: str
+    """Where a realm server listens: the local address the name resolves to first."""
+
+
+def realm_host() -> RealmHost:
+    """This machine's host name and the local IPv4 address it resolves to (``/etc/hosts`` gives one,
+    loopback or the machine's own); skips the test when it has none a server can listen on."""
     name = socket.gethostname()
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)}
+        address = str(socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+        with socket.socket() as sock:
+            sock.bind((address, 0))
     except OSError:
-        addresses = set()
-    if (
-        name == "localhost"
-        or not addresses
-        or not all(ipaddress.ip_address(a).is_loopback for a in addresses)
-    ):
-        pytest.skip(f"this machine's host name {name!r} does not resolve to loopback only")
-    return name
+        pytest.skip(f"this machine's host name {name!r} does not resolve to an address of its own")
+    if name == "localhost" or name.endswith(".localhost"):
+        pytest.skip("this machine's host name is localhost, which the realm rules refuse")
+    return RealmHost(name, address)
 
 
 @dataclass(frozen=True)

@@ -430,6 +430,8 @@ class StandIn:
     def __init__(self, module: bytes, *, realm_host: str | None = None, token_key: str = "token") -> None:
         self.module = module
         self.realm_host = realm_host
+        self.realm_port = 0
+        self.runner: web.AppRunner | None = None
         self.token_key = token_key
         self.requests: list[web.Request] = []
         self.token_requests: list[web.Request] = []
@@ -470,11 +472,19 @@ class StandIn:
         self.requests.append(request)
         if self.realm_host is None or request.headers.get("Authorization") == "Bearer t0ken":
             return None
-        realm = f"http://{self.realm_host}:{self.port}/token"
+        realm = f"http://{self.realm_host}:{self.realm_port or self.port}/token"
         challenge = f'Bearer realm="{realm}",service="stand-in",scope="repository:bearer/f:pull"'
         return web.json_response(
             {"errors": [{"code": "UNAUTHORIZED"}]}, status=401, headers={"WWW-Authenticate": challenge}
         )
+
+    async def serve_realm(self) -> None:
+        """Answer on this machine's host name too, and name it as the realm (see ``realm_host``)."""
+        assert self.runner is not None
+        host = realm_host()
+        site = web.TCPSite(self.runner, host.address, 0)
+        await site.start()
+        self.realm_host, self.realm_port = host.name, int(self.runner.addresses[-1][1])
 
     async def ping(self, request: web.Request) -> web.StreamResponse:
         return self._authorized(request) or web.json_response({})
@@ -506,6 +516,7 @@ class StandIn:
 async def stand_in() -> AsyncIterator[StandIn]:
     server = StandIn(MODULE)
     runner, server.port = await serve_app(server.app())
+    server.runner = runner
     try:
         yield server
     finally:
@@ -585,7 +596,7 @@ async def test_bearer_realm_at_a_forbidden_address_is_never_requested(stand_in: 
 
 @pytest.mark.parametrize("token_key", ["token", "access_token"])
 async def test_bearer_token_flow_with_the_pull_secret(stand_in: StandIn, token_key: str) -> None:
-    stand_in.realm_host = realm_host()
+    await stand_in.serve_realm()
     stand_in.token_key = token_key
     secret = docker_config(f"127.0.0.1:{stand_in.port}", "wasm-user", "pw")
     prepared = await fetcher(pull_secret=secret).prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
@@ -600,14 +611,14 @@ async def test_bearer_token_flow_with_the_pull_secret(stand_in: StandIn, token_k
 
 async def test_bearer_token_flow_anonymous(stand_in: StandIn, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DOCKER_CONFIG", "/nonexistent")
-    stand_in.realm_host = realm_host()
+    await stand_in.serve_realm()
     prepared = await fetcher().prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
     assert await prepared.fetch() == MODULE
     assert "Authorization" not in stand_in.token_requests[0].headers
 
 
 async def test_registry_token_in_the_pull_secret_is_sent_as_is(stand_in: StandIn) -> None:
-    stand_in.realm_host = realm_host()
+    await stand_in.serve_realm()
     secret = json.dumps({"auths": {f"127.0.0.1:{stand_in.port}": {"registrytoken": "t0ken"}}}).encode()
     prepared = await fetcher(pull_secret=secret).prepare(f"127.0.0.1:{stand_in.port}/bearer/f:v1")
     assert await prepared.fetch() == MODULE
@@ -743,7 +754,7 @@ def test_pull_secret_identity_token() -> None:
 
 
 async def test_identity_token_is_exchanged_by_oauth2_refresh(stand_in: StandIn) -> None:
-    stand_in.realm_host = realm_host()
+    await stand_in.serve_realm()
     secret = json.dumps(
         {"auths": {f"127.0.0.1:{stand_in.port}": {"auth": b64("<token>:"), "identitytoken": "refresh-me"}}}
     ).encode()
