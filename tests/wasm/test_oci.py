@@ -10,6 +10,7 @@ import base64
 import ipaddress
 import json
 import socket
+import ssl
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -431,6 +432,7 @@ class StandIn:
         self.module = module
         self.realm_host = realm_host
         self.realm_port = 0
+        self.realm_scheme = "http"
         self.runner: web.AppRunner | None = None
         self.token_key = token_key
         self.requests: list[web.Request] = []
@@ -472,19 +474,20 @@ class StandIn:
         self.requests.append(request)
         if self.realm_host is None or request.headers.get("Authorization") == "Bearer t0ken":
             return None
-        realm = f"http://{self.realm_host}:{self.realm_port or self.port}/token"
+        realm = f"{self.realm_scheme}://{self.realm_host}:{self.realm_port or self.port}/token"
         challenge = f'Bearer realm="{realm}",service="stand-in",scope="repository:bearer/f:pull"'
         return web.json_response(
             {"errors": [{"code": "UNAUTHORIZED"}]}, status=401, headers={"WWW-Authenticate": challenge}
         )
 
-    async def serve_realm(self) -> None:
+    async def serve_realm(self, tls: ssl.SSLContext | None = None) -> None:
         """Answer on this machine's host name too, and name it as the realm (see ``realm_host``)."""
         assert self.runner is not None
         host = realm_host()
-        site = web.TCPSite(self.runner, host.address, 0)
+        site = web.TCPSite(self.runner, host.address, 0, ssl_context=tls)
         await site.start()
         self.realm_host, self.realm_port = host.name, int(self.runner.addresses[-1][1])
+        self.realm_scheme = "https" if tls else "http"
 
     async def ping(self, request: web.Request) -> web.StreamResponse:
         return self._authorized(request) or web.json_response({})
@@ -561,21 +564,41 @@ async def test_blob_redirect_to_storage_gets_no_authorization(stand_in: StandIn)
     assert "Authorization" not in storage_requests[0].headers
 
 
-async def test_blob_redirect_from_https_to_plain_http_is_refused(tmp_path: Path) -> None:
+@pytest.fixture
+async def tls_stand_in(tmp_path: Path) -> AsyncIterator[tuple[StandIn, ssl.SSLContext]]:
+    """The stand-in over TLS with a certificate nobody trusts (an insecure registry's)."""
     server = StandIn(MODULE)
-    runner = web.AppRunner(server.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls_server_context(tmp_path, None))
-    await site.start()
+    tls = tls_server_context(tmp_path, None)
+    server.runner = web.AppRunner(server.app())
+    await server.runner.setup()
+    await web.TCPSite(server.runner, "127.0.0.1", 0, ssl_context=tls).start()
+    server.port = int(server.runner.addresses[0][1])
     try:
-        server.port = int(runner.addresses[0][1])
-        server.blob_redirect = f"http://127.0.0.1:{server.port}/v2/plain/blob"
-        prepared = await fetcher(insecure=True).prepare(f"127.0.0.1:{server.port}/redirect/f:v1")
-        with pytest.raises(FetchError, match="plain http") as caught:
-            await prepared.fetch()
+        yield server, tls
     finally:
-        await runner.cleanup()
+        await server.runner.cleanup()
+
+
+async def test_blob_redirect_from_https_to_plain_http_is_refused(
+    tls_stand_in: tuple[StandIn, ssl.SSLContext],
+) -> None:
+    server, _ = tls_stand_in
+    server.blob_redirect = f"http://127.0.0.1:{server.port}/v2/plain/blob"
+    prepared = await fetcher(insecure=True).prepare(f"127.0.0.1:{server.port}/redirect/f:v1")
+    with pytest.raises(FetchError, match="plain http") as caught:
+        await prepared.fetch()
     assert caught.value.reason == metrics.DOWNLOAD_FAILURE
+
+
+async def test_insecure_registry_does_not_make_its_realm_unverified(
+    tls_stand_in: tuple[StandIn, ssl.SSLContext],
+) -> None:
+    server, tls = tls_stand_in
+    await server.serve_realm(tls)  # another host: WASM_INSECURE_REGISTRIES names the registry only
+    with pytest.raises(FetchError, match="certificate verify failed") as caught:
+        await fetcher(insecure=True).prepare(f"127.0.0.1:{server.port}/bearer/f:v1")
+    assert caught.value.reason == metrics.MANIFEST_FAILURE
+    assert server.token_requests == []
 
 
 async def test_blob_redirect_to_a_blocked_address_is_refused(stand_in: StandIn) -> None:

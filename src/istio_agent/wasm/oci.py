@@ -18,13 +18,17 @@ An index (manifest list) gives its ``linux/amd64`` image, as go-containerregistr
 platform, or its only image whatever the platform. Auth: anonymous, Basic, or the Bearer token
 flow, with the credentials of the pull secret (or the agent's own docker config when there is none).
 
-Where we differ from Istio, on purpose: a module over the size limit is refused with an error saying
-so (Istio's ``io.LimitReader`` silently truncates it), also when only its decompressed layer is that
-large; plain HTTP is used only for registries the operator listed insecure (go-containerregistry also
-falls back to it for loopback and RFC 1918 addresses); only Bearer realms are held to the realm rules
-(Istio applies them to Basic realms too, which are names, not URLs, so it refuses every
-htpasswd-protected registry); a redirect from https to plain http is refused; a manifest of no Wasm
-format fails before any blob is downloaded, as a ``manifest_failure`` (Istio: ``download_failure``).
+Where we differ from Istio, on purpose:
+
+- a module over the size limit is refused with an error saying so (Istio's ``io.LimitReader``
+  silently truncates it), also when only its decompressed layer is that large;
+- plain HTTP only for registries the operator listed insecure (go-containerregistry also falls back
+  to it for loopback and RFC 1918 addresses), and TLS unverified for that registry's own host only,
+  not for its token realm or blob storage elsewhere; no redirect from https down to plain http;
+- only Bearer realms are held to the realm rules (Istio applies them to Basic realms too, which are
+  names, not URLs, so it refuses every htpasswd-protected registry);
+- a manifest of no Wasm format fails before any blob is downloaded, as a ``manifest_failure``
+  (Istio: ``download_failure``); a pull secret's credential helpers are never run.
 """
 
 from __future__ import annotations
@@ -227,7 +231,6 @@ class _Session:
         self.scheme = "https"
         self.credentials: Credentials = ANONYMOUS
         self.authorization: str | None = None
-        self._tls = _unverified_tls() if insecure else default_tls()
         self._client: Client | None = None
 
     async def close(self) -> None:
@@ -391,7 +394,12 @@ class _Session:
         raise FetchError(f"GET {url}: stopped after {MAX_REDIRECTS} redirects")
 
     async def _connect(self, url: URL) -> Stream:
-        tls = self._tls if url.scheme == "https" else None
+        """Through the guard; TLS unverified only for the registry's own host when it is insecure
+        (not for a token realm or blob storage elsewhere, which Istio's one transport also skips)."""
+        tls = None
+        if url.scheme == "https":
+            own_host = url.host == URL.parse(f"https://{self.ref.registry}/").host
+            tls = _unverified_tls() if self.insecure and own_host else default_tls()
         try:
             return await open_guarded_stream(url.host, url.port, tls=tls, guard=self.guard)
         except OSError as err:
