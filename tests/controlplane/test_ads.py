@@ -699,6 +699,7 @@ async def test_config_dump_for_a_connected_proxy_and_none_for_an_unknown_one(h: 
         "ListenersConfigDump",
         "RoutesConfigDump",
         "EndpointsConfigDump",
+        "EcdsConfigDump",
     ]
     dumped = unpack(response.resources[0], ClustersConfigDump())
     names = [unpack(c.cluster, Cluster()).name for c in dumped.dynamic_active_clusters]
@@ -959,7 +960,7 @@ async def test_debug_questions_need_a_verified_identity_and_see_only_its_namespa
     await dumper.request(CONFIG_DUMP_TYPE, ["httpbin-1.apps"])  # another namespace's: as if unknown
     assert list((await dumper.response(CONFIG_DUMP_TYPE)).resources) == []
     await dumper.request(CONFIG_DUMP_TYPE, ["sleep-1.default"])
-    assert len((await dumper.response(CONFIG_DUMP_TYPE)).resources) == 4
+    assert len((await dumper.response(CONFIG_DUMP_TYPE)).resources) == 5
 
 
 async def test_syncz_lists_only_proxies_not_debug_clients_or_proxyless_apps(h: Harness) -> None:

@@ -27,7 +27,14 @@ from google.protobuf import any_pb2, timestamp_pb2
 from google.protobuf.message import Message
 
 from istio_agent.config.env import parse_go_bool
-from istio_agent.controlplane.xdsgen import CLUSTER_TYPE, ENDPOINT_TYPE, LISTENER_TYPE, ROUTE_TYPE, ProxyNode
+from istio_agent.controlplane.xdsgen import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    EXTENSION_CONFIG_TYPE,
+    LISTENER_TYPE,
+    ROUTE_TYPE,
+    ProxyNode,
+)
 from istio_agent.xds.flavour import Resource
 from istio_agent.xds.watch import Watch
 
@@ -164,6 +171,7 @@ _SECTIONS = (
     (LISTENER_TYPE, dump_pb2.ListenersConfigDump, "dynamic_listeners", "listener"),
     (ROUTE_TYPE, dump_pb2.RoutesConfigDump, "dynamic_route_configs", "route_config"),
     (ENDPOINT_TYPE, dump_pb2.EndpointsConfigDump, "dynamic_endpoint_configs", "endpoint_config"),
+    (EXTENSION_CONFIG_TYPE, dump_pb2.EcdsConfigDump, "ecds_filters", "ecds_filter"),
 )
 """Envoy's config-dump sections istiod answers with: type, section, its list, the entry's field."""
 
