@@ -54,6 +54,8 @@ def sha(data: bytes) -> str:
 class FakeImage:
     digest: str
     module: bytes
+    index_digest: str | None = None
+    """The index the reference named, when it named one (``digest`` is then its chosen image's)."""
 
 
 @dataclass
@@ -92,7 +94,7 @@ class FakeImageFetcher:
             raise FetchError(f"could not fetch manifest of {reference}", metrics.MANIFEST_FAILURE)
         _, _, digest = reference.partition("@sha256:")
         if digest:
-            image = next(i for i in self.registry.images.values() if i.digest == digest)
+            image = next(i for i in self.registry.images.values() if digest in (i.digest, i.index_digest))
         else:
             image = self.registry.images[reference]
         return FakePrepared(self.registry, reference, image)
@@ -103,6 +105,7 @@ class FakePrepared:
         self.registry = registry
         self.reference = reference
         self.digest = image.digest
+        self.index_digest = image.index_digest
         self.image = image
 
     async def fetch(self) -> bytes:
@@ -493,6 +496,37 @@ async def test_fetch_oci_with_wrong_digest(harness: Harness) -> None:
     )
     assert caught.value.reason == metrics.CHECKSUM_MISMATCH
     assert harness.oci.fetched == []  # the manifest decided it: no blob
+
+
+INDEX_DIGEST = hashlib.sha256(b"index v1").hexdigest()
+MULTI = f"oci://{REGISTRY}/test/multi:v1"
+
+
+@pytest.mark.parametrize("pinned", ["url", "checksum"])
+async def test_an_index_digest_pins_its_image(harness: Harness, pinned: str) -> None:
+    """An image index (multi-platform) pinned by its digest, in the URL or as the checksum, is the
+    image it lists: accepted (Istio compares with the chosen image's digest and calls it a mismatch),
+    and found again by that same digest without asking the registry."""
+    harness.oci.images[MULTI.removeprefix("oci://")] = FakeImage(DIGEST, OCI_MODULE, INDEX_DIGEST)
+    cache = await harness.cache()
+    url, options = (
+        (f"oci://{REGISTRY}/test/multi@sha256:{INDEX_DIGEST}", opts())
+        if pinned == "url"
+        else (MULTI, opts(checksum=INDEX_DIGEST))
+    )
+    path = await cache.get(url, options)
+    assert path.read_bytes() == OCI_MODULE
+    assert await cache.get(url, options) == path
+    assert len(harness.oci.prepared) == 1
+
+
+async def test_an_index_digest_does_not_pass_for_another(harness: Harness) -> None:
+    harness.oci.images[MULTI.removeprefix("oci://")] = FakeImage(DIGEST, OCI_MODULE, INDEX_DIGEST)
+    cache = await harness.cache()
+    with pytest.raises(FetchError) as caught:
+        await cache.get(MULTI, opts(checksum=DIGEST_2))
+    assert caught.value.reason == metrics.CHECKSUM_MISMATCH
+    assert await cache.get(MULTI, opts(checksum=DIGEST)) == expected_path(harness, MULTI, DIGEST)
 
 
 async def test_oci_manifest_failure(harness: Harness) -> None:

@@ -22,7 +22,10 @@ Where we differ from Istio, on purpose:
   fetching, so after a failed ``Always`` pull the same version is served the old module).
 - An untagged image is ``latest`` for the default policy (Istio looks for a literal ``:latest``).
 - A fetch is checked only against the checksum asked for (the plugin's or the URL's digest), never
-  against the URL's previous one; checksums compare case-insensitively.
+  against the URL's previous one; checksums compare case-insensitively. An image index's digest
+  (a multi-platform image pinned as ``crane digest`` shows it) is accepted for the image the index
+  lists, and the module is kept under it (Istio compares it with the chosen image's digest only,
+  a mismatch).
 - A module file removed behind the cache's back is fetched again rather than handed to Envoy.
 - Files are written atomically (never seen half-written) and one ``wasm_cache_lookup_count`` is
   counted per request (Istio counts a second lookup after a download without a checksum).
@@ -73,6 +76,8 @@ class PreparedModule(Protocol):
     """An image whose manifest is in (``istio_agent.wasm.oci.PreparedImage``)."""
 
     digest: str
+    index_digest: str | None
+    """The image index the reference named, if it named one (``digest`` is then the chosen image's)."""
 
     async def fetch(self) -> bytes: ...
 
@@ -258,6 +263,8 @@ class ModuleCache:
         if scheme == "oci":
             prepared = await self._prepare(url, options, deadline)
             checksum = prepared.digest.lower()
+            if expected and expected == (prepared.index_digest or "").lower():
+                checksum = expected  # the index pinned lists this image: kept under the pin, found by it
             body = b""
         else:
             body = await self._counted(self._http.fetch(url, timeout=options.timeout))
