@@ -146,6 +146,8 @@ RUNNING_AGENT_NEVER_LOADS = (
     "tempfile",
     "shutil",  # only when Envoy is looked up on PATH
     "ctypes.util",  # find_library spawns ldconfig
+    "istio_agent.wasm.convert",  # with the module cache and Envoy's Wasm and RBAC protos, ~2.9 MB:
+    "istio_agent.wasm.cache",  # built at the first ECDS response (xds/extension_configs.py)
 )
 """Modules a running pilot-agent does not load: each was measured in its idle RSS (issue 23)."""
 

@@ -557,7 +557,7 @@ async def test_oci_timeout(harness: Harness) -> None:
 
 
 async def test_oci_fetcher_options(harness: Harness) -> None:
-    cache = await harness.cache(insecure_registries=frozenset({"registry.example"}), max_binary_bytes=1234)
+    cache = await harness.cache(insecure_registries=frozenset({REGISTRY}), max_binary_bytes=1234)
     await cache.get(TAGGED, opts(pull_secret=b'{"auths": {}}'))
     assert harness.oci.fetchers == [{"insecure": True, "pull_secret": b'{"auths": {}}', "max_bytes": 1234}]
 
@@ -725,8 +725,8 @@ async def test_oci_through_a_real_registry_and_a_restart_without_it(tmp_path: Pa
     served from disk with the registry gone."""
     from tests.wasm.registry import OCI, push_wasm, running_registry
 
-    settings = WasmSettings(cache_dir=tmp_path / "data", insecure_registries=frozenset({"127.0.0.1"}))
     with running_registry() as registry:
+        settings = WasmSettings(cache_dir=tmp_path / "data", insecure_registries=frozenset({registry.host}))
         digest = push_wasm(registry, "cache/real", "v1", OCI_MODULE, OCI)
         url = f"oci://{registry.reference('cache/real', 'v1')}"
         cache = ModuleCache(settings, WasmMetrics(Registry()))

@@ -17,6 +17,7 @@ DEFAULT_PURGE_INTERVAL = timedelta(hours=1)
 DEFAULT_MODULE_EXPIRY = timedelta(hours=24)
 DEFAULT_HTTP_TIMEOUT = timedelta(seconds=15)
 DEFAULT_HTTP_MAX_RETRIES = 5
+ZERO_HTTP_TIMEOUT = timedelta(seconds=5)
 DEFAULT_MAX_BINARY_BYTES = 256 * 1024 * 1024
 DATA_DIR = "./var/lib/istio/data"
 """The ``istio-data`` volume: the cache lives there so a container restart does not refetch."""
@@ -30,8 +31,8 @@ class WasmSettings:
     """``ISTIO_AGENT_ENABLE_WASM_REMOTE_LOAD_CONVERSION``: off, ECDS goes to Envoy unchanged."""
     cache_dir: Path = Path(DATA_DIR)
     insecure_registries: frozenset[str] = frozenset()
-    """Hosts (``host`` or ``host:port``) fetched without TLS verification, or over plain HTTP for
-    OCI; ``*`` is every host."""
+    """Hosts fetched without TLS verification, or over plain HTTP for OCI, as written in the URL
+    (``host:port`` when it has a port); ``*`` is every host."""
     module_expiry: timedelta = DEFAULT_MODULE_EXPIRY
     purge_interval: timedelta = DEFAULT_PURGE_INTERVAL
     http_timeout: timedelta = DEFAULT_HTTP_TIMEOUT
@@ -41,11 +42,9 @@ class WasmSettings:
     """``BLOCKED_CIDRS_IN_WASM_FETCH``: refused in addition to the link-local ranges, always refused."""
 
     def insecure(self, host: str) -> bool:
-        """Whether ``host`` (as written in the URL, with its port when it has one) may skip TLS checks."""
-        if "*" in self.insecure_registries or host in self.insecure_registries:
-            return True
-        bare = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-        return bare in self.insecure_registries
+        """Whether ``host`` (as written in the URL, with its port when it has one) may skip TLS
+        checks: listed exactly, as Istio's cache options compare it, or ``*``."""
+        return "*" in self.insecure_registries or host in self.insecure_registries
 
 
 def wasm_settings(env: Env, workdir: Path) -> WasmSettings:
@@ -55,11 +54,14 @@ def wasm_settings(env: Env, workdir: Path) -> WasmSettings:
         conversion_enabled=env.flag("ISTIO_AGENT_ENABLE_WASM_REMOTE_LOAD_CONVERSION", True),
         cache_dir=workdir / DATA_DIR,
         insecure_registries=insecure,
-        module_expiry=env.duration("WASM_MODULE_EXPIRY", DEFAULT_MODULE_EXPIRY, minimum=timedelta(0)),
-        purge_interval=env.duration(
-            "WASM_PURGE_INTERVAL", DEFAULT_PURGE_INTERVAL, minimum=timedelta(milliseconds=1)
-        ),
-        http_timeout=env.duration("WASM_HTTP_REQUEST_TIMEOUT", DEFAULT_HTTP_TIMEOUT, minimum=timedelta(0)),
+        # Zero is the default, as Istio's cache options take it (pkg/wasm/cache.go).
+        module_expiry=env.duration("WASM_MODULE_EXPIRY", DEFAULT_MODULE_EXPIRY, minimum=timedelta(0))
+        or DEFAULT_MODULE_EXPIRY,
+        purge_interval=env.duration("WASM_PURGE_INTERVAL", DEFAULT_PURGE_INTERVAL, minimum=timedelta(0))
+        or DEFAULT_PURGE_INTERVAL,
+        # Zero is 5s, as Istio's NewHTTPFetcher takes it.
+        http_timeout=env.duration("WASM_HTTP_REQUEST_TIMEOUT", DEFAULT_HTTP_TIMEOUT, minimum=timedelta(0))
+        or ZERO_HTTP_TIMEOUT,
         http_max_retries=env.integer("WASM_HTTP_REQUEST_MAX_RETRIES", DEFAULT_HTTP_MAX_RETRIES, minimum=0),
         max_binary_bytes=env.integer("ISTIO_WASM_MAX_BINARY_SIZE_BYTES", DEFAULT_MAX_BINARY_BYTES, minimum=8),
         blocked_networks=_networks("BLOCKED_CIDRS_IN_WASM_FETCH", env.text("BLOCKED_CIDRS_IN_WASM_FETCH")),
