@@ -24,6 +24,7 @@ import pytest
 
 from istio_agent.ctl.local import free_port, wait_until
 from istio_agent.ctl.localmesh import LocalMesh, Service, Workload, admin_json
+from tests.e2e.harness import agentctl
 from tests.wasm.registry import ARTIFACT, DOCKER, push_wasm, running_registry
 from tests.wasm.wasm_filter import add_header_wasm
 
@@ -156,6 +157,13 @@ def test_http_module_runs_in_envoy_and_a_restart_uses_the_cache(
         assert local_file.read_bytes() == module
         assert "ISTIO_META" not in json.dumps(ecds)
         assert module_server.requests == 2  # once per agent
+        # istioctl's view of it, through Envoy's admin API.
+        summary = agentctl("proxy-config", "ecds", f"127.0.0.1:{b.ports['admin']}").splitlines()
+        assert summary[0].split() == ["ECDS", "NAME", "TYPE"]
+        assert summary[1].split() == [
+            "extensions.istio.io/wasmplugin/default.headers",
+            "envoy.extensions.filters.http.wasm.v3.Wasm",
+        ]
 
         # Both agents restarted with the server gone: the modules come from the cache on disk.
         module_server.stop()
@@ -200,17 +208,29 @@ def test_oci_module_from_a_registry_with_a_pull_secret(short_tmp: Path, module: 
 
 
 @pytest.mark.parametrize(
-    ("strategy", "status"), [("FAIL_CLOSE", 403), ("FAIL_OPEN", 200)], ids=["fail-closed", "fail-open"]
+    ("problem", "strategy", "status"),
+    [
+        ("unreachable", "FAIL_CLOSE", 403),
+        ("unreachable", "FAIL_OPEN", 200),
+        ("wrong-sha256", "FAIL_CLOSE", 403),
+        ("metadata-address", "FAIL_CLOSE", 403),  # refused by the SSRF guard before any connection
+    ],
 )
-def test_unreachable_module_falls_back_to_istios_rbac_filter(
-    short_tmp: Path, strategy: str, status: int
+def test_a_module_that_cannot_be_had_falls_back_to_istios_rbac_filter(
+    short_tmp: Path, module_server: ModuleServer, problem: str, strategy: str, status: int
 ) -> None:
-    down = f"http://127.0.0.1:{free_port()}/add_header.wasm"  # nothing listens there
+    spec: dict[str, Any] = {"failStrategy": strategy}
+    if problem == "unreachable":
+        url = f"http://127.0.0.1:{free_port()}/add_header.wasm"  # nothing listens there
+    elif problem == "wrong-sha256":
+        url, spec["sha256"] = module_server.url, hashlib.sha256(b"another module").hexdigest()
+    else:
+        url = "http://169.254.169.254/add_header.wasm"
     local = start_mesh(
         short_tmp,
         delta=True,
         agent_env={"WASM_HTTP_REQUEST_MAX_RETRIES": "1"},
-        wasmPlugins=[plugin(down, {"never": "runs"}, failStrategy=strategy)],
+        wasmPlugins=[plugin(url, {"never": "runs"}, **spec)],
     )
     try:
         a = local.workload("a")
@@ -220,5 +240,10 @@ def test_unreachable_module_falls_back_to_istios_rbac_filter(
         assert ecds["typed_config"]["@type"].endswith("envoy.extensions.filters.http.rbac.v3.RBAC")
         expected = "wasm-default-deny" if strategy == "FAIL_CLOSE" else "wasm-default-allow"
         assert ecds["typed_config"]["rules_stat_prefix"] == expected
+        summary = agentctl("proxy-config", "ecds", f"127.0.0.1:{a.ports['admin']}")
+        assert "envoy.extensions.filters.http.rbac.v3.RBAC" in summary, summary
+        log = (a.workdir / "agent.log").read_text()
+        reason = {"unreachable": "cannot connect", "wrong-sha256": "checksum", "metadata-address": "169.254"}
+        assert reason[problem] in log, log[-2000:]
     finally:
         stop_all(local)
