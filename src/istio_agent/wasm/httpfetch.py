@@ -2,8 +2,9 @@
 
 A GET with retries (network errors and 5xx but 501, 505 and 511, with exponential backoff from
 0.5 s) for at most ``WASM_HTTP_REQUEST_MAX_RETRIES`` attempts of ``WASM_HTTP_REQUEST_TIMEOUT`` each,
-all within the caller's timeout. Redirects are followed (10 at most) and every connection, redirect
-hops included, is dialled through the SSRF guard. The body may be a gzip and/or a tar of the module:
+all within the caller's timeout. Requests go through :class:`istio_agent.wasm.guarded.GuardedClient`:
+redirects followed (10 at most), every connection, redirect hops included, dialled through the SSRF
+guard, TLS unverified only for hosts in ``WASM_INSECURE_REGISTRIES``. The body may be a gzip and/or a tar of the module:
 it is unwrapped, best effort, as Istio does.
 
 Where we differ from Istio, on purpose: a module over ``ISTIO_WASM_MAX_BINARY_SIZE_BYTES`` is refused
@@ -20,27 +21,24 @@ from __future__ import annotations
 import asyncio
 import gzip
 import io
-import ssl
 import tarfile
 import zlib
 from datetime import timedelta
 
 from istio_agent.backoff import ExponentialBackoff
 from istio_agent.config.wasm import WasmSettings
-from istio_agent.http.client import URL, BodyTooLarge, Client, ClientResponse, ConnectError, HTTPError
-from istio_agent.http.dial import Stream
-from istio_agent.http.exchange import default_tls, describe
+from istio_agent.http.client import URL, BodyTooLarge, ClientResponse, HTTPError
+from istio_agent.http.exchange import describe
 from istio_agent.log import scope
 from istio_agent.wasm.errors import FetchError
-from istio_agent.wasm.ssrf import DialGuard, open_guarded_stream
+from istio_agent.wasm.guarded import GuardedClient
+from istio_agent.wasm.ssrf import DialGuard
 
 log = scope("wasm")
 
 WASM_MAGIC = b"\0asm"
 MIN_WASM_SIZE = 8
 """The magic and the version: the least a module can be."""
-MAX_REDIRECTS = 10
-REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 FINAL_5XX = frozenset({501, 505, 511})
 """Not Implemented, HTTP Version Not Supported, Network Authentication Required: retrying won't help."""
 DEFAULT_ATTEMPT_TIMEOUT = 5.0
@@ -67,7 +65,6 @@ class HttpFetcher:
         self._initial_backoff = initial_backoff
         attempt = settings.http_timeout
         self._attempt_timeout = attempt.total_seconds() if attempt > timedelta(0) else DEFAULT_ATTEMPT_TIMEOUT
-        self._insecure_tls: ssl.SSLContext | None = None
 
     async def fetch(self, url: str, *, timeout: float) -> bytes:
         """The module at ``url`` (unwrapped from gzip/tar); ``FetchError`` (``download_failure``) if not.
@@ -108,23 +105,13 @@ class HttpFetcher:
 
     async def _get(self, url: URL) -> tuple[int, bytes]:
         """One GET and its redirects: the final status and, for a 200, the body."""
-        client = Client(connector=self._connect)
-        for hop in range(MAX_REDIRECTS + 1):
-            async with client.stream("GET", url) as response:
-                location = response.headers.get("Location")
-                if response.status not in REDIRECT_CODES or location is None:
-                    body = await self._read(response, url) if response.status == 200 else b""
-                    return response.status, body
-            try:
-                following = url.join(location)
-            except (HTTPError, ValueError) as err:
-                raise HTTPError(f"bad redirect location {location!r}: {err}") from None
-            if url.scheme == "https" and following.scheme == "http":
-                raise FetchError(f"refusing the redirect from https ({url}) to plain http ({following})")
-            if hop == MAX_REDIRECTS:
-                raise FetchError(f"GET {url}: stopped after {MAX_REDIRECTS} redirects")
-            url = following
-        raise AssertionError("unreachable")  # pragma: no cover
+        client = GuardedClient(self._guard, skip_verify=self._skip_verify)
+        try:
+            async with client.send("GET", url) as response:
+                body = await self._read(response, url) if response.status == 200 else b""
+                return response.status, body
+        finally:
+            await client.aclose()
 
     async def _read(self, response: ClientResponse, url: URL) -> bytes:
         limit = self._settings.max_binary_bytes
@@ -133,24 +120,9 @@ class HttpFetcher:
         except BodyTooLarge:
             raise FetchError(_too_large(str(url), limit)) from None
 
-    async def _connect(self, url: URL) -> Stream:
-        """The client's connector: through the guard, verifying TLS unless the host is listed insecure."""
-        tls = None
-        if url.scheme == "https":
-            insecure = self._settings.insecure(url.authority) or self._settings.insecure(url.address)
-            tls = self._unverified() if insecure else default_tls()
-        try:
-            return await open_guarded_stream(url.host, url.port, tls=tls, guard=self._guard)
-        except OSError as err:  # refused, unreachable, no such host, TLS handshake
-            raise ConnectError(url.address, err) from None
-
-    def _unverified(self) -> ssl.SSLContext:
-        if self._insecure_tls is None:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE  # only for hosts in WASM_INSECURE_REGISTRIES
-            self._insecure_tls = context
-        return self._insecure_tls
+    def _skip_verify(self, url: URL) -> bool:
+        """A host in ``WASM_INSECURE_REGISTRIES`` (as ``host``, ``host:port`` or ``*``) skips TLS checks."""
+        return self._settings.insecure(url.authority) or self._settings.insecure(url.address)
 
 
 def unwrap(data: bytes, limit: int, url: str = "the module") -> bytes:
