@@ -234,9 +234,8 @@ class _Snapshots(Source[_Proxy, MeshConfig]):
         identity = (
             await self._authorize(call, node) if self._authorize is not None and _AUTHORIZING.get() else None
         )
-        if (
-            identity is not None
-        ):  # istiod's VerifiedIdentity: WasmPlugins' pull secrets go only to such proxies
+        if identity is not None:
+            # istiod's VerifiedIdentity: WasmPlugins' pull secrets go only to such proxies.
             node = dataclasses.replace(node, verified=True)
         return _Proxy(
             node,

@@ -153,9 +153,8 @@ def build_snapshot(mesh: MeshConfig, proxy: ProxyNode) -> Snapshot:
         ROUTE_TYPE: _sorted(routes),
         NAME_TABLE_TYPE: {NAME_TABLE_RESOURCE: build_name_table(mesh)},
     }
-    if (
-        mesh.wasm_plugins
-    ):  # ECDS only where there is something to ask for (the ADS server defaults it to none)
+    if mesh.wasm_plugins:
+        # ECDS only where there is something to ask for (the ADS server defaults it to none).
         snapshot[EXTENSION_CONFIG_TYPE] = dict(
             wasmgen.extension_configs(
                 mesh.wasm_plugins,
