@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from istio_agent.http.client import URL, ConnectError
+from istio_agent.http.client import URL, BodyTooLarge, ConnectError
 from istio_agent.wasm.errors import FetchError
 from istio_agent.wasm.guarded import MAX_REDIRECTS, GuardedClient
 from istio_agent.wasm.ssrf import DialGuard
@@ -167,3 +167,24 @@ async def test_keepalive_reuses_the_connection(aio: Serve) -> None:
             await response.read()
     await client.aclose()
     assert len(peers) == 2 and peers[0] == peers[1]
+
+
+async def test_fetch_caps_a_200_and_cuts_an_error_body(aio: Serve) -> None:
+    """A 200's body is what was asked for (refused past its cap); an error's is only read for its message."""
+
+    def answer(request: web.Request) -> web.StreamResponse:
+        status = 200 if request.path == "/ok" else 404
+        return web.Response(status=status, body=b"y" * 100)
+
+    handle, _ = recording(answer)
+    port = await aio(handle)
+    client = GuardedClient(DialGuard())
+    fetched = await client.fetch("GET", URL.parse(f"http://127.0.0.1:{port}/ok"), max_body=100)
+    assert (fetched.status, fetched.body) == (200, b"y" * 100)
+    with pytest.raises(BodyTooLarge):
+        await client.fetch("GET", URL.parse(f"http://127.0.0.1:{port}/ok"), max_body=99)
+    missing = await client.fetch(
+        "GET", URL.parse(f"http://127.0.0.1:{port}/no"), max_body=1000, max_error_body=10
+    )
+    assert (missing.status, missing.body, missing.truncated) == (404, b"y" * 10, True)
+    await client.aclose()

@@ -24,14 +24,9 @@ from istio_agent.wasm.cache import ModuleCache
 from istio_agent.wasm.dockerconfig import ANONYMOUS, Credentials, credentials_for, default_credentials
 from istio_agent.wasm.errors import FetchError
 from istio_agent.wasm.metrics import WasmMetrics
-from istio_agent.wasm.oci import (
-    OCI_MANIFEST,
-    ImageFetcher,
-    Reference,
-    extract_plugin,
-    parse_challenges,
-    wasm_layer,
-)
+from istio_agent.wasm.oci import ImageFetcher, Reference
+from istio_agent.wasm.ociauth import parse_challenges
+from istio_agent.wasm.ocilayers import OCI_MANIFEST, extract_plugin, wasm_layer
 from istio_agent.wasm.options import GetOptions
 from istio_agent.wasm.ssrf import DialGuard
 from tests.aiohttp_apps import serve_app

@@ -18,13 +18,15 @@ from contextlib import asynccontextmanager
 
 from istio_agent.http.client import URL, Client, ClientResponse, ConnectError, HTTPError
 from istio_agent.http.dial import Stream
-from istio_agent.http.exchange import default_tls
+from istio_agent.http.exchange import Fetched, default_tls
 from istio_agent.http.headers import Headers
 from istio_agent.wasm.errors import FetchError
 from istio_agent.wasm.ssrf import DialGuard, open_guarded_stream
 
 MAX_REDIRECTS = 10
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
+MAX_ERROR_BYTES = 64 << 10
+"""What is read of an answer other than 200: enough for a registry's JSON error."""
 FOLLOWED_METHODS = frozenset({"GET", "HEAD"})
 """Methods whose redirects are followed; any other gets the redirect as its answer."""
 
@@ -77,6 +79,28 @@ class GuardedClient:
                 raise FetchError(f"{method} {url}: stopped after {MAX_REDIRECTS} redirects")
             url = following
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def fetch(
+        self,
+        method: str,
+        url: URL,
+        *,
+        max_body: int,
+        max_error_body: int = MAX_ERROR_BYTES,
+        headers: Mapping[str, str] | None = None,
+        authorization: str | None = None,
+        body: bytes = b"",
+    ) -> Fetched:
+        """The whole final response of :meth:`send`: a 200's body up to ``max_body`` (``BodyTooLarge``
+        past it), any other's cut at ``max_error_body`` (it is read for the error it reports only)."""
+        async with self.send(
+            method, url, headers=headers, authorization=authorization, body=body
+        ) as response:
+            if response.status == 200:
+                content = await response.read(max_body)
+            else:
+                content = await response.read(max_error_body, truncate=True)
+        return Fetched(response.status, response.reason, response.headers, content, response.truncated)
 
     async def aclose(self) -> None:
         """Close the kept-alive connections (a later request opens new ones)."""

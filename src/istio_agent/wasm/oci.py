@@ -1,32 +1,25 @@
 """Wasm modules from OCI registries (``oci://`` URLs), as Istio's agent pulls them (``pkg/wasm/imagefetcher.go``).
 
-The distribution API v2 over the project's HTTP client, every connection (token realm and redirect
-hops included) dialled through the Wasm SSRF guard. In two steps, so the cache can skip the
-download when it already holds the module for the manifest's digest: :meth:`ImageFetcher.prepare`
-resolves the reference to an image manifest (``manifest_failure`` when it cannot: auth, a missing
-tag, a manifest of no Wasm image format), :meth:`PreparedImage.fetch` downloads the module
-(``download_failure``).
+The distribution API v2 through :class:`istio_agent.wasm.guarded.GuardedClient` (every connection,
+token realm and redirect hops included, dialled through the Wasm SSRF guard). In two steps, so the
+cache can skip the download when it already holds the module for the manifest's digest:
+:meth:`ImageFetcher.prepare` resolves the reference to an image manifest (``manifest_failure`` when
+it cannot: auth, a missing tag, a manifest of no Wasm image format), :meth:`PreparedImage.fetch`
+downloads the module (``download_failure``).
 
-Image formats (the "Wasm Image Specification" Istio reads, solo-io/wasm ``spec/``):
-
-- Docker schema2 manifest: the last layer, a tar.gz holding ``plugin.wasm``;
-- OCI manifest, "compat": the last layer ``application/vnd.oci.image.layer.v1.tar+gzip`` holding it;
-- OCI manifest, "oci" (artifact): exactly two layers, the module raw in the first one of type
-  ``application/vnd.module.wasm.content.layer.v1+wasm``.
-
-An index (manifest list) gives its ``linux/amd64`` image, as go-containerregistry's default
-platform, or its only image whatever the platform. Auth: anonymous, Basic, or the Bearer token
-flow, with the credentials of the pull secret (or the agent's own docker config when there is none).
+Here: the reference, the registry's scheme, the manifest (an index (manifest list) gives its
+``linux/amd64`` image, as go-containerregistry's default platform, or its only image whatever the
+platform) and the blob. Which layer holds the module, and its extraction: :mod:`.ocilayers`; the
+401 challenge and tokens, with the credentials of the pull secret (or the agent's own docker config
+when there is none): :mod:`.ociauth`.
 
 Where we differ from Istio, on purpose:
 
 - a module over the size limit is refused with an error saying so (Istio's ``io.LimitReader``
-  silently truncates it), also when only its decompressed layer is that large;
+  silently truncates it);
 - plain HTTP only for registries the operator listed insecure (go-containerregistry also falls back
   to it for loopback and RFC 1918 addresses), and TLS unverified for that registry's own host only,
   not for its token realm or blob storage elsewhere; no redirect from https down to plain http;
-- only Bearer realms are held to the realm rules (Istio applies them to Basic realms too, which are
-  names, not URLs, so it refuses every htpasswd-protected registry);
 - a manifest of no Wasm format fails before any blob is downloaded, as a ``manifest_failure``
   (Istio: ``download_failure``); a pull secret's credential helpers are never run.
 """
@@ -34,25 +27,18 @@ Where we differ from Istio, on purpose:
 from __future__ import annotations
 
 import asyncio
-import base64
-import gzip
 import hashlib
-import io
 import json
 import re
 import ssl
-import tarfile
-import zlib
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
 
-from istio_agent.http.client import URL, BodyTooLarge, Client, ConnectError, HTTPError, ProtocolError
-from istio_agent.http.dial import Stream
-from istio_agent.http.exchange import default_tls, describe
+from istio_agent.http.client import URL, BodyTooLarge, ConnectError, HTTPError, ProtocolError
+from istio_agent.http.exchange import Fetched, describe
 from istio_agent.http.headers import Headers
 from istio_agent.log import scope
-from istio_agent.wasm import metrics
+from istio_agent.wasm import metrics, ociauth
 from istio_agent.wasm.dockerconfig import (
     ANONYMOUS,
     DOCKER_HUB,
@@ -61,41 +47,36 @@ from istio_agent.wasm.dockerconfig import (
     default_credentials,
 )
 from istio_agent.wasm.errors import FetchError
-from istio_agent.wasm.ssrf import DialGuard, check_bearer_realm, open_guarded_stream
+from istio_agent.wasm.guarded import MAX_ERROR_BYTES, GuardedClient
+from istio_agent.wasm.ocilayers import (
+    DIGEST,
+    DOCKER_MANIFEST,
+    DOCKER_MANIFEST_LIST,
+    OCI_INDEX,
+    OCI_MANIFEST,
+    Layer,
+    descriptor_digest,
+    extract_plugin,
+    over_limit,
+    wasm_layer,
+)
+from istio_agent.wasm.ssrf import DialGuard
+
+__all__ = ["ImageFetcher", "PreparedImage", "Reference"]
 
 log = scope("wasm")
 
-DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
-DOCKER_MANIFEST_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 ACCEPT = ", ".join((OCI_MANIFEST, DOCKER_MANIFEST, OCI_INDEX, DOCKER_MANIFEST_LIST))
 """The manifest types go-containerregistry's ``remote.Get`` accepts, schema1 aside (no Wasm image is one)."""
-DOCKER_LAYER = "application/vnd.docker.image.rootfs.diff.tar.gzip"
-OCI_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
-WASM_LAYER = "application/vnd.module.wasm.content.layer.v1+wasm"
-PLUGIN_FILE = "plugin.wasm"
 DEFAULT_TAG = "latest"
 DEFAULT_PLATFORM = ("linux", "amd64")
 MAX_MANIFEST_BYTES = 4 << 20
 """distribution's own limit on a manifest it accepts."""
-MAX_TOKEN_BYTES = 1 << 20
-OAUTH_CLIENT_ID = "istio-agent"
-MAX_ERROR_BYTES = 64 << 10
-MAX_REDIRECTS = 10
-REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
-TAR_SLACK = 64 << 10
-"""Tar headers and small files the decompressed layer may hold besides a module at the size limit."""
-_READ_CHUNK = 1 << 20
 
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REPOSITORY = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*")
 _TAG = re.compile(r"[\w][\w.-]{0,127}", re.ASCII)
-_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
 _REGISTRY = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)(?::[0-9]{1,5})?")
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_TOKEN68 = re.compile(r"\s+[A-Za-z0-9._~+/-]+=*\s*(?:,|$)")
-_PARAM = re.compile(r'\s*([!#$%&\'*+.^_`|~0-9A-Za-z-]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^\s,]*)\s*(?:,|$)')
 
 
 @dataclass(frozen=True)
@@ -120,7 +101,7 @@ class Reference:
         is Docker Hub's ``index.docker.io``, with ``library/`` for one-component names.
         """
         rest, at, digest = text.partition("@")
-        if at and not _DIGEST.fullmatch(digest):
+        if at and not DIGEST.fullmatch(digest):
             raise _bad_reference(text, f"digest {digest!r} is not sha256:<64 hex digits>")
         registry, slash, path = rest.partition("/")
         if not slash or not _REGISTRY.fullmatch(registry):
@@ -141,16 +122,6 @@ class Reference:
     def __str__(self) -> str:
         suffix = f"@{self.digest}" if self.digest else f":{self.tag}"
         return f"{self.registry}/{self.repository}{suffix}"
-
-
-@dataclass(frozen=True)
-class Layer:
-    """The layer holding the module: raw (``artifact``) or ``plugin.wasm`` in a tar.gz."""
-
-    media_type: str
-    digest: str
-    size: int
-    archive: bool
 
 
 class ImageFetcher:
@@ -208,7 +179,7 @@ class PreparedImage:
         layer, limit = self.layer, self._max_bytes
         try:
             if layer.size > limit:
-                raise FetchError(f"layer {layer.digest} is {layer.size} bytes, {_over(limit)}")
+                raise FetchError(f"layer {layer.digest} is {layer.size} bytes, {over_limit(limit)}")
             blob = await self._session.blob(layer.digest, limit)
             if not layer.archive:
                 return blob
@@ -226,18 +197,16 @@ class _Session:
 
     def __init__(self, ref: Reference, guard: DialGuard, insecure: bool) -> None:
         self.ref = ref
-        self.guard = guard
         self.insecure = insecure
         self.scheme = "https"
         self.credentials: Credentials = ANONYMOUS
         self.authorization: str | None = None
-        self._client: Client | None = None
+        self._host = URL.parse(f"https://{ref.registry}/").host
+        self.client = GuardedClient(guard, skip_verify=self._skip_verify, keepalive=True)
 
     async def close(self) -> None:
         """Close the kept-alive connections (a later request opens new ones)."""
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        await self.client.aclose()
 
     def failure(self, what: str, reason: str) -> FetchError:
         """An error naming the registry and repository (never a credential)."""
@@ -252,158 +221,64 @@ class _Session:
     async def ping(self) -> None:
         """``GET /v2/``: which scheme the registry speaks, and how it wants to be authenticated."""
         try:
-            status, headers, _ = await self.get(self.url("/v2/"), authorize=False)
+            answer = await self.get(self.url("/v2/"), authorize=False)
         except (HTTPError, OSError) as err:
             if not self.insecure:
                 hint = _TLS_HINT if _tls_trouble(err) else ""
                 raise FetchError(f"GET {self.url('/v2/')}: {describe(err)}{hint}") from None
             log.info("fetching image with plain text from %s", self.ref)
             self.scheme = "http"
-            status, headers, _ = await self.get(self.url("/v2/"), authorize=False)
-        if status == 401:
-            await self.authenticate(headers)
-        elif status != 200:
-            raise FetchError(f"GET {self.url('/v2/')}: status {status}")
+            answer = await self.get(self.url("/v2/"), authorize=False)
+        if answer.status == 401:
+            await self.authenticate(answer.headers)
+        elif answer.status != 200:
+            raise FetchError(f"GET {self.url('/v2/')}: status {answer.status}")
 
     async def authenticate(self, headers: Headers) -> None:
-        """Answer a 401's challenge: Basic with the credentials, or a token from the Bearer realm."""
-        challenges = [c for value in headers.getall("WWW-Authenticate") for c in parse_challenges(value)]
-        for scheme, params in challenges:
-            if scheme == "bearer" and "realm" in params:
-                try:
-                    check_bearer_realm(params["realm"])
-                except FetchError as err:
-                    raise FetchError(f"rejected unsafe bearer realm: {err}") from None
-        chosen = next(((s, p) for s, p in challenges if s in ("basic", "bearer")), None)
-        if chosen is None:
-            raise FetchError(f"the registry asks for authentication this client cannot give: {challenges!r}")
-        scheme, params = chosen
-        creds = self.credentials
-        if creds.registry_token:
-            self.authorization = f"Bearer {creds.registry_token}"
-        elif scheme == "basic":
-            self.authorization = _basic(creds) if creds.username else None
-        else:
-            self.authorization = f"Bearer {await self._token(params)}"
-
-    async def _token(self, params: dict[str, str]) -> str:
-        realm = params.get("realm")
-        if not realm:
-            raise FetchError("the registry's Bearer challenge has no realm")
-        query = {"scope": f"repository:{self.ref.repository}:pull"}
-        if params.get("service"):
-            query = {"service": params["service"], **query}
-        try:
-            target = URL.parse(realm + ("&" if "?" in realm else "?") + urlencode(query))
-        except HTTPError as err:
-            raise FetchError(f"bearer realm: {err}") from None
-        status, body = 404, b""
-        if self.credentials.identity_token:
-            status, body = await self._refresh(realm, query)
-        if status == 404:  # no identity token, or a realm without OAuth2: the plain token GET
-            headers = {"Authorization": _basic(self.credentials)} if self.credentials.username else {}
-            status, _, body = await self.get(target, authorize=False, extra=headers, max_body=MAX_TOKEN_BYTES)
-        if status != 200:
-            raise FetchError(f"token request to {target.host} for {query['scope']}: status {status}")
-        try:
-            answer = json.loads(body)
-            token = answer.get("token") or answer.get("access_token")
-        except (ValueError, AttributeError):
-            token = None
-        if not isinstance(token, str) or not token:
-            raise FetchError(f"token response from {target.host} holds no token")
-        return token
-
-    async def _refresh(self, realm: str, query: dict[str, str]) -> tuple[int, bytes]:
-        """The OAuth2 refresh-token grant docker and go-containerregistry make with an identity token."""
-        form = {
-            "grant_type": "refresh_token",
-            "refresh_token": self.credentials.identity_token,
-            **query,
-            "client_id": OAUTH_CLIENT_ID,
-        }
-        try:
-            target = URL.parse(realm)
-        except HTTPError as err:
-            raise FetchError(f"bearer realm: {err}") from None
-        headers = {"Content-Type": "application/x-www-form-urlencoded"}
-        body = urlencode(form).encode()
-        status, _, answer = await self.get(
-            target, method="POST", body=body, authorize=False, extra=headers, max_body=MAX_TOKEN_BYTES
+        """Answer a 401's challenge (see :mod:`istio_agent.wasm.ociauth`)."""
+        self.authorization = await ociauth.authorization(
+            self.client, headers, self.credentials, self.ref.repository
         )
-        return status, answer
 
     async def manifest(self, identifier: str) -> tuple[bytes, str]:
         """A manifest's bytes and its media type (the response's Content-Type)."""
         target = self.url(f"/v2/{self.ref.repository}/manifests/{identifier}")
-        status, headers, body = await self.get(target, accept=ACCEPT, max_body=MAX_MANIFEST_BYTES)
-        if status == 401 and self.authorization is None:
-            await self.authenticate(headers)
-            status, headers, body = await self.get(target, accept=ACCEPT, max_body=MAX_MANIFEST_BYTES)
-        if status != 200:
-            raise FetchError(f"manifest {identifier}: {_status(status, body)}")
-        return body, headers.get("Content-Type", "").split(";")[0].strip()
+        answer = await self.get(target, accept=ACCEPT, max_body=MAX_MANIFEST_BYTES)
+        if answer.status == 401 and self.authorization is None:
+            await self.authenticate(answer.headers)
+            answer = await self.get(target, accept=ACCEPT, max_body=MAX_MANIFEST_BYTES)
+        if answer.status != 200:
+            raise FetchError(f"manifest {identifier}: {_status(answer.status, answer.body)}")
+        return answer.body, answer.headers.get("Content-Type", "").split(";")[0].strip()
 
     async def blob(self, digest: str, limit: int) -> bytes:
         target = self.url(f"/v2/{self.ref.repository}/blobs/{digest}")
         try:
-            status, _, body = await self.get(target, max_body=limit)
+            answer = await self.get(target, max_body=limit)
         except BodyTooLarge:
-            raise FetchError(f"blob {digest} is {_over(limit)}") from None
-        if status != 200:
-            raise FetchError(f"blob {digest}: {_status(status, body)}")
-        if f"sha256:{hashlib.sha256(body).hexdigest()}" != digest:
+            raise FetchError(f"blob {digest} is {over_limit(limit)}") from None
+        if answer.status != 200:
+            raise FetchError(f"blob {digest}: {_status(answer.status, answer.body)}")
+        if f"sha256:{hashlib.sha256(answer.body).hexdigest()}" != digest:
             raise FetchError(f"blob {digest}: the content received has another digest")
-        return body
+        return answer.body
 
     async def get(
-        self,
-        url: URL,
-        *,
-        method: str = "GET",
-        body: bytes = b"",
-        authorize: bool = True,
-        accept: str | None = None,
-        extra: dict[str, str] | None = None,
-        max_body: int = MAX_ERROR_BYTES,
-    ) -> tuple[int, Headers, bytes]:
-        """A request (a GET following redirects); Authorization goes only to the registry itself. Bodies
-        of answers other than 200 are read up to ``MAX_ERROR_BYTES`` (for the registry's error)."""
-        if self._client is None:
-            self._client = Client(connector=self._connect, keepalive=True)
-        client = self._client
-        origin = (url.scheme, url.host, url.port)
-        for _ in range(MAX_REDIRECTS + 1):
-            headers = Headers(extra)
-            if accept:
-                headers["Accept"] = accept
-            if authorize and self.authorization and (url.scheme, url.host, url.port) == origin:
-                headers["Authorization"] = self.authorization
-            async with client.stream(method, url, headers=headers, body=body) as response:
-                location = response.headers.get("Location")
-                if response.status in REDIRECT_CODES and location and method == "GET":
-                    url = _follow(url, location)
-                    continue
-                if response.status != 200:
-                    return (
-                        response.status,
-                        response.headers,
-                        await response.read(MAX_ERROR_BYTES, truncate=True),
-                    )
-                return response.status, response.headers, await response.read(max_body)
-        raise FetchError(f"GET {url}: stopped after {MAX_REDIRECTS} redirects")
+        self, url: URL, *, authorize: bool = True, accept: str | None = None, max_body: int = MAX_ERROR_BYTES
+    ) -> Fetched:
+        """A GET following redirects; the Authorization goes to the registry itself only."""
+        return await self.client.fetch(
+            "GET",
+            url,
+            headers={"Accept": accept} if accept else None,
+            authorization=self.authorization if authorize else None,
+            max_body=max_body,
+        )
 
-    async def _connect(self, url: URL) -> Stream:
-        """Through the guard; TLS unverified only for the registry's own host when it is insecure
-        (not for a token realm or blob storage elsewhere, which Istio's one transport also skips)."""
-        tls = None
-        if url.scheme == "https":
-            own_host = url.host == URL.parse(f"https://{self.ref.registry}/").host
-            tls = _unverified_tls() if self.insecure and own_host else default_tls()
-        try:
-            return await open_guarded_stream(url.host, url.port, tls=tls, guard=self.guard)
-        except OSError as err:
-            raise ConnectError(url.address, err) from None
+    def _skip_verify(self, url: URL) -> bool:
+        """TLS unverified only for the registry's own host when it is insecure (not for a token realm
+        or blob storage elsewhere, which Istio's one transport also leaves unverified)."""
+        return self.insecure and url.host == self._host
 
 
 def _tls_trouble(err: BaseException) -> bool:
@@ -411,17 +286,6 @@ def _tls_trouble(err: BaseException) -> bool:
     if isinstance(err, ConnectError):
         err = err.os_error
     return isinstance(err, ssl.SSLError | ProtocolError | ConnectionResetError)
-
-
-def _follow(url: URL, location: str) -> URL:
-    """A redirect's target; never from https down to plain http (as the HTTP fetcher)."""
-    try:
-        following = url.join(location)
-    except (HTTPError, ValueError) as err:
-        raise FetchError(f"bad redirect location {location!r}: {err}") from None
-    if url.scheme == "https" and following.scheme == "http":
-        raise FetchError(f"refusing the redirect from https ({url}) to plain http ({following})")
-    return following
 
 
 async def _resolve(session: _Session, ref: Reference) -> tuple[str, dict[str, Any], str | None]:
@@ -459,119 +323,10 @@ def _platform_manifest(index: dict[str, Any]) -> str:
             isinstance(platform, dict)
             and (platform.get("os"), platform.get("architecture")) == DEFAULT_PLATFORM
         ):
-            return _digest(entry)
+            return descriptor_digest(entry)
     if len(entries) == 1:
-        return _digest(entries[0])
+        return descriptor_digest(entries[0])
     raise FetchError(f"the image index has no linux/amd64 image among its {len(entries)}")
-
-
-def wasm_layer(manifest: dict[str, Any]) -> Layer:
-    """The layer holding the module, by Istio's rules (see the module docstring)."""
-    if manifest.get("schemaVersion") != 2 or not isinstance(manifest.get("layers"), list):
-        raise FetchError("the manifest is not a schema 2 image manifest")
-    layers = [_layer(entry) for entry in manifest["layers"]]
-    if not layers:
-        raise FetchError("the image has no layers")
-    last = layers[-1]
-    if manifest.get("mediaType") == DOCKER_MANIFEST:
-        if last.media_type != DOCKER_LAYER:
-            raise FetchError(f"Docker image: its last layer is {last.media_type} (expect {DOCKER_LAYER})")
-        return last
-    if last.media_type == OCI_LAYER:
-        return last
-    wasm = next((layer for layer in layers if layer.media_type == WASM_LAYER), None)
-    if len(layers) == 2 and wasm is not None:
-        return Layer(wasm.media_type, wasm.digest, wasm.size, archive=False)
-    artifact = (
-        f"it has {len(layers)} layers (expect 2)"
-        if len(layers) != 2
-        else f"it has no layer of type {WASM_LAYER}"
-    )
-    raise FetchError(
-        "the image is in no Wasm image format: as a compat image, its last layer is "
-        f"{last.media_type} (expect {OCI_LAYER}); as an oci image, {artifact}"
-    )
-
-
-def _layer(entry: object) -> Layer:
-    if not isinstance(entry, dict):
-        raise FetchError("the manifest has a layer that is not an object")
-    size = entry.get("size")
-    if not isinstance(size, int) or size < 0:
-        raise FetchError("the manifest has a layer without a size")
-    return Layer(str(entry.get("mediaType", "")), _digest(entry), size, archive=True)
-
-
-def _digest(entry: object) -> str:
-    digest = entry.get("digest") if isinstance(entry, dict) else None
-    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-        raise FetchError(f"the manifest has a descriptor whose digest is not sha256: {digest!r}")
-    return digest
-
-
-def extract_plugin(blob: bytes, limit: int) -> bytes:
-    """``plugin.wasm`` (in any directory) from a tar.gz layer, never inflating more than the limit
-    allows: the module at most ``limit`` bytes, the tar at most ``TAR_SLACK`` more."""
-    reader = _Bounded(gzip.GzipFile(fileobj=io.BytesIO(blob)), limit + TAR_SLACK)
-    try:
-        with tarfile.open(fileobj=reader, mode="r|") as archive:
-            for member in archive:
-                if member.name.rsplit("/", 1)[-1] != PLUGIN_FILE or not member.isfile():
-                    continue
-                if member.size > limit:
-                    raise FetchError(f"{PLUGIN_FILE} is {member.size} bytes, {_over(limit)}")
-                content = archive.extractfile(member)
-                return content.read() if content is not None else b""
-    except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
-        raise FetchError(f"the layer is not a gzip-compressed tar: {describe(err)}") from None
-    raise FetchError(f"{PLUGIN_FILE} not found in the layer")
-
-
-class _Bounded(io.RawIOBase):
-    """A reader that refuses to give more than ``limit`` bytes (a gzip bomb stops there)."""
-
-    def __init__(self, inner: gzip.GzipFile, limit: int) -> None:
-        self._inner = inner
-        self._left = limit
-        self._limit = limit
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        chunk = self._inner.read(_READ_CHUNK if size < 0 else min(size, _READ_CHUNK))
-        self._left -= len(chunk)
-        if self._left < 0:
-            raise FetchError(f"the layer decompresses to something {_over(self._limit - TAR_SLACK)}")
-        return chunk
-
-
-def parse_challenges(value: str) -> list[tuple[str, dict[str, str]]]:
-    """The challenges of one ``WWW-Authenticate`` value: ``[(scheme lower-cased, {param: value})]``."""
-    challenges: list[tuple[str, dict[str, str]]] = []
-    position = 0
-    while position < len(value):
-        while position < len(value) and value[position] in " \t,":
-            position += 1
-        scheme = _TOKEN.match(value, position)
-        if scheme is None:
-            next_comma = value.find(",", position)
-            position = len(value) if next_comma < 0 else next_comma + 1
-            continue
-        position = scheme.end()
-        params: dict[str, str] = {}
-        if (token68 := _TOKEN68.match(value, position)) is not None and "=" in token68.group().rstrip(" ,="):
-            token68 = None  # a parameter (name=value), not a token68 blob
-        if token68 is not None:
-            challenges.append((scheme.group().lower(), params))
-            position = token68.end()
-            continue
-        while (param := _PARAM.match(value, position)) is not None and param.end() > position:
-            name, raw = param.groups()
-            params[name.lower()] = re.sub(r"\\(.)", r"\1", raw[1:-1]) if raw.startswith('"') else raw
-            position = param.end()
-        challenges.append((scheme.group().lower(), params))
-    return challenges
 
 
 def _json(body: bytes, what: str) -> dict[str, Any]:
@@ -594,31 +349,10 @@ def _status(status: int, body: bytes) -> str:
     return f"status {status}" + (f" ({detail})" if detail else "")
 
 
-def _basic(credentials: Credentials) -> str:
-    pair = f"{credentials.username}:{credentials.password}".encode()
-    return f"Basic {base64.b64encode(pair).decode()}"
-
-
-def _over(limit: int) -> str:
-    return f"over the limit of {limit} bytes (ISTIO_WASM_MAX_BINARY_SIZE_BYTES); refused, not truncated"
-
-
 _TLS_HINT = (
     " (a registry on plain HTTP, or whose certificate is not to be verified, must be listed in"
     " WASM_INSECURE_REGISTRIES)"
 )
-_UNVERIFIED: ssl.SSLContext | None = None
-
-
-def _unverified_tls() -> ssl.SSLContext:
-    """For registries listed in ``WASM_INSECURE_REGISTRIES`` only: no certificate check."""
-    global _UNVERIFIED
-    if _UNVERIFIED is None:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-        _UNVERIFIED = context
-    return _UNVERIFIED
 
 
 def _bad_reference(text: str, why: str) -> FetchError:
