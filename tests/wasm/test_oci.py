@@ -6,6 +6,7 @@ tag and digest references, pull secrets, the bearer realm guard, an image of no 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import ipaddress
 import json
@@ -13,6 +14,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -24,7 +26,7 @@ from istio_agent.wasm.cache import ModuleCache
 from istio_agent.wasm.dockerconfig import ANONYMOUS, Credentials, credentials_for, default_credentials
 from istio_agent.wasm.errors import FetchError
 from istio_agent.wasm.metrics import WasmMetrics
-from istio_agent.wasm.oci import ImageFetcher, Reference
+from istio_agent.wasm.oci import ImageFetcher, Reference, plain_http_fallback
 from istio_agent.wasm.ociauth import parse_challenges
 from istio_agent.wasm.ocilayers import OCI_MANIFEST, extract_plugin, wasm_layer
 from istio_agent.wasm.options import GetOptions
@@ -346,6 +348,7 @@ async def test_registry_that_is_down() -> None:
     assert caught.value.reason == metrics.MANIFEST_FAILURE
     assert f"127.0.0.1:{port}" in str(caught.value)
     assert "Connection refused" in str(caught.value)
+    assert f"http://127.0.0.1:{port}/v2/" in str(caught.value)  # loopback: plain http tried too
     assert "WASM_INSECURE_REGISTRIES" not in str(caught.value)  # no hint where it would mislead
 
 
@@ -359,14 +362,84 @@ async def test_every_connection_goes_through_the_guard(registry: Registry) -> No
 # --- TLS and plain HTTP ---
 
 
-async def test_plain_http_registry_needs_insecure(registry: Registry) -> None:
+@pytest.mark.parametrize(
+    ("registry", "falls_back"),
+    [
+        ("localhost:5000", True),
+        ("localhost", True),  # go-containerregistry: only with a port; loopback all the same
+        ("wasm.localhost:5000", True),
+        ("127.0.0.1", True),
+        ("127.0.0.1:5000", True),
+        ("127.1.2.3:5000", True),  # go-containerregistry: 127.0.0.1 only; all of 127/8 is loopback
+        ("[::1]:5000", True),
+        ("10.0.0.5:5000", True),
+        ("172.16.0.1", True),
+        ("172.31.255.255:443", True),
+        ("192.168.1.1:5000", True),
+        ("172.32.0.1:5000", False),
+        ("11.0.0.1:5000", False),
+        ("100.64.0.1:5000", False),
+        ("[fd00::1]:5000", False),  # ULA: not RFC 1918, as go-containerregistry
+        ("registry.example.com", False),
+        ("10.0.0.5.example.com:5000", False),
+        ("localhost.example.com:5000", False),
+        ("localhostx:5000", False),
+    ],
+)
+def test_which_registries_fall_back_to_plain_http(registry: str, falls_back: bool) -> None:
+    """go-containerregistry's ``name.Registry.Scheme()``: "http" for localhost, loopback, RFC 1918."""
+    assert plain_http_fallback(registry) is falls_back
+
+
+async def test_plain_http_registry_on_loopback_pulls_without_insecure(registry: Registry) -> None:
+    """As Istio (go-containerregistry's ping tries https, then plain http for such hosts): a
+    plain-HTTP registry at a loopback (or RFC 1918) address needs no WASM_INSECURE_REGISTRIES."""
     push_wasm(registry, "insecure/plain", "v1", MODULE, OCI)
+    for insecure in (False, True):
+        prepared = await fetcher(insecure=insecure).prepare(registry.reference("insecure/plain", "v1"))
+        assert await prepared.fetch() == MODULE
+
+
+@pytest.fixture
+async def public_name(monkeypatch: pytest.MonkeyPatch) -> str:
+    """``registry.example.com``, resolving to 127.0.0.1 (the resolver's answer fixed, the sockets real)."""
+    name = "registry.example.com"
+    loop = asyncio.get_running_loop()
+    resolve = loop.getaddrinfo
+
+    async def fixed(host: str, port: int, **options: Any) -> list[Any]:
+        return await resolve("127.0.0.1" if host == name else host, port, **options)
+
+    monkeypatch.setattr(loop, "getaddrinfo", fixed)
+    return name
+
+
+async def test_a_public_registry_is_never_tried_over_plain_http(stand_in: StandIn, public_name: str) -> None:
+    """A name that is not localhost, loopback or RFC 1918 (whatever it resolves to): https only,
+    unless WASM_INSECURE_REGISTRIES lists it."""
+    reference = f"{public_name}:{stand_in.port}/public/f:v1"
     with pytest.raises(FetchError) as caught:
-        await fetcher(insecure=False).prepare(registry.reference("insecure/plain", "v1"))
+        await fetcher(insecure=False).prepare(reference)
     assert caught.value.reason == metrics.MANIFEST_FAILURE
-    assert "WASM_INSECURE_REGISTRIES" in str(caught.value)
-    prepared = await fetcher(insecure=True).prepare(registry.reference("insecure/plain", "v1"))
+    message = str(caught.value)
+    assert f"https://{public_name}:{stand_in.port}/v2/" in message
+    assert "http://" not in message.replace("https://", "")
+    assert "WASM_INSECURE_REGISTRIES" in message and "RFC 1918" in message
+    assert stand_in.requests == []  # the plain-HTTP stand-in never saw a request
+    prepared = await fetcher(insecure=True).prepare(reference)
     assert await prepared.fetch() == MODULE
+
+
+async def test_a_private_registry_over_https_is_verified(tls_registry: Registry) -> None:
+    """The https attempt keeps verifying the certificate; falling back to plain http does not help a
+    registry that speaks TLS only, and the error says what would."""
+    push_wasm(tls_registry, "private/tls", "v1", MODULE, DOCKER)
+    with pytest.raises(FetchError) as caught:
+        await fetcher(insecure=False).prepare(tls_registry.reference("private/tls", "v1"))
+    message = str(caught.value)
+    assert "certificate verify failed" in message
+    assert f"http://{tls_registry.host}/v2/" in message  # the plain-HTTP attempt, reported too
+    assert "WASM_INSECURE_REGISTRIES" in message
 
 
 async def test_self_signed_registry_needs_insecure(tls_registry: Registry) -> None:

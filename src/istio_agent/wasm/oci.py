@@ -17,9 +17,13 @@ Where we differ from Istio, on purpose:
 
 - a module over the size limit is refused with an error saying so (Istio's ``io.LimitReader``
   silently truncates it);
-- plain HTTP only for registries the operator listed insecure (go-containerregistry also falls back
-  to it for loopback and RFC 1918 addresses), and TLS unverified for that registry's own host only,
-  not for its token realm or blob storage elsewhere; no redirect from https down to plain http;
+- plain HTTP, as in Istio, for registries the operator listed insecure and for ``localhost``,
+  loopback and RFC 1918 addresses (:func:`plain_http_fallback`), but only after https gave no HTTP
+  answer at all, never racing it (go-containerregistry starts plain http 300 ms into a slow https
+  ping, or after any https error, an HTTP error status included, and takes whichever answers first);
+- TLS unverified for an insecure registry's own host only, not for its token realm or blob storage
+  elsewhere (Istio's one transport skips verification for all); no redirect from https down to
+  plain http;
 - a manifest of no Wasm format fails before any blob is downloaded, as a ``manifest_failure``
   (Istio: ``download_failure``); a pull secret's credential helpers are never run.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import json
 import re
 import ssl
@@ -72,6 +77,11 @@ DEFAULT_TAG = "latest"
 DEFAULT_PLATFORM = ("linux", "amd64")
 MAX_MANIFEST_BYTES = 4 << 20
 """distribution's own limit on a manifest it accepts."""
+_PLAIN_HTTP_NETWORKS = tuple(
+    ipaddress.ip_network(n)
+    for n in ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+)
+"""Loopback and RFC 1918: registries tried over plain HTTP after https (see :func:`plain_http_fallback`)."""
 
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REPOSITORY = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*")
@@ -220,19 +230,35 @@ class _Session:
 
     async def ping(self) -> None:
         """``GET /v2/``: which scheme the registry speaks, and how it wants to be authenticated."""
-        try:
-            answer = await self.get(self.url("/v2/"), authorize=False)
-        except (HTTPError, OSError) as err:
-            if not self.insecure:
-                hint = _TLS_HINT if _tls_trouble(err) else ""
-                raise FetchError(f"GET {self.url('/v2/')}: {describe(err)}{hint}") from None
-            log.info("fetching image with plain text from %s", self.ref)
-            self.scheme = "http"
-            answer = await self.get(self.url("/v2/"), authorize=False)
+        answer = await self._ping()
         if answer.status == 401:
             await self.authenticate(answer.headers)
         elif answer.status != 200:
             raise FetchError(f"GET {self.url('/v2/')}: status {answer.status}")
+
+    async def _ping(self) -> Fetched:
+        """``GET /v2/`` over https; over plain http when https gave no HTTP answer at all (refused,
+        reset, no TLS, a certificate refused) and the registry is insecure or one
+        :func:`plain_http_fallback` names (as go-containerregistry's ping: https first, then http)."""
+        secure = self.url("/v2/")
+        try:
+            return await self.get(secure, authorize=False)
+        except (HTTPError, OSError) as err:
+            if not (self.insecure or plain_http_fallback(self.ref.registry)):
+                hint = _PLAIN_HTTP_HINT if _tls_trouble(err) else ""
+                raise FetchError(f"GET {secure}: {describe(err)}{hint}") from None
+            https_error = f"GET {secure}: {describe(err)}"
+            hint = _CERTIFICATE_HINT if _certificate_refused(err) and not self.insecure else ""
+        log.info("fetching image with plain text from %s", self.ref)
+        self.scheme = "http"
+        plain = self.url("/v2/")
+        try:
+            answer = await self.get(plain, authorize=False)
+        except (HTTPError, OSError) as err:
+            raise FetchError(f"{https_error}; GET {plain}: {describe(err)}{hint}") from None
+        if answer.status not in (200, 401):
+            raise FetchError(f"{https_error}; GET {plain}: status {answer.status}{hint}")
+        return answer
 
     async def authenticate(self, headers: Headers) -> None:
         """Answer a 401's challenge (see :mod:`istio_agent.wasm.ociauth`)."""
@@ -279,6 +305,34 @@ class _Session:
         """TLS unverified only for the registry's own host when it is insecure (not for a token realm
         or blob storage elsewhere, which Istio's one transport also leaves unverified)."""
         return self.insecure and url.host == self._host
+
+
+def plain_http_fallback(registry: str) -> bool:
+    """Whether ``registry`` (``host[:port]``) is tried over plain HTTP when https fails, without being
+    listed insecure: go-containerregistry's ``name.Registry.Scheme()`` rule (``pkg/name/registry.go``),
+    "http" for ``localhost``, ``*.localhost``, loopback and RFC 1918 addresses, which its ping
+    (``pkg/v1/remote/transport/ping.go``) then tries after https. Istio pulls with it, so a WasmPlugin
+    at ``oci://10.0.0.5:5000/...`` works without ``WASM_INSECURE_REGISTRIES``. The name as written
+    decides, never what it resolves to. A little wider than go-containerregistry, which matches
+    ``localhost`` only with a port and of 127/8 only ``127.0.0.1``: all are loopback all the same.
+    """
+    try:
+        host = URL.parse(f"http://{registry}/").host
+    except HTTPError:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return any(address in network for network in _PLAIN_HTTP_NETWORKS)
+
+
+def _certificate_refused(err: BaseException) -> bool:
+    if isinstance(err, ConnectError):
+        err = err.os_error
+    return isinstance(err, ssl.SSLCertVerificationError)
 
 
 def _tls_trouble(err: BaseException) -> bool:
@@ -349,9 +403,13 @@ def _status(status: int, body: bytes) -> str:
     return f"status {status}" + (f" ({detail})" if detail else "")
 
 
-_TLS_HINT = (
+_PLAIN_HTTP_HINT = (
     " (a registry on plain HTTP, or whose certificate is not to be verified, must be listed in"
-    " WASM_INSECURE_REGISTRIES)"
+    " WASM_INSECURE_REGISTRIES; without it only localhost, loopback and RFC 1918 private addresses"
+    " are tried over plain HTTP)"
+)
+_CERTIFICATE_HINT = (
+    " (a registry whose certificate is not to be verified must be listed in WASM_INSECURE_REGISTRIES)"
 )
 
 
