@@ -65,3 +65,37 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_demo_with_a_wasm_plugin_shows_it_at_work() -> None:
+    from tests.wasm.wasm_filter import add_header_wasm
+
+    module = add_header_wasm()
+    done = subprocess.run(
+        [sys.executable, "-m", "istio_agent.cli.agentctl", "demo", "--wasm", str(module)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "WasmPlugin default/demo-headers (http://127.0.0.1:" in out
+    assert 'x-wasm-plugin on the response: {"demo":"hello from Wasm"}' in out
+    for workload in ("a", "b"):
+        assert f"{workload}         extensions.istio.io/wasmplugin/default.demo-headers  /tmp/ia-demo-" in out
+    assert "/var/lib/istio/data/" in out
+
+
+def test_demo_refuses_a_file_that_is_not_wasm(tmp_path: Path) -> None:
+    bogus = tmp_path / "plugin.wasm"
+    bogus.write_text("not wasm")
+    done = subprocess.run(
+        [sys.executable, "-m", "istio_agent.cli.agentctl", "demo", "--wasm", str(bogus)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "is not a Wasm module" in done.stderr

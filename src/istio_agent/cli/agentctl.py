@@ -136,12 +136,17 @@ def token(state_dir: Path, namespace: str, service_account: str, ttl: timedelta,
 
 @main.command()
 @click.option("--keep", is_flag=True, help="leave everything running and print how to stop it")
-def demo(keep: bool) -> None:
+@click.option(
+    "--wasm",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="a proxy-wasm module to run as a WasmPlugin (served over HTTP, fetched by the agents)",
+)
+def demo(keep: bool, wasm: Path | None) -> None:
     """Two workloads on loopback (app + pilot-agent + Envoy each) meshed by the local control plane."""
     from istio_agent.ctl.demo import demo as run_demo
 
     try:
-        code = run_demo(keep, click.echo)
+        code = run_demo(keep, click.echo, wasm)
     except (RuntimeError, TimeoutError, OSError) as err:
         raise click.ClickException(f"demo failed: {err}") from None
     raise SystemExit(code)
