@@ -119,34 +119,14 @@ wasmPlugins:
 
 def bootstrap(control_plane_port: int, sds_socket: Path, api_type: str) -> dict[str, Any]:
     """Envoy on ADS from the control plane's plaintext port, SDS from the socket."""
+    # the SDS cluster's static HTTP/2 settings, aimed at the control plane's port instead of a socket
+    endpoint = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": control_plane_port}}}
     xds_cluster = {
+        **sds_cluster(sds_socket),
         "name": "xds-grpc",
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
         "load_assignment": {
             "cluster_name": "xds-grpc",
-            "endpoints": [
-                {
-                    "lb_endpoints": [
-                        {
-                            "endpoint": {
-                                "address": {
-                                    "socket_address": {
-                                        "address": "127.0.0.1",
-                                        "port_value": control_plane_port,
-                                    }
-                                }
-                            }
-                        }
-                    ]
-                }
-            ],
+            "endpoints": [{"lb_endpoints": [{"endpoint": endpoint}]}],
         },
     }
     ads = {"ads": {}, "resource_api_version": "V3"}

@@ -10,22 +10,16 @@ its source, so ``pytest tests/<one file>`` works alone, and skips when ``wat2was
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from istio_agent.ctl.local import free_port, wait_until
-from istio_agent.envoy.binary import find_envoy
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "tests" / "wasm" / "filter" / "add_header.wat"
@@ -98,46 +92,15 @@ def wasm_http_filter(module: Path, configuration: str, name: str = "add_header")
     }
 
 
-@contextmanager
-def running_envoy(directory: Path, bootstrap: dict[str, Any]) -> Iterator[str]:
+def running_envoy(directory: Path, bootstrap: dict[str, Any]) -> AbstractContextManager[str]:
     """A real Envoy on ``bootstrap`` plus an admin listener; yields the admin address once it is ready.
 
-    Its log is ``directory/envoy-<admin port>.log`` (quoted when it exits early).
+    The tests' one Envoy runner, ``admin_envoy`` of tests/ctl/test_envoylog.py (its log is
+    ``directory/envoy-<admin port>.log``, quoted when Envoy exits early).
     """
-    port = free_port()
-    config = {
-        **bootstrap,
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}},
-    }
-    path = directory / f"envoy-{port}.json"
-    path.write_text(json.dumps(config))
-    log = directory / f"envoy-{port}.log"
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            [str(find_envoy()), "-c", str(path), "--base-id", str(port), "-l", "info"],
-            stdout=subprocess.DEVNULL,
-            stderr=output,
-        )
-    address = f"127.0.0.1:{port}"
-    try:
+    from tests.ctl.test_envoylog import admin_envoy  # not for ``make wasm-filter``, which only builds
 
-        def ready() -> bool:
-            assert process.poll() is None, f"Envoy exited: {log.read_text()[-4000:]}"
-            try:
-                with urllib.request.urlopen(f"http://{address}/ready", timeout=1):
-                    return True
-            except OSError:
-                return False
-
-        wait_until(ready, 30, "Envoy to be ready")
-        yield address
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    return admin_envoy(directory, **bootstrap)
 
 
 def main() -> int:
