@@ -7,16 +7,16 @@ STAMP := $(VENV)/.installed
 .PHONY: test test-fast lint protos bench soak demo clean bytecode cni-plugin cri-protos grpc-stubs images wasm-filter
 
 # Debian tools the tests and benchmarks run against: dnsmasq (upstream resolver and peer), dig, dnsperf for
-# DNS; iptables (legacy and nft), nft, conntrack, ip and the reference CNI plugins (bridge, host-local…
-# in /usr/lib/cni) for the CNI tests in network namespaces; curl, the app of the CNI pod end-to-end test;
+# DNS; iptables (legacy and nft), nft, conntrack, ipset, ip and the reference CNI plugins (bridge, host-local…
+# in /usr/lib/cni) for the CNI tests in network namespaces (ipset: ambient's host probe set); curl, the app of the CNI pod end-to-end test;
 # a static busybox, the only program of the node root the self-contained plugin is tested in, and strip,
 # which takes the debug sections out of the libraries that plugin carries; containerd and runc, the container
 # runtime the CRI tests (tests/cri) drive; mmdebstrap and buildah, which build the images (make images);
 # wat2wasm (wabt), which builds the test Wasm filter, and the CNCF distribution registry (docker-registry),
 # skopeo and htpasswd (apache2-utils), the OCI registry the Wasm fetch tests pull from.
-DEB_TOOLS := dnsmasq dig dnsperf iptables-legacy iptables-nft nft conntrack ip /usr/lib/cni/bridge curl \
+DEB_TOOLS := dnsmasq dig dnsperf iptables-legacy iptables-nft nft conntrack ipset ip /usr/lib/cni/bridge curl \
 	busybox strip containerd runc mmdebstrap buildah wat2wasm docker-registry skopeo htpasswd
-DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf iptables nftables conntrack iproute2 containernetworking-plugins curl \
+DEB_PACKAGES := dnsmasq-base bind9-dnsutils dnsperf iptables nftables conntrack ipset iproute2 containernetworking-plugins curl \
 	busybox-static binutils containerd runc mmdebstrap buildah wabt docker-registry skopeo apache2-utils
 
 $(STAMP): pyproject.toml
