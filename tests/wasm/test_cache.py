@@ -29,6 +29,7 @@ from istio_agent.wasm.errors import FetchError
 from istio_agent.wasm.httpfetch import HttpFetcher
 from istio_agent.wasm.metrics import WasmMetrics
 from istio_agent.wasm.ssrf import DialGuard
+from tests.envoy.test_supervisor import eventually
 from tests.http.aioserver import Serve, aio_fixture  # noqa: F401  (the "aio" fixture)
 
 HEADER = b"\0asm\x01\0\0\0"
@@ -308,17 +309,10 @@ async def test_purge_on_expiry(harness: Harness, server: Server) -> None:
     )
     await cache.get(server.url, opts())
     assert len(harness.files()) == 1
-    for _ in range(300):
-        if not harness.files():
-            break
-        await asyncio.sleep(0.01)
-    assert harness.files() == []
+    await eventually(lambda: harness.files() == [], "the purge", timeout=3)
     assert harness.sample("wasm_cache_entries") == 0
-    for _ in range(100):  # the URL's record goes with its module (the index is written after)
-        if json.loads((harness.tmp / "data" / "urls.json").read_text())["urls"] == {}:
-            break
-        await asyncio.sleep(0.01)
-    assert json.loads((harness.tmp / "data" / "urls.json").read_text())["urls"] == {}
+    index = harness.tmp / "data" / "urls.json"  # the URL's record goes with its module (written after)
+    await eventually(lambda: json.loads(index.read_text())["urls"] == {}, "the index to forget the URL")
     await cache.get(server.url, opts())
     assert server.requests == ["/", "/"]
 
@@ -348,11 +342,7 @@ async def test_purge_removes_the_checksums_of_every_url_of_the_module(harness: H
     await cache.get(TAGGED, opts())
     await cache.get(BY_DIGEST, opts())
     assert len(harness.files()) == 1
-    for _ in range(300):
-        if not harness.files():
-            break
-        await asyncio.sleep(0.01)
-    assert harness.files() == []
+    await eventually(lambda: harness.files() == [], "the purge", timeout=3)
     harness.oci.prepared.clear()
     await cache.get(TAGGED, opts())
     assert harness.oci.prepared == [TAGGED.removeprefix("oci://")]
@@ -404,24 +394,37 @@ async def test_cache_miss_for_another_tag(harness: Harness) -> None:
     assert harness.oci.fetched == [TAGGED.removeprefix("oci://")]  # blob not downloaded again
 
 
+async def pull(
+    cache: ModuleCache,
+    version: str,
+    policy: PullPolicy = PullPolicy.UNSPECIFIED,
+    *,
+    url: str = TAGGED,
+    resource: str = "ns.res",
+    checksum: str = "",
+) -> Path:
+    """``cache.get`` as the plugin ``resource`` at resource ``version`` with ``policy`` asks it."""
+    options = opts(resource_name=resource, resource_version=version, pull_policy=policy, checksum=checksum)
+    return await cache.get(url, options)
+
+
+ALWAYS = PullPolicy.ALWAYS
+IF_NOT_PRESENT = PullPolicy.IF_NOT_PRESENT
+
+
 async def test_pull_always_when_resource_version_changes(harness: Harness) -> None:
     cache = await harness.cache()
-    first = await cache.get(TAGGED, opts(resource_name="ns.res", resource_version="123456"))
-    again = await cache.get(
-        TAGGED, opts(resource_name="ns.res", resource_version="0", pull_policy=PullPolicy.ALWAYS)
-    )
-    assert again == first
+    first = await pull(cache, "123456")
+    assert await pull(cache, "0", ALWAYS) == first
     assert len(harness.oci.prepared) == 2  # the manifest again...
     assert len(harness.oci.fetched) == 1  # ...but its digest hits the cache: no blob
 
 
 async def test_pull_always_fetches_a_changed_image(harness: Harness) -> None:
     cache = await harness.cache()
-    first = await cache.get(TAGGED, opts(resource_name="ns.res", resource_version="1"))
+    first = await pull(cache, "1")
     harness.oci.images[TAGGED.removeprefix("oci://")] = FakeImage(DIGEST_2, OCI_MODULE_2)
-    second = await cache.get(
-        TAGGED, opts(resource_name="ns.res", resource_version="2", pull_policy=PullPolicy.ALWAYS)
-    )
+    second = await pull(cache, "2", ALWAYS)
     assert second == expected_path(harness, TAGGED, DIGEST_2)
     assert second.read_bytes() == OCI_MODULE_2
     assert first.exists()  # the old one stays until it expires
@@ -430,39 +433,33 @@ async def test_pull_always_fetches_a_changed_image(harness: Harness) -> None:
 
 async def test_pull_always_same_resource_version(harness: Harness) -> None:
     cache = await harness.cache()
-    first = await cache.get(TAGGED, opts(resource_name="ns.res", resource_version="123456"))
-    options = opts(resource_name="ns.res", resource_version="123456", pull_policy=PullPolicy.ALWAYS)
-    assert await cache.get(TAGGED, options) == first
+    first = await pull(cache, "123456")
+    assert await pull(cache, "123456", ALWAYS) == first
     assert len(harness.oci.prepared) == 1
 
 
 async def test_pull_always_is_per_resource(harness: Harness) -> None:
     """Two plugins on one image: each resource's version is its own."""
     cache = await harness.cache()
-    await cache.get(TAGGED, opts(resource_name="ns.a", resource_version="1"))
-    always = PullPolicy.ALWAYS
-    await cache.get(TAGGED, opts(resource_name="ns.b", resource_version="1", pull_policy=always))
+    await pull(cache, "1", resource="ns.a")
+    await pull(cache, "1", ALWAYS, resource="ns.b")
     assert len(harness.oci.prepared) == 2  # ns.b never recorded a version
-    await cache.get(TAGGED, opts(resource_name="ns.a", resource_version="1", pull_policy=always))
-    await cache.get(TAGGED, opts(resource_name="ns.b", resource_version="1", pull_policy=always))
+    await pull(cache, "1", ALWAYS, resource="ns.a")
+    await pull(cache, "1", ALWAYS, resource="ns.b")
     assert len(harness.oci.prepared) == 2
 
 
 async def test_if_not_present_ignores_resource_version(harness: Harness) -> None:
     cache = await harness.cache()
-    await cache.get(TAGGED, opts(resource_name="ns.res", resource_version="123456"))
-    policy = PullPolicy.IF_NOT_PRESENT
-    await cache.get(TAGGED, opts(resource_name="ns.res", resource_version="0", pull_policy=policy))
+    await pull(cache, "123456")
+    await pull(cache, "0", IF_NOT_PRESENT)
     assert len(harness.oci.prepared) == 1
 
 
 async def test_pull_always_with_checksum_uses_the_cache(harness: Harness) -> None:
     cache = await harness.cache()
-    await cache.get(TAGGED, opts(resource_name="ns.res", resource_version="1"))
-    options = opts(
-        checksum=DIGEST, resource_name="ns.res", resource_version="2", pull_policy=PullPolicy.ALWAYS
-    )
-    await cache.get(TAGGED, options)
+    await pull(cache, "1")
+    await pull(cache, "2", ALWAYS, checksum=DIGEST)
     assert len(harness.oci.prepared) == 1
 
 
@@ -471,19 +468,18 @@ async def test_latest_tag_pulls_on_new_resource_version(harness: Harness, url: s
     """Unspecified policy: ``latest`` behaves as Always; so does an untagged image (its tag is
     ``latest``; Istio only looks for a literal ``:latest`` suffix)."""
     cache = await harness.cache()
-    await cache.get(url, opts(resource_name="ns.res", resource_version="1"))
-    await cache.get(url, opts(resource_name="ns.res", resource_version="2"))
+    await pull(cache, "1", url=url)
+    await pull(cache, "2", url=url)
     assert len(harness.oci.prepared) == 2
-    await cache.get(url, opts(resource_name="ns.res", resource_version="2"))
+    await pull(cache, "2", url=url)
     assert len(harness.oci.prepared) == 2
 
 
 async def test_latest_tag_with_checksum_or_if_not_present(harness: Harness) -> None:
     cache = await harness.cache()
-    await cache.get(LATEST, opts(resource_name="ns.res", resource_version="1"))
-    await cache.get(LATEST, opts(checksum=DIGEST, resource_name="ns.res", resource_version="2"))
-    policy = PullPolicy.IF_NOT_PRESENT
-    await cache.get(LATEST, opts(resource_name="ns.res", resource_version="3", pull_policy=policy))
+    await pull(cache, "1", url=LATEST)
+    await pull(cache, "2", url=LATEST, checksum=DIGEST)
+    await pull(cache, "3", IF_NOT_PRESENT, url=LATEST)
     assert len(harness.oci.prepared) == 1
 
 
