@@ -139,7 +139,7 @@ class TokenServer:
             user = name
         scopes = query.get("scope", [])
         self.requests.append(TokenRequest(query.get("service", [""])[0], scopes, user))
-        access = []
+        access: list[dict[str, object]] = []
         for scope in scopes:
             kind, _, rest = scope.partition(":")
             name, _, actions = rest.rpartition(":")

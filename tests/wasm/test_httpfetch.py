@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -31,9 +32,9 @@ WASM = b"\0asm\x01\0\0\0" + bytes(range(40))
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def fetcher(guard: DialGuard | None = None, **settings: object) -> HttpFetcher:
+def fetcher(guard: DialGuard | None = None, **settings: Any) -> HttpFetcher:
     """A fetcher with backoff shortened to milliseconds (as Istio's tests set ``initialBackoff``)."""
-    return HttpFetcher(WasmSettings(**settings), guard or DialGuard(), initial_backoff=0.001)  # type: ignore[arg-type]
+    return HttpFetcher(WasmSettings(**settings), guard or DialGuard(), initial_backoff=0.001)
 
 
 def counting(answer: Callable[[int], web.StreamResponse]) -> tuple[Handler, list[int]]:
@@ -89,7 +90,7 @@ async def test_retries_on_500(aio: Serve) -> None:
     ],
 )
 async def test_attempts_until_the_last_error(
-    aio: Serve, status: int, settings: dict[str, object], attempts: int
+    aio: Serve, status: int, settings: dict[str, Any], attempts: int
 ) -> None:
     """Retried on 5xx but 501, 505 and 511, up to WASM_HTTP_REQUEST_MAX_RETRIES attempts (Istio's)."""
     handle, count = counting(lambda n: web.Response(status=status))

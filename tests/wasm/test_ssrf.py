@@ -143,7 +143,7 @@ async def test_blocked_addresses_of_a_name_are_never_dialled(monkeypatch: pytest
     """
     loop = asyncio.get_running_loop()
     async with _listener("127.0.0.1") as port, _listener("127.0.0.2") as blocked_port:
-        answers = [
+        answers: list[tuple[object, ...]] = [
             (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", blocked_port)),
             (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
         ]
