@@ -21,6 +21,9 @@ Where we differ from Istio, on purpose:
   loopback and RFC 1918 addresses (:func:`plain_http_fallback`), but only after https gave no HTTP
   answer at all, never racing it (go-containerregistry starts plain http 300 ms into a slow https
   ping, or after any https error, an HTTP error status included, and takes whichever answers first);
+  and not for any other registry whose https port answers in plain HTTP: Istio then pulls again as
+  if it were listed insecure (its helm-style retry on "server gave HTTP response"), which lets
+  whoever sits on the path turn any pull, credentials included, into plain HTTP;
 - TLS unverified for an insecure registry's own host only, not for its token realm or blob storage
   elsewhere (Istio's one transport skips verification for all); no redirect from https down to
   plain http;
@@ -67,7 +70,7 @@ from istio_agent.wasm.ocilayers import (
 )
 from istio_agent.wasm.ssrf import DialGuard
 
-__all__ = ["ImageFetcher", "PreparedImage", "Reference"]
+__all__ = ["ImageFetcher", "PreparedImage", "Reference", "plain_http_fallback"]
 
 log = scope("wasm")
 
