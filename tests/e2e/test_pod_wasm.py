@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from istio_agent.ctl.local import wait_until
 from tests.e2e.injector import PROXY_UID, Istiod, log_problems, mesh_for
@@ -137,6 +138,18 @@ def request(pod: Pod) -> tuple[int, dict[str, list[str]]]:
         connection.close()
 
 
+def agent_metric(pod: Pod, name: str, **labels: str) -> float | None:
+    """A sample of the agent's own metrics as Prometheus scrapes the pod (15020's merged
+    ``/stats/prometheus``, Istio's ``istio_agent_`` names); None when the series is absent."""
+    status, body = pod.http("GET", 15020, "/stats/prometheus")
+    assert status == 200, body
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name == f"istio_agent_{name}" and sample.labels == labels:
+                return sample.value
+    return None
+
+
 def local_module(pod: Pod, typed_config: dict[str, Any]) -> Path:
     """The module file Envoy was given, found in the pod's ``istio-data`` volume."""
     code = typed_config["config"]["vm_config"]["code"]
@@ -177,6 +190,8 @@ def test_the_module_is_fetched_into_istio_data_and_a_restarted_container_uses_it
     # the outbound and the inbound connection manager each ran the plugin
     assert [json.loads(value) for value in headers[HEADER]] == [CONFIG, CONFIG], headers
     assert requests_seen(requests) == ["GET /add_header.wasm"]
+    assert agent_metric(pod, "wasm_remote_fetch_count", result="success") == 1
+    assert agent_metric(pod, "wasm_config_conversion_count", result="success") == 1
 
     # The container restarted with the server gone: the module comes from the istio-data volume.
     stop_process(server)
@@ -190,6 +205,8 @@ def test_the_module_is_fetched_into_istio_data_and_a_restarted_container_uses_it
     restarted_log = restarted.log.read_text()
     assert "Wasm module cache: 1 modules from an earlier run in /var/lib/istio/data" in restarted_log
     assert "fetched Wasm module" not in restarted_log
+    assert agent_metric(pod, "wasm_cache_lookup_count", hit="true") == 1
+    assert agent_metric(pod, "wasm_remote_fetch_count", result="success") is None
     for container in (first, restarted):
         assert_no_write_refused(container)
     assert pod.stop_container("istio-proxy") == 0
@@ -212,6 +229,8 @@ def test_a_module_that_cannot_be_fetched_fails_closed_with_istios_deny_filter(
         "istio-proxy"
     )
     assert "applying the deny RBAC filter" in log
+    assert agent_metric(pod, "wasm_remote_fetch_count", result="download_failure") == 1
+    assert agent_metric(pod, "wasm_config_conversion_count", result="fetch_failure") == 1
     assert not list(pod.volume("istio-data").rglob("*.wasm"))
     assert_no_write_refused(running)
     assert pod.stop_container("istio-proxy") == 0
