@@ -14,6 +14,10 @@ controller use:
   it), an object leaving the selectors as DELETED and entering as ADDED, BOOKMARK events when
   ``allowWatchBookmarks`` is set (:meth:`FakeKube.bookmark`), the end after ``timeoutSeconds``, and
   :meth:`FakeKube.drop_watches` to cut every watch connection as a network failure would.
+- namespaces: ``GET /api/v1/namespaces/{name}`` and list and watch on ``/api/v1/namespaces`` (label
+  selectors; the field selectors the server has for them, ``metadata.name`` and ``status.phase``),
+  the same versions, history and 410 as pods: the ambient node agent watches both (``add_namespace``,
+  ``update_namespace``, ``delete_namespace`` are the test's writes).
 - ``DELETE`` of a pod with ``DeleteOptions`` preconditions (UID, resourceVersion: 409 Conflict when
   they do not hold); a pod bound to a node is deleted gracefully (``deletionTimestamp`` set, gone
   when the "kubelet" calls :meth:`FakeKube.finish_deletion`), an unbound one at once.
@@ -97,6 +101,7 @@ class Change:
     type: str  # ADDED, MODIFIED, DELETED
     object: dict[str, Any]
     old: dict[str, Any] | None
+    kind: str = "Pod"
 
 
 @dataclass(eq=False)
@@ -107,14 +112,18 @@ class Watcher:
     labels: tuple[Any, ...]
     fields: tuple[tuple[str, str, str], ...]
     bookmarks: bool
+    kind: str = "Pod"
+    """What is watched: ``Pod`` or ``Namespace``."""
     queue: asyncio.Queue[dict[str, Any] | str] = field(default_factory=asyncio.Queue)
 
-    def matches(self, pod: dict[str, Any] | None) -> bool:
-        if pod is None:
+    def matches(self, obj: dict[str, Any] | None) -> bool:
+        if obj is None:
             return False
-        if self.namespace and pod["metadata"].get("namespace") != self.namespace:
+        if self.kind == "Namespace":
+            return labels_match(self.labels, obj) and namespace_fields_match(self.fields, obj)
+        if self.namespace and obj["metadata"].get("namespace") != self.namespace:
             return False
-        return labels_match(self.labels, pod) and fields_match(self.fields, pod)
+        return labels_match(self.labels, obj) and fields_match(self.fields, obj)
 
     def event_for(self, change: Change) -> dict[str, Any] | None:
         """What this watch sees of ``change``: objects entering or leaving its selectors are ADDED or
@@ -132,11 +141,22 @@ class Watcher:
             kind = "DELETED"
         else:
             kind = None
-        return None if kind is None else {"type": kind, "object": _with_kind(change.object)}
+        return None if kind is None else {"type": kind, "object": _with_kind(change.object, change.kind)}
 
 
-def _with_kind(pod: dict[str, Any]) -> dict[str, Any]:
-    return {"kind": "Pod", "apiVersion": "v1", **copy.deepcopy(pod)}
+def _with_kind(obj: dict[str, Any], kind: str = "Pod") -> dict[str, Any]:
+    return {"kind": kind, "apiVersion": "v1", **copy.deepcopy(obj)}
+
+
+NAMESPACE_FIELDS: dict[str, Any] = {
+    "metadata.name": lambda ns: (ns.get("metadata") or {}).get("name", ""),
+    "status.phase": lambda ns: (ns.get("status") or {}).get("phase", ""),
+}
+"""The field selectors the API server accepts for namespaces."""
+
+
+def namespace_fields_match(terms: tuple[tuple[str, str, str], ...], ns: dict[str, Any]) -> bool:
+    return all((NAMESPACE_FIELDS[name](ns) == value) == (op == "=") for name, op, value in terms)
 
 
 def _merge_patch(target: Any, patch: Any) -> Any:
@@ -157,6 +177,7 @@ class FakeKube:
     """The fake's state: the pods and events it serves, and scripted failures of the pod GET."""
 
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    namespaces: dict[str, dict[str, Any]] = field(default_factory=dict)
     failures: list[int | str] = field(default_factory=list)
     """Per pod GET, in order: an HTTP status to answer instead, or "hang" (never answer)."""
     requests: list[str] = field(default_factory=list)
@@ -168,7 +189,7 @@ class FakeKube:
     events: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     forbidden: set[tuple[str, str]] = field(default_factory=set)
     """(verb, resource) pairs RBAC denies: verbs get/list/watch/create/patch/delete, resources
-    ``pods``, ``pods/status``, ``events``."""
+    ``pods``, ``pods/status``, ``events``, ``namespaces``."""
     port: int = 0
     ca_pem: bytes = b""
     version: int = 1000
@@ -201,6 +222,33 @@ class FakeKube:
         key = (namespace, name)
         return self._store(key, _merge_patch(self.pods[key], change), self.pods[key])
 
+    def add_namespace(self, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+        """Create the namespace (as ``kubectl create namespace``, with ``labels``)."""
+        if name in self.namespaces:
+            raise ValueError(f'namespaces "{name}" already exists')
+        namespace = {
+            "metadata": {
+                "name": name,
+                "uid": str(uuid.uuid4()),
+                "creationTimestamp": now_rfc3339(),
+                "labels": {"kubernetes.io/metadata.name": name, **(labels or {})},
+            },
+            "spec": {"finalizers": ["kubernetes"]},
+            "status": {"phase": "Active"},
+        }
+        return self._store_namespace(name, namespace, None)
+
+    def update_namespace(self, name: str, change: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch the namespace (``{"metadata": {"labels": {...}}}``, as ``kubectl label`` does)."""
+        old = self.namespaces[name]
+        return self._store_namespace(name, _merge_patch(old, change), old)
+
+    def delete_namespace(self, name: str) -> None:
+        namespace = self.namespaces.pop(name)
+        self.version += 1
+        namespace["metadata"]["resourceVersion"] = str(self.version)
+        self._publish(Change(self.version, "DELETED", copy.deepcopy(namespace), None, "Namespace"))
+
     def finish_deletion(self, namespace: str, name: str) -> None:
         """The kubelet has stopped a gracefully deleted pod: it goes from the store."""
         self._remove((namespace, name))
@@ -216,7 +264,10 @@ class FakeKube:
             if watcher.bookmarks:
                 meta = {"resourceVersion": str(self.version), "creationTimestamp": None}
                 watcher.queue.put_nowait(
-                    {"type": "BOOKMARK", "object": {"kind": "Pod", "apiVersion": "v1", "metadata": meta}}
+                    {
+                        "type": "BOOKMARK",
+                        "object": {"kind": watcher.kind, "apiVersion": "v1", "metadata": meta},
+                    }
                 )
 
     def drop_watches(self) -> int:
@@ -234,6 +285,14 @@ class FakeKube:
         self._publish(Change(self.version, "MODIFIED" if old else "ADDED", copy.deepcopy(pod), old))
         return copy.deepcopy(pod)
 
+    def _store_namespace(self, name: str, ns: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+        self.version += 1
+        ns["metadata"]["resourceVersion"] = str(self.version)
+        self.namespaces[name] = ns
+        change = Change(self.version, "MODIFIED" if old else "ADDED", copy.deepcopy(ns), old, "Namespace")
+        self._publish(change)
+        return copy.deepcopy(ns)
+
     def _remove(self, key: tuple[str, str]) -> dict[str, Any]:
         pod = self.pods.pop(key)
         self.version += 1
@@ -244,6 +303,8 @@ class FakeKube:
     def _publish(self, change: Change) -> None:
         self.history.append(change)
         for watcher in self.watchers:
+            if watcher.kind != change.kind:
+                continue
             event = watcher.event_for(change)
             if event is not None:
                 watcher.queue.put_nowait(event)
@@ -354,9 +415,10 @@ class FakeKube:
             return _answer(400, "BadRequest", f'invalid value for timeoutSeconds: "{timeout_text}"')
         # Replay and registration happen without yielding to the loop: no write falls between them.
         if version_text in ("", "0"):
-            for pod in self.pods.values():
-                if watcher.matches(pod):
-                    watcher.queue.put_nowait({"type": "ADDED", "object": _with_kind(pod)})
+            stored = self.pods.values() if watcher.kind == "Pod" else self.namespaces.values()
+            for obj in stored:
+                if watcher.matches(obj):
+                    watcher.queue.put_nowait({"type": "ADDED", "object": _with_kind(obj, watcher.kind)})
         elif int(version_text) < self.compacted:
             message = f"too old resource version: {version_text} ({self.compacted})"
             watcher.queue.put_nowait({"type": "ERROR", "object": status(410, "Expired", message)})
@@ -367,7 +429,7 @@ class FakeKube:
             watcher.queue.put_nowait("end")
         else:
             for change in self.history:
-                if change.version > int(version_text):
+                if change.version > int(version_text) and change.kind == watcher.kind:
                     event = watcher.event_for(change)
                     if event is not None:
                         watcher.queue.put_nowait(event)
@@ -397,6 +459,51 @@ class FakeKube:
             return response
         finally:
             self.watchers.discard(watcher)
+
+    async def namespace_get(self, request: web.Request) -> web.StreamResponse:
+        self.calls.append((request.method, request.path_qs))
+        name = request.match_info["name"]
+        denied = self._denied(request, "get", "namespaces", name)
+        if denied is not None:
+            return denied
+        namespace = self.namespaces.get(name)
+        if namespace is None:
+            return _answer(404, "NotFound", f'namespaces "{name}" not found')
+        return web.json_response(_with_kind(namespace, "Namespace"))
+
+    async def namespaces_collection(self, request: web.Request) -> web.StreamResponse:
+        """List or watch namespaces."""
+        self.calls.append((request.method, request.path_qs))
+        query = request.query
+        watch_text = query.get("watch", "false")
+        if watch_text not in _GO_TRUE | _GO_FALSE:
+            return _answer(400, "BadRequest", f'invalid value for watch: "{watch_text}"')
+        watching = watch_text in _GO_TRUE
+        denied = self._denied(request, "watch" if watching else "list", "namespaces")
+        if denied is not None:
+            return denied
+        try:
+            labels = parse_label_selector(query.get("labelSelector", ""))
+            fields = parse_field_selector(query.get("fieldSelector", ""), NAMESPACE_FIELDS)
+        except SelectorError as err:
+            return _answer(400, "BadRequest", str(err))
+        if "limit" in query or "continue" in query:
+            return _answer(500, "InternalError", "the FAKE API server does not paginate lists")
+        bookmarks_text = query.get("allowWatchBookmarks", "false")
+        if bookmarks_text not in _GO_TRUE | _GO_FALSE:
+            return _answer(400, "BadRequest", f'invalid value for allowWatchBookmarks: "{bookmarks_text}"')
+        watcher = Watcher("", labels, fields, bookmarks_text in _GO_TRUE, "Namespace")
+        if not watching:
+            items = [copy.deepcopy(ns) for ns in self.namespaces.values() if watcher.matches(ns)]
+            return web.json_response(
+                {
+                    "kind": "NamespaceList",
+                    "apiVersion": "v1",
+                    "metadata": {"resourceVersion": str(self.version)},
+                    "items": items,
+                }
+            )
+        return await self._watch(request, watcher)
 
     async def pod_delete(self, request: web.Request) -> web.StreamResponse:
         self.calls.append((request.method, request.path_qs))
@@ -610,6 +717,8 @@ async def start_fake_kube(state_dir: Path) -> tuple[FakeKube, web.AppRunner]:
     app.router.add_patch("/api/v1/namespaces/{ns}/pods/{name}/status", fake.pod_status_patch)
     app.router.add_get("/api/v1/pods", fake.pods_collection)
     app.router.add_get("/api/v1/namespaces/{ns}/pods", fake.pods_collection)
+    app.router.add_get("/api/v1/namespaces", fake.namespaces_collection)
+    app.router.add_get("/api/v1/namespaces/{name}", fake.namespace_get)
     app.router.add_post("/api/v1/namespaces/{ns}/events", fake.event_create)
     app.router.add_patch("/api/v1/namespaces/{ns}/events/{name}", fake.event_patch)
     runner = web.AppRunner(app, shutdown_timeout=0.1)

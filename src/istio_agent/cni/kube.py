@@ -237,9 +237,16 @@ class KubeClient:
 
     def get_pod_blocking(self, namespace: str, name: str, *, deadline: float) -> dict[str, Any]:
         """The pod object, or KubeError; gives up at ``deadline`` (``time.monotonic()``)."""
+        return self._get_blocking(_pod_path(namespace, name), f"get pod {namespace}/{name}", deadline)
+
+    def get_namespace_blocking(self, name: str, *, deadline: float) -> dict[str, Any]:
+        """The namespace object (the plugin's ambient check reads its labels), or KubeError."""
+        return self._get_blocking(f"/api/v1/namespaces/{_segment(name)}", f"get namespace {name}", deadline)
+
+    def _get_blocking(self, path: str, action: str, deadline: float) -> dict[str, Any]:
         from istio_agent.http import blocking
 
-        url, action = self._url(_pod_path(namespace, name)), f"get pod {namespace}/{name}"
+        url = self._url(path)
         headers = self._headers()
         try:
             response = blocking.fetch(

@@ -5,6 +5,12 @@ node agent's own pod first (before the kubeconfig is even read: on a reboot the 
 is that very pod), excluded namespaces, then the pod from the API server, the skip rules and the
 pod's capture settings (``redirect.py``), and last the rules inside the pod's network namespace.
 
+In ambient mode (``ambient_enabled``) a pod the enablement selectors make ambient (``cni/ambient/selectors.py``,
+from its labels and its namespace's) gets nothing from the plugin itself: its event goes, synchronously,
+to the node agent (``POST http://unix/cmdadd`` on ``<cni_agent_run_dir>/pluginevent.sock``, Istio's
+``cni/pkg/plugin/cnieventclient.go``), which programs the pod and hands it to ztunnel; a node agent
+that cannot be reached, or does not answer 200, fails the ADD. Other pods take the sidecar path.
+
 It fails closed and in bounded time: the whole ADD, API retries and programming included, runs
 under one deadline (``add_timeout`` in the config, else :data:`DEFAULT_ADD_TIMEOUT`), and an API
 error, an RBAC denial, a timeout or a vanished netns is a CNI error: the pod's sandbox is not
@@ -40,6 +46,17 @@ RETRY_INTERVAL = 1.0
 ATTEMPT_TIMEOUT = 5.0
 """One API request may take this long before it is abandoned and tried again (within the deadline)."""
 DRY_RUN_ENV = "DRY_RUN_FILE_PATH"
+AMBIENT_CHECK_ATTEMPTS = 2
+"""Istio asks for the pod and its namespace once more after a failure (constant 1 s back-off)..."""
+AMBIENT_CHECK_ATTEMPTS_RETRYING = 31
+"""...or 30 times more with ``enable_ambient_detection_retry`` (its ``podRetrievalMaxRetries``)."""
+EVENT_SOCKET = "pluginevent.sock"
+EVENT_PATH = "/cmdadd"
+EVENT_TIMEOUT = 5.0
+"""Istio's event client gives up after this long (within the ADD's deadline here)."""
+MAX_EVENT_ANSWER = 2**20
+"""Of a refusal's body, this much goes into the error (Istio's ``io.LimitReader``)."""
+CONTACT_FAILED = "istio-cni cmdAdd failed to contact node Istio CNI agent: "
 
 log = Scope("cni-plugin")
 
@@ -58,6 +75,14 @@ class Programmer(Protocol):
 
 PodGetter = Callable[[str, str, float], dict[str, Any]]
 """Fetches ``(namespace, name)`` before the deadline; raises ``KubeError``."""
+NamespaceGetter = Callable[[str, float], dict[str, Any]]
+"""Fetches the namespace ``name`` before the deadline; raises ``KubeError``."""
+EventPoster = Callable[[str, bytes, float], None]
+"""POSTs the event (JSON) on the node agent's socket before the deadline; raises :class:`EventError`."""
+
+
+class EventError(Exception):
+    """The node agent did not take the event: the message is Istio's ``PushCNIEvent`` error."""
 
 
 class DryRunWriter:
@@ -207,6 +232,193 @@ def plan(
         raise PluginError(f"pod {pod_id}: {err}") from None
 
 
+def ambient_check(
+    k8s: K8sArgs,
+    config: NetworkConfig,
+    get_pod: PodGetter,
+    get_namespace: NamespaceGetter,
+    deadline: float,
+    *,
+    retry_interval: float = RETRY_INTERVAL,
+) -> tuple[bool, dict[str, Any]]:
+    """Whether the pod is ambient, and the pod (Istio's ``isAmbientPod``): the pod and its namespace are
+    both asked for on each attempt, :data:`AMBIENT_CHECK_ATTEMPTS` of them (more with the retry flag),
+    within the deadline; PluginError when they could not be had."""
+    from istio_agent.cni.ambient.selectors import SelectorError, compile_selectors, labels_of, pod_is_ambient
+    from istio_agent.cni.kube import KubeError
+
+    try:
+        selectors = compile_selectors(config.plugin.enablement_selectors, "enablement_selectors")
+    except SelectorError as err:
+        raise PluginError(f"failed to instantiate ambient enablement selector: {err}") from None
+    attempts = (
+        AMBIENT_CHECK_ATTEMPTS_RETRYING
+        if config.plugin.enable_ambient_detection_retry
+        else AMBIENT_CHECK_ATTEMPTS
+    )
+    pod_error: KubeError | None = None
+    namespace_error: KubeError | None = None
+    for attempt in range(1, attempts + 1):
+        pod_error = namespace_error = None
+        attempt_deadline = min(deadline, time.monotonic() + ATTEMPT_TIMEOUT)
+        try:
+            pod = get_pod(k8s.pod_namespace, k8s.pod_name, attempt_deadline)
+        except KubeError as err:
+            pod_error = err
+        try:
+            namespace = get_namespace(k8s.pod_namespace, attempt_deadline)
+        except KubeError as err:
+            namespace_error = err
+        if pod_error is None and namespace_error is None:
+            ambient = pod_is_ambient(
+                selectors, labels_of(pod), labels_of(pod, "annotations"), labels_of(namespace)
+            )
+            return ambient, pod
+        log.debug("ambient check: podErr=%s, nsErr=%s (attempt %d)", pod_error, namespace_error, attempt)
+        if attempt == attempts or deadline - time.monotonic() <= retry_interval:
+            break
+        time.sleep(retry_interval)
+    raise PluginError(
+        f"failed to get pod or namespace info: podErr={_go_error(pod_error)}, nsErr={_go_error(namespace_error)}"
+    )
+
+
+def _go_error(err: Exception | None) -> str:
+    return "<nil>" if err is None else str(err)
+
+
+def event_body(args: CmdArgs, previous: Mapping[str, Any] | None, k8s: K8sArgs) -> bytes:
+    """Istio's ``CNIPluginAddEvent`` as Go encodes it: the netns, the pod, and the previous result's
+    addresses (``net.IPNet``: the address as text, the mask as base64 bytes)."""
+    import base64
+    import ipaddress
+    import json
+
+    ips = []
+    for ip in (previous or {}).get("ips", ()):
+        interface = ipaddress.ip_interface(ip["address"])
+        ips.append(
+            {
+                "Interface": ip.get("interface"),
+                "Address": {
+                    "IP": str(interface.ip),
+                    "Mask": base64.b64encode(interface.netmask.packed).decode(),
+                },
+                "Gateway": ip.get("gateway", ""),
+            }
+        )
+    event = {
+        "Netns": args.netns,
+        "PodName": k8s.pod_name,
+        "PodNamespace": k8s.pod_namespace,
+        "IPs": ips or None,
+    }
+    return json.dumps(event, separators=(",", ":")).encode()
+
+
+def post_event(socket_path: str, body: bytes, deadline: float) -> None:
+    """POST the event on the node agent's Unix socket, on the project's h11 exchange over a blocking
+    socket (the blocking client speaks TCP only); EventError with Istio's wording when it is not taken."""
+    import socket
+
+    import h11
+
+    from istio_agent.http.exchange import ClientExchange, HTTPError
+    from istio_agent.http.headers import Headers
+
+    where = f'Post "http://unix{EVENT_PATH}"'
+    deadline = min(deadline, time.monotonic() + EVENT_TIMEOUT)
+    fields = Headers(
+        {
+            "Host": "unix",
+            "Content-Type": "application/json",
+            "Content-Length": str(len(body)),
+            "Connection": "close",
+        }
+    )
+    exchange = ClientExchange()
+    try:
+        parts = exchange.request("POST", EVENT_PATH, fields, body)
+    except HTTPError as err:
+        raise EventError(f"failed to send event request: {err}") from None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.connect(socket_path)
+        except OSError as err:
+            reason = "i/o timeout" if isinstance(err, TimeoutError) else (err.strerror or str(err)).lower()
+            raise EventError(
+                f"failed to send event request: {where}: dial unix {socket_path}: connect: {reason}"
+            ) from None
+        try:
+            sock.sendall(b"".join(parts))
+            head = _next_answer_event(exchange, sock, deadline)
+            while not isinstance(head, h11.Response):  # 1xx: the answer follows
+                head = _next_answer_event(exchange, sock, deadline)
+            if head.status_code == 200:
+                return
+            content = bytearray()
+            while len(content) < MAX_EVENT_ANSWER and not isinstance(
+                chunk := _next_answer_event(exchange, sock, deadline), h11.EndOfMessage
+            ):
+                if isinstance(chunk, h11.Data):
+                    content += chunk.data
+        except TimeoutError:
+            raise EventError(
+                f"failed to send event request: {where}: context deadline exceeded "
+                "(Client.Timeout exceeded while awaiting headers)"
+            ) from None
+        except (OSError, HTTPError) as err:
+            raise EventError(f"failed to send event request: {where}: {err}") from None
+    text = bytes(content[:MAX_EVENT_ANSWER]).decode("utf-8", errors="replace")
+    raise EventError(f"unable to push CNI event (status code {head.status_code}): {text}")
+
+
+def _next_answer_event(exchange: Any, sock: Any, deadline: float) -> Any:
+    """The next h11 event of the answer, reading as needed before the deadline (TimeoutError after)."""
+    import h11
+
+    while (event := exchange.next_event()) is h11.NEED_DATA:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        exchange.receive(sock.recv(65536))
+    return event
+
+
+def _ambient_add(
+    args: CmdArgs,
+    k8s: K8sArgs,
+    config: NetworkConfig,
+    previous: Mapping[str, Any] | None,
+    deadline: float,
+    get_pod: PodGetter,
+    get_namespace: NamespaceGetter,
+    send: EventPoster,
+) -> tuple[bool, dict[str, Any] | None]:
+    """Istio's ambient block of ``doAddRun``: (handled, the pod when it was read). Handled: the node
+    agent took the pod's event; not handled: the pod is not ambient and goes the sidecar way."""
+    pod_id = f"{k8s.pod_namespace}/{k8s.pod_name}"
+    try:
+        ambient, pod = ambient_check(k8s, config, get_pod, get_namespace, deadline)
+    except PluginError as err:
+        if config.plugin.enable_ambient_detection_retry:
+            raise
+        log.error("pod %s: istio-cni cmdAdd failed to check if pod is ambient: %s", pod_id, err)
+        return False, None
+    if not ambient:
+        log.debug("pod %s: not ambient enabled, ignoring", pod_id)
+        return False, pod
+    socket_path = os.path.join(config.plugin.cni_agent_run_dir, EVENT_SOCKET)
+    try:
+        send(socket_path, event_body(args, previous, k8s), deadline)
+    except EventError as err:
+        raise PluginError(CONTACT_FAILED + str(err)) from None
+    log.info("pod %s: ambient, handed to the node agent", pod_id)
+    return True, pod
+
+
 def _not_kubernetes(k8s: K8sArgs) -> bool:
     return k8s.pod_namespace == "" or k8s.pod_name == ""
 
@@ -216,14 +428,16 @@ def add(
     *,
     programmer: Programmer,
     get_pod: PodGetter | None = None,
+    get_namespace: NamespaceGetter | None = None,
+    send_event: EventPoster | None = None,
     started: float | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """ADD: the result to print (the previous plugin's, unchanged); raises PluginError or CniError.
 
-    ``get_pod`` replaces the API client built from the kubeconfig (tests); ``started`` is when the
-    deadline started counting (default: now); ``environ`` is the invocation's environment (default:
-    this process's).
+    ``get_pod`` and ``get_namespace`` replace the API client built from the kubeconfig, ``send_event``
+    the POST to the node agent (tests); ``started`` is when the deadline started counting (default:
+    now); ``environ`` is the invocation's environment (default: this process's).
     """
     begin = time.monotonic() if started is None else started
     config = _network_config(args)
@@ -242,7 +456,8 @@ def add(
         log.info("pod %s/%s is the node agent itself: no redirect", k8s.pod_namespace, k8s.pod_name)
         return answer
     if get_pod is None:
-        get_pod = _api_getter(config)
+        get_pod, api_namespace = _api_getters(config)
+        get_namespace = get_namespace or api_namespace
     if _not_kubernetes(k8s):
         log.info("container %s is not a kubernetes pod: no redirect", args.container_id)
         return answer
@@ -250,10 +465,16 @@ def add(
         log.info("pod %s/%s is in an excluded namespace: no redirect", k8s.pod_namespace, k8s.pod_name)
         return answer
     if config.plugin.ambient_enabled:
-        raise PluginError(
-            "ambient_enabled is set, but this istio-cni implements sidecar capture only; "
-            "refusing the pod rather than starting it without the capture it may need"
+        if get_namespace is None:
+            get_namespace = _api_getters(config)[1]
+        handled, pod = _ambient_add(
+            args, k8s, config, previous, deadline, get_pod, get_namespace, send_event or post_event
         )
+        if handled:
+            return answer
+        if pod is not None:  # the sidecar path decides on the pod just read
+            read = pod
+            get_pod = lambda namespace, name, deadline: read  # noqa: E731
     capture = plan(k8s, config, get_pod, deadline, os.environ if environ is None else environ)
     if capture is None:
         return answer
@@ -278,8 +499,9 @@ def _network_config(args: CmdArgs) -> NetworkConfig:
         raise PluginError(str(err)) from None
 
 
-def _api_getter(config: NetworkConfig) -> PodGetter:
-    """The pod GET on the API server of install-cni's kubeconfig (read now: a bad file fails the ADD)."""
+def _api_getters(config: NetworkConfig) -> tuple[PodGetter, NamespaceGetter]:
+    """The pod and namespace GETs on the API server of install-cni's kubeconfig (read now: a bad file
+    fails the ADD)."""
     from istio_agent.cni.kube import KUBECONFIG_NAME, KubeClient, read_kubeconfig
 
     try:
@@ -290,7 +512,10 @@ def _api_getter(config: NetworkConfig) -> PodGetter:
     def get(namespace: str, name: str, deadline: float) -> dict[str, Any]:
         return client.get_pod_blocking(namespace, name, deadline=deadline)
 
-    return get
+    def get_namespace(name: str, deadline: float) -> dict[str, Any]:
+        return client.get_namespace_blocking(name, deadline=deadline)
+
+    return get, get_namespace
 
 
 def cmd_add(args: CmdArgs, *, started: float | None = None) -> dict[str, Any]:
