@@ -813,7 +813,7 @@ async def test_index_by_its_digest(registry: Registry) -> None:
 async def test_module_cache_gets_an_oci_module_from_the_registry(registry: Registry, tmp_path: Path) -> None:
     digest = push_wasm(registry, "cache/f", "v1", MODULE, ARTIFACT)
     push_wasm(registry, "cache/f", "v2", MODULE, ARTIFACT)  # the same image under another tag
-    settings = WasmSettings(cache_dir=tmp_path, insecure_registries=frozenset({registry.host}))
+    settings = WasmSettings(cache_dir=tmp_path)  # a plain-HTTP registry on loopback: not listed insecure
     cache = ModuleCache(settings, WasmMetrics(MetricsRegistry()))
     await cache.start()
     try:
