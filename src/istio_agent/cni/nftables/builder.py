@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from istio_agent.cni.capture_config import WILDCARD, CaptureConfig
@@ -379,14 +380,21 @@ def _tproxy_marks(rules: NftRuleSet, values: _Settings) -> None:
     rules.insert(MANGLE, INBOUND, 2, *from_lo, "mark !=", OUTBOUND_MARK, COUNTER, "return")
 
 
-def table_lines(table: str, rules: list[NftRule]) -> list[str]:
+def table_lines(
+    table: str, rules: list[NftRule], chains: Sequence[Chain] | None = None, *, jump_targets: bool = False
+) -> list[str]:
     """One table's part of the transaction: add and flush it, declare its chains, add the rules.
 
     Empty when no rule lands in the table (Istio then leaves the table alone). An insert whose
     index is past the rules the chain holds by then becomes an append, as nft refuses it otherwise.
+    ``chains``: the table's chains in declaration order (default: the sidecar tables', ``CHAINS``);
+    only those holding a rule are declared and, with ``jump_targets``, also those a rule jumps to
+    (Istio's ambient ``cni/pkg/nftables/nftables.go`` declares an empty chain that is jumped to).
     """
     used = {rule.chain for rule in rules}
-    chains = [chain for chain in CHAINS[table] if chain.name in used]
+    if jump_targets:
+        used |= {words[i + 1] for words in (r.expr.split() for r in rules) for i in _jumps(words)}
+    chains = [chain for chain in (CHAINS[table] if chains is None else chains) if chain.name in used]
     if not chains:
         return []
     lines = [f"add table inet {table}", f"flush table inet {table}"]
@@ -400,6 +408,11 @@ def table_lines(table: str, rules: list[NftRule]) -> list[str]:
             lines.append(f"insert rule inet {table} {rule.chain} index {rule.index} {rule.expr}")
         held[rule.chain] = count + 1
     return lines
+
+
+def _jumps(words: list[str]) -> list[int]:
+    """Where ``jump`` is followed by a chain name in a rule's words."""
+    return [i for i, word in enumerate(words[:-1]) if word == "jump"]
 
 
 def render(rules: NftRuleSet) -> str:
