@@ -5,7 +5,8 @@ capabilities, a read-only root, only the injector's volumes writable, cwd ``/``)
 the local control plane, whose ECDS resource carries the module's URL as istiod sends it. The agent must
 fetch it into the ``istio-data`` volume (``/var/lib/istio/data``, Istio's cache directory in a pod) and
 give Envoy that file; a restarted container must find it there with the server gone; a module that
-cannot be fetched must become Istio's deny-all RBAC filter, without the agent writing anywhere else.
+cannot be fetched must become Istio's deny-all RBAC filter, without the agent writing anywhere else; a
+module published as a tar.gz must be unwrapped without a scratch file (the root and /tmp are read-only).
 
 The module is the test filter of tests/wasm/filter (``x-wasm-plugin: <its configuration>`` on every
 response), served by tests/e2e/wasm_server.py in the pod's network. The pod's workload calls its own
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import io
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +82,18 @@ def app(pod: Pod) -> subprocess.Popen[bytes]:
     return process
 
 
-def module_url() -> str:
-    return f"http://127.0.0.1:{MODULE_PORT}/add_header.wasm"
+def module_url(name: str = "add_header.wasm") -> str:
+    return f"http://127.0.0.1:{MODULE_PORT}/{name}"
+
+
+def tar_gz(name: str, content: bytes) -> bytes:
+    """``content`` as the one file of a gzipped tar (how some build pipelines publish a module)."""
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w:gz") as archive:
+        entry = tarfile.TarInfo(name)
+        entry.size = len(content)
+        archive.addfile(entry, io.BytesIO(content))
+    return packed.getvalue()
 
 
 def start_istiod(pod: Pod, plugin: dict[str, Any]) -> Istiod:
@@ -232,5 +245,26 @@ def test_a_module_that_cannot_be_fetched_fails_closed_with_istios_deny_filter(
     assert agent_metric(pod, "wasm_remote_fetch_count", result="download_failure") == 1
     assert agent_metric(pod, "wasm_config_conversion_count", result="fetch_failure") == 1
     assert not list(pod.volume("istio-data").rglob("*.wasm"))
+    assert_no_write_refused(running)
+    assert pod.stop_container("istio-proxy") == 0
+
+
+def test_a_tar_gz_module_is_unwrapped_without_writing_outside_the_volumes(
+    pod: Pod, module: bytes, app: subprocess.Popen[bytes]
+) -> None:
+    served = pod.base / "modules"
+    served.mkdir()
+    (served / "add_header.tar.gz").write_bytes(tar_gz("plugin.wasm", module))
+    start_module_server(pod, MODULE_PORT, served, pod.base / "module-requests.log")
+    sha = hashlib.sha256(module).hexdigest()  # the module's, as Istio checks it once unwrapped
+    istiod = start_istiod(
+        pod, {"url": module_url("add_header.tar.gz"), "sha256": sha, "pluginConfig": CONFIG}
+    )
+
+    running = pod.start_container(sidecar(pod, istiod, grace_period=10))
+    pod.wait_ready("istio-proxy")
+    assert local_module(pod, wait_for_ecds(pod, WASM_TYPE)).read_bytes() == module
+    status, headers = request(pod)
+    assert status == 200 and HEADER in headers, (status, headers)
     assert_no_write_refused(running)
     assert pod.stop_container("istio-proxy") == 0
