@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -38,7 +38,7 @@ from istio_agent.cni.capture_config import CaptureConfig
 from istio_agent.cni.iptables import Backend, Tables, detect, parse_save
 from istio_agent.cni.netns import CommandError, Deadline
 from istio_agent.cni.nslock import LockError, namespace_lock
-from istio_agent.cni.rules import BUILTIN, Rule, build, render
+from istio_agent.cni.rules import BUILTIN, Rule, RuleSet, build, render
 from istio_agent.config.env import ConfigError
 from istio_agent.logline import Scope
 
@@ -87,50 +87,91 @@ def apply_capture(
     ``read_back``: save the rules afterwards for the caller's log (``ApplyOutcome.saved``); the
     plugin, which logs none, spares its ADD those commands.
     """
+    try:
+        rules = build(config)
+    except ConfigError as err:
+        raise ApplyError(str(err)) from None
+
+    def routes(action: str, budget: Deadline) -> None:
+        tproxy_routes.follow_rules(config, action, cleanup_only=cleanup_only, netns=netns, deadline=budget)
+
+    return apply_rule_set(
+        rules,
+        ipv6=config.enable_ipv6,
+        netns=netns,
+        cleanup_only=cleanup_only,
+        deadline=deadline,
+        backend=backend,
+        env=env,
+        read_back=read_back,
+        after=routes,
+    )
+
+
+def apply_rule_set(
+    rules: RuleSet,
+    *,
+    ipv6: bool,
+    netns: Path | None = None,
+    cleanup_only: bool = False,
+    deadline: float | None = None,
+    backend: Backend | None = None,
+    env: Mapping[str, str] | None = None,
+    read_back: bool = True,
+    replace: bool = True,
+    after: Callable[[str, Deadline], None] | None = None,
+) -> ApplyOutcome:
+    """Make ``netns`` hold exactly ``rules`` as its Istio rules (any rule set of ``ISTIO_*`` chains:
+    the sidecar capture, ambient's in-pod or host rules); :func:`apply_capture`'s arguments.
+
+    ``replace=False``: other Istio rules in place are an ApplyError instead of being replaced
+    (nothing is written). ``after(action, deadline)`` runs once the rules are in place, under the
+    namespace's lock (routes that go with the rules); a CommandError from it puts the rules back as
+    they were.
+    """
     budget = Deadline(deadline)
     try:
         chosen = backend or detect(os.environ if env is None else env, deadline=budget)
-        rules = build(config)
     except (CommandError, ConfigError) as err:
         raise ApplyError(str(err)) from None
     known = {"v4": rules.v4, "v6": rules.v6}
-    planned = {"v4": rules.v4, "v6": rules.v6 if config.enable_ipv6 else []}
+    planned = {"v4": rules.v4, "v6": rules.v6 if ipv6 else []}
     if cleanup_only:
         planned = {"v4": [], "v6": []}
+    applier = _Applier(chosen, netns, budget, replace=replace)
     try:
         with namespace_lock(netns, budget):
-            return _apply_locked(config, chosen, netns, budget, planned, known, cleanup_only, read_back)
+            return _apply_locked(applier, ipv6, planned, known, cleanup_only, read_back, after)
     except LockError as err:
         raise ApplyError(str(err)) from None
 
 
 def _apply_locked(
-    config: CaptureConfig,
-    chosen: Backend,
-    netns: Path | None,
-    budget: Deadline,
+    applier: _Applier,
+    ipv6: bool,
     planned: dict[str, list[Rule]],
     known: dict[str, list[Rule]],
     cleanup_only: bool,
     read_back: bool,
+    after: Callable[[str, Deadline], None] | None,
 ) -> ApplyOutcome:
-    """The rules, then the TPROXY routing, with the namespace's lock held."""
-    applier = _Applier(chosen, netns, budget)
+    """The rules, then what follows them (the TPROXY routing), with the namespace's lock held."""
     action = applier.rules(planned, known, cleanup_only=cleanup_only)
     try:
-        tproxy_routes.follow_rules(config, action, cleanup_only=cleanup_only, netns=netns, deadline=budget)
+        if after is not None:
+            after(action, applier.deadline)
     except CommandError as err:
         if action in ("unchanged", "clean"):  # nothing written: nothing to put back
             raise ApplyError(str(err)) from None
         raise ApplyError(applier.roll_back(err)) from None
-    families = ("v4", "v6") if config.enable_ipv6 else ("v4",)
+    families = ("v4", "v6") if ipv6 else ("v4",)
     saved = {}
     for family in (f for f in families if read_back and f in applier.before):
         try:
-            saved[family] = chosen.save(family, netns=netns, deadline=budget)
+            saved[family] = applier.backend.save(family, netns=applier.netns, deadline=applier.deadline)
         except CommandError as err:
             log.warning("could not read back the rules: %s", err)
-    return ApplyOutcome(action, chosen, saved)
+    return ApplyOutcome(action, applier.backend, saved)
 
 
 def expected_portion(backend: Backend, family: str, rules: list[Rule], *, deadline: Deadline) -> Tables:
@@ -237,10 +278,13 @@ def _saved_tables(text: str, tables: set[str]) -> str:
 class _Applier:
     """One apply: the state before, the writes made so far, and how to undo them."""
 
-    def __init__(self, backend: Backend, netns: Path | None, deadline: Deadline) -> None:
+    def __init__(
+        self, backend: Backend, netns: Path | None, deadline: Deadline, *, replace: bool = True
+    ) -> None:
         self.backend = backend
         self.netns = netns
         self.deadline = deadline
+        self.replace = replace
         self.before: dict[str, str] = {}
         self.touched: dict[str, set[str]] = {}
 
@@ -267,7 +311,7 @@ class _Applier:
                 if planned[family]:
                     self._write(family, _table_blocks(planned[family]), {})
             return "applied"
-        changed = False
+        differing: dict[str, Tables] = {}
         for family in self.before:
             expected = expected_portion(self.backend, family, planned[family], deadline=self.deadline)
             current: Tables = {}
@@ -277,9 +321,15 @@ class _Applier:
                     ours = expected_portion(self.backend, family, known[family], deadline=self.deadline)
                 current = istio_portion(present[family], ours)
             if expected != current:
-                self._write(family, _table_blocks(planned[family]), current)
-                changed = True
-        if not changed:
+                differing[family] = current
+        if not self.replace and not cleanup_only and any(differing.values()):
+            tables = sorted({f"{family} {table}" for family, old in differing.items() for table in old})
+            raise ApplyError(
+                f"other Istio rules are in place ({', '.join(tables)}) and reconciling is off: left as they are"
+            )
+        for family, current in differing.items():
+            self._write(family, _table_blocks(planned[family]), current)
+        if not differing:
             return "unchanged"
         return "cleaned" if cleanup_only else "replaced"
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,34 +75,68 @@ def apply_nft_capture(
     deadline). ``read_back``: list the tables afterwards for the caller's log. ``env``: where
     ``PATH`` is looked up for ``nft`` (default: this process's). Raises ApplyError.
     """
-    budget = Deadline(deadline)
     try:
         wanted = "" if cleanup_only else render_config(config)
     except ConfigError as err:
         raise ApplyError(str(err)) from None
+
+    def routes(action: str, budget: Deadline) -> None:
+        tproxy_routes.follow_rules(config, action, cleanup_only=cleanup_only, netns=netns, deadline=budget)
+
+    return apply_nft_tables(
+        wanted,
+        tables=TABLES,
+        netns=netns,
+        cleanup_only=cleanup_only,
+        deadline=deadline,
+        read_back=read_back,
+        env=env,
+        after=routes,
+    )
+
+
+def apply_nft_tables(
+    wanted: str,
+    *,
+    tables: tuple[str, ...],
+    netns: Path | None = None,
+    cleanup_only: bool = False,
+    deadline: float | None = None,
+    read_back: bool = True,
+    env: Mapping[str, str] | None = None,
+    after: Callable[[str, Deadline], None] | None = None,
+) -> NftOutcome:
+    """Make ``netns`` hold exactly the ``inet`` tables named in ``tables`` that the ``wanted``
+    transaction makes (any Istio rule set: the sidecar capture, ambient's in-pod rules); the
+    arguments of :func:`apply_nft_capture`. Only the tables named are read, compared or deleted.
+    ``after(action, deadline)`` runs once they are in place, under the namespace's lock; a
+    CommandError from it puts the tables back as they were.
+    """
+    budget = Deadline(deadline)
     path = (os.environ if env is None else env).get("PATH", os.defpath)
     nft = shutil.which("nft", path=path)
     if nft is None:
         raise ApplyError(f"{MISSING_NFT}: no nft in PATH ({path})")
-    applier = _Applier(nft, netns, budget)
+    applier = _Applier(nft, netns, budget, tables)
     try:
         with namespace_lock(netns, budget):
-            return applier.apply(config, wanted, cleanup_only=cleanup_only, read_back=read_back)
+            return applier.apply(wanted, after, cleanup_only=cleanup_only, read_back=read_back)
     except LockError as err:
         raise ApplyError(str(err)) from None
     except CommandError as err:
         raise ApplyError(str(err)) from None
 
 
-def istio_tables(listing: str) -> dict[str, str]:
-    """The Istio tables of an ``nft list ruleset`` output: name -> its whole block, as listed."""
+def istio_tables(listing: str, names: Iterable[str] = TABLES) -> dict[str, str]:
+    """The Istio tables (``names``) of an ``nft list ruleset`` output: name -> its whole block, as listed."""
+    wanted = set(names)
     tables: dict[str, str] = {}
     name: str | None = None
     block: list[str] = []
     for line in listing.splitlines():
         if name is None:
             words = line.split()
-            if len(words) == 4 and words[:2] == ["table", "inet"] and words[2] in TABLES and words[3] == "{":
+            if len(words) == 4 and words[:2] == ["table", "inet"] and words[2] in wanted and words[3] == "{":
                 name, block = words[2], [line]
             continue
         block.append(line)
@@ -120,20 +154,29 @@ def deletions(tables: Iterable[str]) -> str:
 class _Applier:
     """One apply: the tables before, and how to put them back."""
 
-    def __init__(self, nft: str, netns: Path | None, deadline: Deadline) -> None:
+    def __init__(self, nft: str, netns: Path | None, deadline: Deadline, tables: tuple[str, ...]) -> None:
         self.nft = nft
         self.netns = netns
         self.deadline = deadline
+        self.tables = tables
         self.before: dict[str, str] = {}
 
-    def apply(self, config: CaptureConfig, wanted: str, *, cleanup_only: bool, read_back: bool) -> NftOutcome:
-        self.before = istio_tables(self._list(stateless=True))
+    def apply(
+        self,
+        wanted: str,
+        after: Callable[[str, Deadline], None] | None,
+        *,
+        cleanup_only: bool,
+        read_back: bool,
+    ) -> NftOutcome:
+        self.before = istio_tables(self._list(stateless=True), self.tables)
         action = self._rules(wanted, cleanup_only=cleanup_only)
-        self._routes(config, action, cleanup_only=cleanup_only)
+        if after is not None:
+            self._after(after, action)
         ruleset = ""
         if read_back:
             try:
-                ruleset = "".join(istio_tables(self._list(stateless=False)).values())
+                ruleset = "".join(istio_tables(self._list(stateless=False), self.tables).values())
             except CommandError as err:
                 log.warning("could not read back the nftables rules: %s", err)
         return NftOutcome(action, self.nft, ruleset)
@@ -153,12 +196,10 @@ class _Applier:
         self._run(deletions(self.before) + wanted)
         return "replaced"
 
-    def _routes(self, config: CaptureConfig, action: str, *, cleanup_only: bool) -> None:
-        """The TPROXY routing (and ``::6`` on lo for IPv6), after the rules, as Istio orders it."""
+    def _after(self, after: Callable[[str, Deadline], None], action: str) -> None:
+        """What follows the rules (the TPROXY routing, ``::6`` on lo), as Istio orders it."""
         try:
-            tproxy_routes.follow_rules(
-                config, action, cleanup_only=cleanup_only, netns=self.netns, deadline=self.deadline
-            )
+            after(action, self.deadline)
         except CommandError as err:
             if action in ("unchanged", "clean"):
                 raise
@@ -168,7 +209,7 @@ class _Applier:
         """Put the Istio tables back as they were; the message for the error to raise."""
         grace = Deadline.after(ROLLBACK_SECONDS)
         try:
-            now = istio_tables(self._list(stateless=True, deadline=grace))
+            now = istio_tables(self._list(stateless=True, deadline=grace), self.tables)
             self._run(deletions(now) + "".join(self.before.values()), deadline=grace)
         except CommandError as err:
             return f"{cause}; putting the nftables rules back failed too: {err}"
@@ -192,7 +233,7 @@ class _Applier:
             return run([self.nft, "-s", "list", "ruleset", "inet"], deadline=self.deadline)
 
         try:
-            return istio_tables(in_new_namespace(apply_then_list))
+            return istio_tables(in_new_namespace(apply_then_list), self.tables)
         except NamespaceError as err:
             raise CommandError([self.nft, "-f", "-"], f"not run: {err}") from None
         except CommandError as err:
