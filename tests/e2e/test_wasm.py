@@ -180,6 +180,8 @@ def test_http_module_runs_in_envoy_and_a_restart_uses_the_cache(
 
 @pytest.mark.parametrize("fmt", [ARTIFACT, DOCKER])
 def test_oci_module_from_a_registry_with_a_pull_secret(short_tmp: Path, module: bytes, fmt: str) -> None:
+    """The registry is on loopback and plain HTTP: tried after https without WASM_INSECURE_REGISTRIES,
+    as Istio's go-containerregistry does for loopback and RFC 1918 hosts."""
     with running_registry(auth=("puller", "s3cret")) as registry:
         push_wasm(registry, "filters/headers", "v1", module, fmt)
         secret = short_tmp / "registry.json"
@@ -187,7 +189,6 @@ def test_oci_module_from_a_registry_with_a_pull_secret(short_tmp: Path, module: 
         local = start_mesh(
             short_tmp,
             delta=True,
-            agent_env={"WASM_INSECURE_REGISTRIES": registry.host},  # a plain-HTTP registry
             pullSecrets=[{"name": "registry-cred", "dockerConfig": str(secret)}],
             wasmPlugins=[
                 plugin(

@@ -46,7 +46,7 @@ class FakeModules:
 
 def packed(message: object) -> any_pb2.Any:
     result = any_pb2.Any()
-    result.Pack(message)  # type: ignore[arg-type]
+    result.Pack(message)
     return result
 
 
@@ -61,7 +61,7 @@ def http_wasm(
     local: str | None = None,
     network: bool = False,
 ) -> http_wasm_pb2.Wasm | network_wasm_pb2.Wasm:
-    config = wasm_pb2.PluginConfig(name="plugin", fail_open=fail_open, failure_policy=failure_policy)  # type: ignore[arg-type]
+    config = wasm_pb2.PluginConfig(name="plugin", fail_open=fail_open, failure_policy=failure_policy)
     vm = config.vm_config
     vm.runtime = "envoy.wasm.runtime.v8"
     if local is not None:
@@ -88,7 +88,7 @@ def extension(typed: object, name: str = "default.plugin") -> any_pb2.Any:
 
 def typed_struct(wasm: object, type_url: str = HTTP_WASM_TYPE) -> any_pb2.Any:
     struct = struct_pb2.Struct()
-    struct.update(json_format.MessageToDict(wasm))  # type: ignore[arg-type]
+    struct.update(json_format.MessageToDict(wasm))
     return packed(typed_struct_pb2.TypedStruct(type_url=type_url, value=struct))
 
 
@@ -122,7 +122,7 @@ def rbac(resource: any_pb2.Any, http: bool = True) -> http_rbac_pb2.RBAC | netwo
 
 
 @pytest.mark.parametrize("wrap", [lambda w: w, typed_struct], ids=["direct", "typed-struct"])
-def test_remote_code_becomes_the_cached_local_file(wrap) -> None:  # type: ignore[no-untyped-def]
+def test_remote_code_becomes_the_cached_local_file(wrap) -> None:
     modules = FakeModules()
     [out] = convert([extension(wrap(http_wasm()))], modules)
     wasm = local_http_wasm(out)
