@@ -1,0 +1,121 @@
+"""The in-pod policy routing of ambient: replies to ztunnel's spoofed connections are delivered locally.
+
+ztunnel connects to the app with the original client's address (``IP_TRANSPARENT``); the app's
+replies carry connmark 0x111 (restored as the packet mark by the in-pod rules), and must come back to
+ztunnel, not leave by the default route. Istio (``cni/pkg/iptables/iptables_linux.go``):
+``ip rule add fwmark 0x111/0xfff pref 32764 lookup 100`` and ``ip route replace local 0.0.0.0/0 dev
+lo table 100``, for IPv6 too when enabled (the v6 route only when ``lo`` has IPv6: a pod may turn it
+off there). Over netlink in the pod's namespace, with the requests of
+:mod:`istio_agent.cni.netlink`; adding is idempotent, and so is removing (what is gone is skipped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from istio_agent.cni import netlink
+from istio_agent.cni.ambient.settings import MARK_RULE_PRIORITY, ROUTE_TABLE, TPROXY_MARK, TPROXY_MASK
+from istio_agent.cni.netns import NO_DEADLINE, CommandError, Deadline, NamespaceError, in_namespace
+from istio_agent.logline import Scope
+
+FRA_PRIORITY, FRA_FWMASK = 6, 16
+NLM_F_EXCL = 0x200
+LO_IPV6_DISABLED = Path("/proc/sys/net/ipv6/conf/lo/disable_ipv6")
+"""Read from a thread inside the namespace: ``/proc/sys/net`` shows the reader's namespace."""
+log = Scope("cni")
+_FAMILY = {"v4": socket.AF_INET, "v6": socket.AF_INET6}
+
+
+def _families(ipv6: bool) -> tuple[str, ...]:
+    return ("v4", "v6") if ipv6 else ("v4",)
+
+
+def _mark_rule(family: str) -> bytes:
+    """``fwmark 0x111/0xfff pref 32764 lookup 100`` as an ``fib_rule_hdr`` and its attributes."""
+    table = ROUTE_TABLE
+    body = netlink._RTMSG.pack(_FAMILY[family], 0, 0, 0, table, 0, 0, netlink.FR_ACT_TO_TBL, 0)
+    for kind, value in (
+        (FRA_PRIORITY, MARK_RULE_PRIORITY),
+        (netlink.FRA_FWMARK, TPROXY_MARK),
+        (FRA_FWMASK, TPROXY_MASK),
+        (netlink.FRA_TABLE, table),
+    ):
+        body += netlink._attribute(kind, netlink._U32.pack(value))
+    return body
+
+
+def _local_route(family: str) -> bytes:
+    """``local <any>/0 dev lo table 100`` (scope host)."""
+    body = netlink._RTMSG.pack(
+        _FAMILY[family],
+        0,
+        0,
+        0,
+        ROUTE_TABLE,
+        netlink.RTPROT_BOOT,
+        netlink.RT_SCOPE_HOST,
+        netlink.RTN_LOCAL,
+        0,
+    )
+    body += netlink._attribute(netlink.RTA_OIF, netlink._U32.pack(socket.if_nametoindex("lo")))
+    body += netlink._attribute(netlink.RTA_TABLE, netlink._U32.pack(ROUTE_TABLE))
+    return body
+
+
+def _lo_has_ipv6() -> bool:
+    try:
+        return LO_IPV6_DISABLED.read_text().strip() != "1"
+    except OSError as err:  # as Istio: carry on, it may work anyway
+        log.warning("cannot read %s: %s; adding the IPv6 route anyway", LO_IPV6_DISABLED, err)
+        return True
+
+
+def _step(what: tuple[str, ...], netns: Path | None, deadline: Deadline, action: Callable[[], None]) -> None:
+    deadline.remaining(what)
+    try:
+        in_namespace(netns, action)
+    except NamespaceError as err:
+        raise CommandError(what, f"not run: {err}") from None
+    except OSError as err:
+        raise CommandError(what, f"failed (netlink): {err.strerror or err}") from None
+
+
+def ensure(ipv6: bool, *, netns: Path | None = None, deadline: Deadline = NO_DEADLINE) -> None:
+    """The loopback route and the mark rule of each family, added where missing; raises CommandError."""
+
+    def add() -> None:
+        for family in _families(ipv6):
+            if family == "v6" and not _lo_has_ipv6():
+                log.debug("IPv6 is on, but lo has IPv6 disabled: no IPv6 loopback route")
+            else:
+                netlink._request(
+                    netlink.RTM_NEWROUTE, netlink.NLM_F_CREATE | netlink.NLM_F_REPLACE, _local_route(family)
+                )
+            with contextlib.suppress(FileExistsError):  # already there: EEXIST, thanks to EXCL
+                netlink._request(netlink.RTM_NEWRULE, netlink.NLM_F_CREATE | NLM_F_EXCL, _mark_rule(family))
+
+    what = ("ip", "rule", "add", "fwmark", f"{TPROXY_MARK:#x}/{TPROXY_MASK:#x}", "lookup", str(ROUTE_TABLE))
+    _step(what, netns, deadline, add)
+
+
+def remove(ipv6: bool, *, netns: Path | None = None, deadline: Deadline = NO_DEADLINE) -> None:
+    """Take the mark rule and the loopback route away, where present; raises CommandError."""
+
+    def take_away() -> None:
+        for family in _families(ipv6):
+            for kind, body in (
+                (netlink.RTM_DELRULE, _mark_rule(family)),
+                (netlink.RTM_DELROUTE, _local_route(family)),
+            ):
+                try:
+                    netlink._request(kind, 0, body)
+                except OSError as err:
+                    if err.errno not in (errno.ENOENT, errno.ESRCH):
+                        raise
+
+    what = ("ip", "rule", "del", "fwmark", f"{TPROXY_MARK:#x}/{TPROXY_MASK:#x}", "lookup", str(ROUTE_TABLE))
+    _step(what, netns, deadline, take_away)
