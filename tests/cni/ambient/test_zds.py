@@ -29,6 +29,7 @@ from tests.cni.istio_sources import drifted
 from tests.cni.netns import Netns, needs_root, netns
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "ambient" / "zds"
+pytestmark = pytest.mark.both_loops  # the agent runs on uvloop
 
 
 def _istios_descriptor(tmp_path: Path) -> descriptor_pb2.FileDescriptorProto:
@@ -361,6 +362,37 @@ async def test_an_update_not_acked_in_time_fails_but_keeps_the_connection(
         await node.server.add(node.pod("uid-1", spaces()))
     assert 1.0 <= time.monotonic() - started < 3.0
     assert node.server.connected  # as Istio: a late ack is not a dead connection
+
+
+async def test_a_late_ack_is_an_unexpected_message_and_closes_the_connection(node: Node) -> None:
+    # as Istio's keepalive read finds it: acks are matched by order, so one that comes late cannot be trusted
+    client = await _hello(node)
+    try:
+        assert await _request(client) == "snapshot_sent"
+        adding = asyncio.create_task(
+            node.server.add(EnrolledPod("uid-1", "p", "ns", "sa", Path("/proc/self/ns/net")))
+        )
+        assert await _request(client, answer=False) == "add"
+        with pytest.raises(ZdsError, match="did not ack within"):
+            await adding
+        assert node.server.connections == 1
+        await client.send(zds_pb2.WorkloadResponse(ack=zds_pb2.Ack()).SerializeToString())
+        async with asyncio.timeout(5):
+            assert await client.receive() is None
+        assert node.server.connections == 0
+    finally:
+        client.close()
+
+
+async def test_a_ztunnel_that_says_no_hello_is_disconnected(node: Node) -> None:
+    silent = await SeqpacketConnection.connect(node.socket_path)
+    try:
+        started = time.monotonic()
+        async with asyncio.timeout(5):
+            assert await silent.receive() is None
+        assert 1.0 <= time.monotonic() - started < 3.0
+    finally:
+        silent.close()
 
 
 @pytest.mark.parametrize(
