@@ -8,8 +8,13 @@ one user with a ``token``) and plain requests on the agent's HTTP stack.
   short-lived process that must not import asyncio for one GET); the agent's tools use the asyncio GET.
 - install-cni's repair controller (``cni/repair``) does what client-go does for Istio's: it lists and
   watches the pods of its node (``list_pods``, ``watch_pods``), deletes (with preconditions) or labels
-  (``pods/status``) broken ones and records Events. These are asyncio; asyncio is imported only when
-  they run, so the plugin's import of this module stays cheap.
+  (``pods/status``) broken ones and records Events.
+- The ambient node agent (``cni/ambient``) lists and watches its node's pods and every namespace
+  (``list_namespaces``, ``watch_namespaces``), and annotates pods through ``pods/status``; the plugin
+  reads the pod's namespace (``get_namespace_blocking``) to decide whether the pod is ambient.
+
+Lists, watches and writes are asyncio; asyncio is imported only when they run, so the plugin's import
+of this module stays cheap.
 
 Every request but a watch runs under the caller's deadline; what went wrong is a :class:`KubeError`
 that says whether trying again can help (an outage can pass, an RBAC denial will not) and carries the
@@ -266,14 +271,27 @@ class KubeClient:
         self, *, label_selector: str = "", field_selector: str = "", deadline: float
     ) -> PodList:
         """All pods matching the selectors (every namespace), with the list's resource version."""
+        return await self._list("pods", label_selector, field_selector, deadline)
+
+    async def list_namespaces(
+        self, *, label_selector: str = "", field_selector: str = "", deadline: float
+    ) -> PodList:
+        """All namespaces matching the selectors, with the list's resource version (the ambient node
+        agent decides from their labels)."""
+        return await self._list("namespaces", label_selector, field_selector, deadline)
+
+    async def _list(
+        self, resource: str, label_selector: str, field_selector: str, deadline: float
+    ) -> PodList:
         query = _query(labelSelector=label_selector, fieldSelector=field_selector)
-        answer = await self._object("GET", "/api/v1/pods" + query, "list pods", deadline, MAX_LIST_BYTES)
+        action = f"list {resource}"
+        answer = await self._object("GET", f"/api/v1/{resource}" + query, action, deadline, MAX_LIST_BYTES)
         items, meta = answer.get("items"), answer.get("metadata")
         version = meta.get("resourceVersion") if isinstance(meta, dict) else None
         if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
-            raise KubeError("list pods: the answer has no list of items", retryable=False)
+            raise KubeError(f"{action}: the answer has no list of items", retryable=False)
         if not isinstance(version, str) or not version:
-            raise KubeError("list pods: the answer has no metadata.resourceVersion", retryable=False)
+            raise KubeError(f"{action}: the answer has no metadata.resourceVersion", retryable=False)
         return PodList(items, version)
 
     async def watch_pods(
@@ -290,6 +308,31 @@ class KubeClient:
         An ERROR event is raised as the KubeError it carries: 410 (``gone``) means the version is
         too old, so the caller lists again.
         """
+        events = self._watch("pods", resource_version, label_selector, field_selector, timeout_seconds)
+        async for event in events:
+            yield event
+
+    async def watch_namespaces(
+        self,
+        *,
+        resource_version: str,
+        label_selector: str = "",
+        field_selector: str = "",
+        timeout_seconds: int = 300,
+    ) -> AsyncIterator[WatchEvent]:
+        """:meth:`watch_pods` for namespaces."""
+        events = self._watch("namespaces", resource_version, label_selector, field_selector, timeout_seconds)
+        async for event in events:
+            yield event
+
+    async def _watch(
+        self,
+        resource: str,
+        resource_version: str,
+        label_selector: str,
+        field_selector: str,
+        timeout_seconds: int,
+    ) -> AsyncIterator[WatchEvent]:
         import asyncio
 
         from istio_agent.http.client import Client
@@ -302,7 +345,7 @@ class KubeClient:
             labelSelector=label_selector,
             fieldSelector=field_selector,
         )
-        action, url = "watch pods", self._url("/api/v1/pods" + query)
+        action, url = f"watch {resource}", self._url(f"/api/v1/{resource}" + query)
         headers = self._headers()
         try:
             async with (

@@ -56,21 +56,30 @@ class FakeRules:
 class FakeHostProbes:
     """A FAKE of the host probe set: the IPs it holds."""
 
-    ips: set[str] = field(default_factory=set)
+    entries: dict[str, str] = field(default_factory=dict)
     installed: bool = False
+
+    @property
+    def ips(self) -> set[str]:
+        return set(self.entries)
 
     def install(self) -> None:
         self.installed = True
 
-    def add_pod_ips(self, ips: Sequence[str]) -> None:
-        self.ips.update(ips)
+    def add_pod_ips(self, ips: Sequence[str], *, uid: str = "") -> None:
+        self.entries.update(dict.fromkeys(ips, uid))
 
-    def remove_pod_ips(self, ips: Sequence[str]) -> None:
-        self.ips.difference_update(ips)
+    def remove_pod_ips(self, ips: Sequence[str], *, uid: str | None = None) -> None:
+        for ip in ips:
+            if uid in (None, self.entries.get(ip)):
+                self.entries.pop(ip, None)
+
+    def pod_ips(self) -> dict[str, str]:
+        return dict(self.entries)
 
     def uninstall(self) -> None:
         self.installed = False
-        self.ips.clear()
+        self.entries.clear()
 
 
 @dataclass

@@ -54,9 +54,13 @@ class HostProbes(Protocol):
 
     def install(self) -> None: ...
 
-    def add_pod_ips(self, ips: Sequence[str]) -> None: ...
+    def add_pod_ips(self, ips: Sequence[str], *, uid: str = "") -> None: ...
 
-    def remove_pod_ips(self, ips: Sequence[str]) -> None: ...
+    def remove_pod_ips(self, ips: Sequence[str], *, uid: str | None = None) -> None: ...
+
+    def pod_ips(self) -> dict[str, str]:
+        """The IPs in the set, with the UID of the pod each was added for."""
+        ...
 
     def uninstall(self) -> None: ...
 
@@ -214,9 +218,7 @@ class Dataplane:
             else:
                 log.warning("pod %s: its netns was not found; ztunnel is asked to keep it", _name(pod))
             self._replace(uid, _Entry(pod, fd))
-        ips = [ip for pod in pods for ip in pod_ips(pod)]
-        if ips:
-            await asyncio.to_thread(self.probes.add_pod_ips, ips)
+        await self._sync_probe_set(pods)
         if self.reconcile:
             for pod in pods:
                 entry = self._pods[pod_uid(pod)]
@@ -231,6 +233,35 @@ class Dataplane:
                         _name(pod),
                         err,
                     )
+
+    async def _sync_probe_set(self, pods: Sequence[Mapping[str, Any]]) -> None:
+        """Istio's ``syncHostAddrSets``: the enrolled pods' IPs in the probe set, any other IP out."""
+        expected: set[str] = set()
+        for pod in pods:
+            ips = pod_ips(pod)
+            if not ips:
+                log.warning(
+                    "pod %s does not appear to have any assigned IPs, not syncing with the probe set",
+                    _name(pod),
+                )
+                continue
+            try:
+                await asyncio.to_thread(self.probes.add_pod_ips, ips, uid=pod_uid(pod))
+            except Exception as err:
+                log.error(
+                    "pod %s: cannot add its IPs to the probe set, it will fail health checks: %s",
+                    _name(pod),
+                    err,
+                )
+                continue
+            expected.update(ips)
+        try:
+            present = await asyncio.to_thread(self.probes.pod_ips)
+            stale = sorted(set(present) - expected)
+            if stale:
+                await asyncio.to_thread(self.probes.remove_pod_ips, stale)
+        except Exception as err:
+            log.warning("unable to prune the probe set: %s", err)
 
     # -- add and remove --------------------------------------------------------------------------------
 
@@ -260,7 +291,7 @@ class Dataplane:
             )
             await self._annotate(pod, PENDING)
             raise RuntimeError(f"failed to add pod {name} to ztunnel: {err}") from err
-        await asyncio.to_thread(self.probes.add_pod_ips, list(ips))
+        await asyncio.to_thread(self.probes.add_pod_ips, list(ips), uid=uid)
         await self._annotate(pod, ENABLED)
 
     async def remove_pod(self, pod: Mapping[str, Any], *, deleted: bool) -> None:
@@ -269,7 +300,7 @@ class Dataplane:
         log.info("pod %s: removing pod from mesh (deleted: %s)", name, deleted)
         ips = pod_ips(pod)
         if ips:
-            await asyncio.to_thread(self.probes.remove_pod_ips, ips)
+            await asyncio.to_thread(self.probes.remove_pod_ips, ips, uid=uid)
         entry = self._pods.pop(uid, None)
         try:
             if not deleted:

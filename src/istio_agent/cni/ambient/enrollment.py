@@ -1,0 +1,243 @@
+"""Enrolling running pods by watching the API: a namespace or pod label turning ambient, or off.
+
+Istio's ``cni/pkg/nodeagent/informers.go``: the pods of this node (``spec.nodeName``) and every
+namespace are listed and watched (``cni/repair/informer.py``'s list + watch: resumed from the last
+resource version after a dropped watch, listed again on 410 Gone), and each pod that changes, or
+whose namespace changes, is reconciled on a work queue (retried with back-off, 5 ms to 5 s, without
+limit, as Istio's queue):
+
+- a pod that should be ambient (:mod:`.selectors`) and is not enrolled (annotation
+  ``ambient.istio.io/redirection``) nor terminated, and has an IP, is enrolled: its namespace found
+  in ``/proc`` (:mod:`.procnetns`); a new pod is the plugin's (its IP comes after its ADD);
+- an enrolled (or ``pending``) pod that should not be is unenrolled: rules out, ztunnel told, the
+  annotation removed; a terminated one is deleted from ztunnel;
+- a pod that is deleted while it was, or should have been, in the mesh is deleted from ztunnel.
+
+The enrollment state is the annotation, so after the node agent's restart a pod already right is
+left as it is: nothing to change. What Istio decides from events (add, update, delete) is decided
+here from the cache's state and the last version of the pod seen, which comes to the same and also
+covers a change missed while the agent was down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, cast
+
+from istio_agent.cni.ambient.dataplane import (
+    ENABLED,
+    PENDING,
+    Dataplane,
+    NonRetryableAdd,
+    annotation,
+    pod_ips,
+    pod_uid,
+)
+from istio_agent.cni.ambient.selectors import (
+    EnablementSelector,
+    labels_of,
+    namespace_selected,
+    pod_is_ambient,
+)
+from istio_agent.cni.kube import KubeClient, PodList, WatchEvent
+from istio_agent.cni.repair.informer import Key, PodInformer
+from istio_agent.cni.repair.queue import WorkQueue
+from istio_agent.log import scope
+
+log = scope("cni-agent")
+
+QUEUE_MAX_DELAY = 5.0
+"""Istio's ambient queue: per-item back-off from 5 ms, at most 5 s, retried for ever."""
+QUEUE_ATTEMPTS = 2**62
+
+
+def is_ztunnel_pod(system_namespace: str, pod: Mapping[str, Any]) -> bool:
+    meta = pod.get("metadata") or {}
+    return meta.get("namespace") == system_namespace and labels_of(pod).get("app") == "ztunnel"
+
+
+def is_terminal(pod: Mapping[str, Any]) -> bool:
+    """Istio's ``CheckPodTerminal``: the pod's phase is Succeeded or Failed."""
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+class _NamespacesAsPods:
+    """The list + watch engine (``PodInformer``) pointed at namespaces: it asks for ``list_pods`` and
+    ``watch_pods`` and keys objects by (namespace, name), so a namespace is given as one whose
+    ``metadata.namespace`` is "" (key ``("", name)``)."""
+
+    def __init__(self, client: KubeClient) -> None:
+        self._client = client
+
+    async def list_pods(
+        self, *, label_selector: str = "", field_selector: str = "", deadline: float
+    ) -> PodList:
+        answer = await self._client.list_namespaces(
+            label_selector=label_selector, field_selector=field_selector, deadline=deadline
+        )
+        return PodList([_keyed(item) for item in answer.items], answer.resource_version)
+
+    async def watch_pods(self, **options: Any) -> AsyncIterator[WatchEvent]:
+        async for event in self._client.watch_namespaces(**options):
+            yield WatchEvent(event.type, _keyed(event.object))
+
+
+def _keyed(namespace: dict[str, Any]) -> dict[str, Any]:
+    meta = namespace.get("metadata")
+    if isinstance(meta, dict):
+        namespace["metadata"] = {**meta, "namespace": ""}
+    return namespace
+
+
+class Enrollment:
+    """The node's pods and the namespaces, watched; pods enrolled and unenrolled as they change."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        dataplane: Dataplane,
+        selectors: Sequence[EnablementSelector],
+        *,
+        node_name: str,
+        system_namespace: str,
+        informer_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.dataplane = dataplane
+        self.selectors = tuple(selectors)
+        self.system_namespace = system_namespace
+        options = dict(informer_options or {})
+        self.pods = PodInformer(
+            client, self._pod_changed, field_selector=f"spec.nodeName={node_name}", **options
+        )
+        namespaces_client = cast(
+            KubeClient, _NamespacesAsPods(client)
+        )  # the same two methods, for namespaces
+        self.namespaces = PodInformer(namespaces_client, self._namespace_changed, **options)
+        self.queue = WorkQueue(
+            "ambient",
+            self._reconcile,  # type: ignore[arg-type]  # its keys are pod keys
+            max_attempts=QUEUE_ATTEMPTS,
+            max_delay=QUEUE_MAX_DELAY,
+            describe=lambda key: "/".join(cast(Key, key)),
+        )
+        self._seen: dict[Key, Mapping[str, Any]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._queue_task: asyncio.Task[None] | None = None
+
+    # -- what the event server and the snapshot read ---------------------------------------------------
+
+    def namespace(self, name: str) -> Mapping[str, Any] | None:
+        return self.namespaces.pods.get(("", name))
+
+    def get_pod_if_ambient(self, name: str, namespace: str) -> Mapping[str, Any] | None:
+        """Istio's ``GetPodIfAmbientEnabled``: KeyError when the cache lacks the pod or its namespace."""
+        ns = self.namespace(namespace)
+        if ns is None:
+            raise KeyError(f"failed to find namespace {namespace}")
+        pod = self.pods.pods.get((namespace, name))
+        if pod is None:
+            raise KeyError(f"failed to find pod {namespace}/{name}")
+        return pod if self._should_be_ambient(pod, ns) else None
+
+    def active_ambient_pods(self) -> list[Mapping[str, Any]]:
+        """Istio's ``GetActiveAmbientPodSnapshot``: the pods annotated enrolled, running, not ztunnel."""
+        return [
+            pod
+            for pod in self.pods.pods.values()
+            if not is_ztunnel_pod(self.system_namespace, pod)
+            and not is_terminal(pod)
+            and annotation(pod) == ENABLED
+        ]
+
+    # -- running ---------------------------------------------------------------------------------------
+
+    async def sync(self) -> None:
+        """Start listing and watching; return once both caches hold their first list."""
+        self._tasks = [
+            asyncio.create_task(self.pods.run(), name="ambient-pods"),
+            asyncio.create_task(self.namespaces.run(), name="ambient-namespaces"),
+        ]
+        await asyncio.gather(self.pods.synced.wait(), self.namespaces.synced.wait())
+        self._seen.update(self.pods.pods)
+
+    def start_queue(self) -> None:
+        """Reconcile changes from now on (Istio starts its queue after the initial snapshot)."""
+        self._queue_task = asyncio.create_task(self.queue.run(), name="ambient-queue")
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks, *filter(None, [self._queue_task])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks, self._queue_task = [], None
+
+    # -- reconciling -----------------------------------------------------------------------------------
+
+    def _pod_changed(self, key: Key) -> None:
+        self.queue.add(key)
+
+    def _namespace_changed(self, key: Key) -> None:
+        name = key[1]
+        ns = self.namespace(name)
+        if ns is not None:
+            state = "enabled in" if namespace_selected(self.selectors, labels_of(ns)) else "disabled from"
+            log.info("namespace %s is %s ambient mesh", name, state)
+        for pod_key, pod in list(self.pods.pods.items()):
+            if pod_key[0] == name and not is_ztunnel_pod(self.system_namespace, pod):
+                self.queue.add(pod_key)
+
+    def _should_be_ambient(self, pod: Mapping[str, Any], namespace: Mapping[str, Any]) -> bool:
+        return pod_is_ambient(
+            self.selectors, labels_of(pod), labels_of(pod, "annotations"), labels_of(namespace)
+        )
+
+    async def _reconcile(self, key: Key) -> None:
+        pod = self.pods.pods.get(key)
+        seen = self._seen.get(key)
+        if seen is not None and (pod is None or pod_uid(pod) != pod_uid(seen)):
+            await self._deleted(seen)
+            self._seen.pop(key, None)
+        if pod is None:
+            return
+        self._seen[key] = pod
+        await self._updated(key, pod)
+
+    async def _deleted(self, pod: Mapping[str, Any]) -> None:
+        ns = self.namespace(str((pod.get("metadata") or {}).get("namespace", "")))
+        was = annotation(pod) in (ENABLED, PENDING) or self.dataplane.enrolled(pod_uid(pod))
+        if was or (ns is not None and self._should_be_ambient(pod, ns)):
+            log.debug("pod %s is deleted and was or should be captured, removing from ztunnel", pod_uid(pod))
+            await self.dataplane.remove_pod(pod, deleted=True)
+
+    async def _updated(self, key: Key, pod: Mapping[str, Any]) -> None:
+        ns = self.namespace(key[0])
+        if ns is None:
+            log.error("failed to find namespace %s, skipping the pod %s", key[0], "/".join(key))
+            return
+        if is_ztunnel_pod(self.system_namespace, pod):
+            return
+        enrolled, partially = annotation(pod) == ENABLED, annotation(pod) == PENDING
+        should = self._should_be_ambient(pod, ns)
+        terminated = is_terminal(pod)
+        if (enrolled or partially) and terminated:
+            log.debug("deleting pod %s from mesh: pod was enabled but is now terminated", "/".join(key))
+            await self.dataplane.remove_pod(pod, deleted=True)
+            return
+        if terminated or (enrolled == should and not partially):
+            return
+        if not should:
+            log.debug("removing pod %s from mesh: no longer should be enabled", "/".join(key))
+            await self.dataplane.remove_pod(pod, deleted=False)
+            return
+        ips = pod_ips(pod)
+        if not ips:
+            log.debug("pod %s update event skipped: no IP assigned yet", "/".join(key))
+            return
+        try:
+            await self.dataplane.add_pod(pod, ips, "")
+        except NonRetryableAdd as err:
+            log.error("failed capturing pod %s, will not retry: %s", "/".join(key), err)

@@ -1,0 +1,388 @@
+"""Enrollment by watching (Istio's ``cni/pkg/nodeagent/informers.go`` and ``informers_test.go``): running
+pods enrolled when their namespace or pod label turns ambient, unenrolled when it turns off, deleted
+from ztunnel when they go, the watch resumed after a drop, and a restarted agent that changes nothing.
+
+The API is the FAKE API server (``tests/cni/fake_kube.py``: real list + watch over HTTPS); the pods
+are real: a ``sleep`` in its own network namespace, in a cgroup naming the pod's UID as kubelet's do,
+so the agent finds its namespace by scanning ``/proc`` as Istio's does. The rules, the probe set and
+ztunnel are the FAKES of ``test_events.py`` (recording what they are asked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from istio_agent.cni.ambient.nodeagent import AmbientSettings, NodeAgent, build, wait_ready
+from istio_agent.cni.ambient.procnetns import find_pod_netns, pod_uid_of_cgroup, pod_uid_of_process
+from istio_agent.cni.ambient.selectors import compile_selectors
+from istio_agent.cni.ambient.settings import InpodSettings
+from istio_agent.cni.kube import KubeClient, parse_kubeconfig
+from istio_agent.cni.repair.informer import reflector_backoff
+from istio_agent.metrics import Registry
+from tests.cni.ambient.test_events import FakeHostProbes, FakeRules, FakeZtunnel
+from tests.cni.ambient.test_plugin_ambient import HELM_SELECTORS
+from tests.cni.fake_kube import FakeKube, start_fake_kube
+from tests.cni.netns import Netns, needs_root, netns
+
+NODE = "node-1"
+AMBIENT = {"istio.io/dataplane-mode": "ambient"}
+REDIRECTION = "ambient.istio.io/redirection"
+CGROUP_ROOT = Path("/sys/fs/cgroup/pids")
+
+
+# -- finding a pod's namespace from its UID ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "uid"),
+    [  # the shapes of podcgroupns_linux_test.go: cgroupfs and systemd drivers, containerd and cri-o
+        (
+            "/kubepods/besteffort/pod5d2e1a7c-8b3f-4c2d-9e1f-0a1b2c3d4e5f/0123456789abcdef",
+            "5d2e1a7c-8b3f-4c2d-9e1f-0a1b2c3d4e5f",
+        ),
+        (
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod5d2e1a7c_8b3f_4c2d_9e1f_0a1b2c3d4e5f.slice"
+            "/cri-containerd-0123456789abcdef.scope",
+            "5d2e1a7c-8b3f-4c2d-9e1f-0a1b2c3d4e5f",
+        ),
+        ("/kubepods/pod5d2e1a7c8b3f4c2d9e1f0a1b2c3d4e5f/abc", "5d2e1a7c8b3f4c2d9e1f0a1b2c3d4e5f"),
+        ("/system.slice/containerd.service", None),
+        ("/", None),
+        ("/kubepods/podnot-a-uid/abc", None),
+    ],
+)
+def test_the_pod_uid_a_cgroup_names(path: str, uid: str | None) -> None:
+    assert pod_uid_of_cgroup(path) == uid
+
+
+def test_a_process_naming_two_pods_is_nobodys() -> None:
+    one, two = "5d2e1a7c-8b3f-4c2d-9e1f-0a1b2c3d4e5f", "6d2e1a7c-8b3f-4c2d-9e1f-0a1b2c3d4e5f"
+    same = f"8:pids:/kubepods/pod{one}/abc\n4:memory:/kubepods/pod{one}/abc\n0::/\n"
+    assert pod_uid_of_process(same) == one
+    assert pod_uid_of_process(f"8:pids:/kubepods/pod{one}/abc\n4:memory:/kubepods/pod{two}/abc\n") is None
+
+
+@dataclass
+class RunningPod:
+    """A pod's sandbox stand-in: ``sleep`` in its own network namespace and in a cgroup naming its UID."""
+
+    uid: str
+    space: Netns
+    process: subprocess.Popen[bytes]
+
+    @property
+    def inode(self) -> int:
+        return self.space.path.stat().st_ino
+
+
+@contextmanager
+def running_pod(uid: str) -> Iterator[RunningPod]:
+    if not CGROUP_ROOT.is_dir():
+        pytest.skip(f"needs root and the cgroup v1 pids hierarchy at {CGROUP_ROOT} (not installed)")
+    with ExitStack() as stack:
+        space = stack.enter_context(netns("amb"))
+        group = CGROUP_ROOT / f"ia-{os.getpid()}" / f"pod{uid}" / "0123456789abcdef"
+        group.mkdir(parents=True)
+        process = subprocess.Popen(["nsenter", f"--net={space.path}", "sleep", "600"])
+        try:
+            (group / "cgroup.procs").write_text(str(process.pid))
+            yield RunningPod(uid, space, process)
+        finally:
+            process.kill()
+            process.wait()
+            for directory in (group, group.parent, group.parent.parent):
+                try:
+                    directory.rmdir()
+                except OSError:
+                    break
+
+
+@needs_root
+def test_the_netns_of_a_running_pod_is_found_by_its_uid() -> None:
+    uid = str(uuid.uuid4())
+    with running_pod(uid) as pod:
+        found = find_pod_netns([uid, str(uuid.uuid4())], proc=Path("/proc"))
+        assert list(found) == [uid]
+        assert found[uid].stat().st_ino == pod.inode
+    assert find_pod_netns([uid], proc=Path("/proc")) == {}  # the process is gone
+
+
+# -- the agent against the fake API server -------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    kube: FakeKube
+    client: KubeClient
+    socket_dir: Path
+    rules: FakeRules
+    probes: FakeHostProbes
+    ztunnel: FakeZtunnel
+    agent: NodeAgent | None = None
+
+    async def start_agent(self, *, reconcile: bool = False) -> NodeAgent:
+        """A node agent on this node's FAKES (fresh ones when it is started again)."""
+        settings = AmbientSettings(
+            selectors=compile_selectors(HELM_SELECTORS),
+            node_name=NODE,
+            system_namespace="istio-system",
+            inpod=InpodSettings(reconcile=reconcile),
+            host_proc_dir=Path("/proc"),
+        )
+        self.agent = build(
+            settings,
+            self.client,
+            socket_dir=self.socket_dir,
+            registry=Registry(prefix="istio_"),
+            rules=self.rules,
+            probes=self.probes,
+            ztunnel=self.ztunnel,
+            informer_options={"backoff": reflector_backoff(initial=0.05, cap=0.2)},
+        )
+        await self.agent.start()
+        await wait_ready(self.agent, 10)
+        return self.agent
+
+    async def stop_agent(self) -> None:
+        if self.agent is not None:
+            await self.agent.stop(cleanup=False)
+            self.agent = None
+
+    def annotation(self, name: str, namespace: str = "default") -> str | None:
+        pod = self.kube.pods.get((namespace, name))
+        return None if pod is None else (pod["metadata"].get("annotations") or {}).get(REDIRECTION)
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    state = tmp_path / "ca"
+    state.mkdir()
+    kube, runner = await start_fake_kube(state)
+    client = KubeClient(parse_kubeconfig(kube.kubeconfig(), "test"))
+    socket_dir = Path(tempfile.mkdtemp(prefix="amb-"))
+    found = Node(kube, client, socket_dir, FakeRules(), FakeHostProbes(), FakeZtunnel())
+    try:
+        yield found
+    finally:
+        await found.stop_agent()
+        await runner.cleanup()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def pod_object(name: str, uid: str, ip: str, namespace: str = "default", **meta: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": namespace, "uid": uid, **meta},
+        "spec": {"nodeName": NODE, "serviceAccountName": "sa-" + name, "containers": [{"name": "app"}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
+    }
+
+
+async def eventually(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            while not condition():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout}s: {what}") from None
+
+
+async def settled(node: Node) -> None:
+    """The agent's queue has nothing left to do."""
+    assert node.agent is not None
+    queue = node.agent.enrollment.queue
+    await asyncio.sleep(0.1)
+    await eventually(lambda: queue.idle, "the queue is idle")
+
+
+@needs_root
+async def test_relabelling_a_namespace_enrolls_its_running_pods_and_unlabelling_removes_them(
+    node: Node,
+) -> None:
+    node.kube.add_namespace("default")
+    node.kube.add_namespace("other")
+    one, two, elsewhere = (str(uuid.uuid4()) for _ in range(3))
+    with running_pod(one) as pod1, running_pod(two) as pod2, running_pod(elsewhere):
+        node.kube.add_pod(pod_object("app-1", one, "10.1.0.5"))
+        node.kube.add_pod(pod_object("app-2", two, "10.1.0.6"))
+        node.kube.add_pod(pod_object("db", elsewhere, "10.1.0.7", namespace="other"))
+        node.kube.add_pod(
+            {**pod_object("far", str(uuid.uuid4()), "10.1.0.8"), "spec": {"nodeName": "node-2"}}
+        )
+        await node.start_agent()
+        await settled(node)
+        assert node.rules.calls == [] and node.ztunnel.added == []
+
+        node.kube.update_namespace("default", {"metadata": {"labels": AMBIENT}})
+        await eventually(
+            lambda: node.annotation("app-1") == node.annotation("app-2") == "enabled", "enrolled"
+        )
+        applied = sorted(inode for action, inode, _ in node.rules.calls if action == "apply")
+        assert applied == sorted([pod1.inode, pod2.inode])
+        sent = {pod.uid: (pod.name, pod.service_account, inode) for pod, inode in node.ztunnel.added}
+        assert sent == {one: ("app-1", "sa-app-1", pod1.inode), two: ("app-2", "sa-app-2", pod2.inode)}
+        assert node.probes.entries == {"10.1.0.5": one, "10.1.0.6": two}
+        assert node.annotation("db", "other") is None and node.annotation("far") is None
+
+        node.kube.update_namespace("default", {"metadata": {"labels": {"istio.io/dataplane-mode": None}}})
+        await eventually(
+            lambda: node.annotation("app-1") is None and node.annotation("app-2") is None, "removed"
+        )
+        removed = sorted(inode for action, inode, _ in node.rules.calls if action == "remove")
+        assert removed == sorted([pod1.inode, pod2.inode])
+        assert sorted(node.ztunnel.deleted) == sorted([one, two])
+        assert node.probes.entries == {}
+        assert node.agent is not None and node.agent.dataplane.snapshot() == []
+
+
+@needs_root
+async def test_a_pod_label_turns_one_pod_on_and_the_opt_out_label_keeps_it_out(node: Node) -> None:
+    node.kube.add_namespace("default")
+    uid = str(uuid.uuid4())
+    with running_pod(uid) as pod:
+        node.kube.add_pod(pod_object("app-1", uid, "10.1.0.5"))
+        await node.start_agent()
+        node.kube.add_pod(
+            {
+                **pod_object("app-1", uid, "10.1.0.5"),
+                "metadata": {**pod_object("app-1", uid, "")["metadata"], "labels": AMBIENT},
+            }
+        )
+        await eventually(lambda: node.annotation("app-1") == "enabled", "enrolled by its label")
+        assert [inode for _, inode in node.ztunnel.added] == [pod.inode]
+
+        meta = node.kube.pods[("default", "app-1")]["metadata"]
+        node.kube.add_pod(
+            {
+                **pod_object("app-1", uid, "10.1.0.5"),
+                "metadata": {**meta, "labels": {"istio.io/dataplane-mode": "none"}},
+            }
+        )
+        await eventually(lambda: node.annotation("app-1") is None, "opted out")
+        assert node.ztunnel.deleted == [uid]
+
+
+@needs_root
+async def test_a_deleted_pod_is_deleted_from_ztunnel(node: Node) -> None:
+    node.kube.add_namespace("default", AMBIENT)
+    uid = str(uuid.uuid4())
+    with running_pod(uid):
+        node.kube.add_pod(pod_object("app-1", uid, "10.1.0.5"))
+        await node.start_agent()
+        await eventually(lambda: node.annotation("app-1") == "enabled", "enrolled")
+        node.kube.finish_deletion("default", "app-1")
+        await eventually(lambda: node.ztunnel.deleted == [uid], "deleted from ztunnel")
+        assert [action for action, _, _ in node.rules.calls] == ["apply"]  # its rules go with its netns
+        assert node.probes.entries == {}
+
+
+@needs_root
+async def test_a_pod_with_a_sidecar_or_without_an_ip_is_not_enrolled(node: Node) -> None:
+    node.kube.add_namespace("default", AMBIENT)
+    with_sidecar, without_ip = str(uuid.uuid4()), str(uuid.uuid4())
+    with running_pod(with_sidecar), running_pod(without_ip):
+        node.kube.add_pod(
+            pod_object("sidecar", with_sidecar, "10.1.0.5", annotations={"sidecar.istio.io/status": "{}"})
+        )
+        pending = pod_object("starting", without_ip, "10.1.0.6")
+        pending["status"] = {"phase": "Pending"}
+        node.kube.add_pod(pending)
+        await node.start_agent()
+        await settled(node)
+        assert node.ztunnel.added == [] and node.rules.calls == []
+        node.kube.update_pod(
+            "default",
+            "starting",
+            {"status": {"phase": "Running", "podIP": "10.1.0.6", "podIPs": [{"ip": "10.1.0.6"}]}},
+        )
+        await eventually(lambda: node.annotation("starting") == "enabled", "enrolled once it has an IP")
+
+
+@needs_root
+async def test_a_dropped_watch_is_resumed_and_a_compacted_one_listed_again(node: Node) -> None:
+    node.kube.add_namespace("default")
+    one, two = str(uuid.uuid4()), str(uuid.uuid4())
+    with running_pod(one), running_pod(two):
+        node.kube.add_pod(pod_object("app-1", one, "10.1.0.5"))
+        node.kube.add_pod(pod_object("app-2", two, "10.1.0.6"))
+        agent = await node.start_agent()
+        pods, namespaces = agent.enrollment.pods, agent.enrollment.namespaces
+        assert (pods.lists, namespaces.lists) == (1, 1)
+        await eventually(lambda: len(node.kube.watchers) == 2, "both watches open")
+
+        assert node.kube.drop_watches() == 2
+        node.kube.update_namespace("default", {"metadata": {"labels": AMBIENT}})  # while no watch is open
+        await eventually(
+            lambda: node.annotation("app-1") == node.annotation("app-2") == "enabled", "enrolled"
+        )
+        assert (pods.lists, namespaces.lists) == (1, 1)  # resumed from the last version, not listed again
+
+        node.kube.compact()
+        node.kube.drop_watches()
+        node.kube.update_namespace("default", {"metadata": {"labels": {"istio.io/dataplane-mode": None}}})
+        await eventually(
+            lambda: node.annotation("app-1") is None and node.annotation("app-2") is None, "removed"
+        )
+        assert namespaces.lists == 2  # 410 Gone: listed again
+
+
+@needs_root
+async def test_a_restarted_agent_changes_nothing_for_pods_already_right(node: Node) -> None:
+    node.kube.add_namespace("default", AMBIENT)
+    node.kube.add_namespace("other")
+    one, two = str(uuid.uuid4()), str(uuid.uuid4())
+    with running_pod(one) as pod1, running_pod(two) as pod2:
+        node.kube.add_pod(pod_object("app-1", one, "10.1.0.5"))
+        node.kube.add_pod(pod_object("app-2", two, "10.1.0.6", namespace="other"))
+        await node.start_agent()
+        await eventually(lambda: node.annotation("app-1") == "enabled", "enrolled")
+        await node.stop_agent()
+        versions = {key: pod["metadata"]["resourceVersion"] for key, pod in node.kube.pods.items()}
+        calls_before = len(node.kube.calls)
+
+        node.rules, node.ztunnel = FakeRules(), FakeZtunnel()
+        agent = await node.start_agent()
+        await settled(node)
+        assert node.rules.calls == [] and node.ztunnel.added == [] and node.ztunnel.deleted == []
+        assert {key: pod["metadata"]["resourceVersion"] for key, pod in node.kube.pods.items()} == versions
+        assert not [call for call in node.kube.calls[calls_before:] if call[0] != "GET"]  # no writes
+        [enrolled] = agent.dataplane.snapshot()  # what ztunnel gets when it connects
+        assert enrolled.uid == one and enrolled.netns is not None
+        assert enrolled.netns.stat().st_ino == pod1.inode
+        assert node.probes.entries == {"10.1.0.5": one}
+
+        # ...and a change made while it was down is still acted on.
+        await node.stop_agent()
+        node.kube.update_namespace("other", {"metadata": {"labels": AMBIENT}})
+        await node.start_agent()
+        await eventually(lambda: node.annotation("app-2", "other") == "enabled", "enrolled after the restart")
+        assert [inode for _, inode in node.ztunnel.added] == [pod2.inode]
+
+
+@needs_root
+async def test_a_restarted_agent_with_reconcile_applies_the_rules_again(node: Node) -> None:
+    """``AMBIENT_RECONCILE_POD_RULES_ON_STARTUP``: the rules of pods already enrolled are applied again
+    (the real rules leave rules already right unchanged); ztunnel is not asked again."""
+    node.kube.add_namespace("default", AMBIENT)
+    uid = str(uuid.uuid4())
+    with running_pod(uid) as pod:
+        node.kube.add_pod(pod_object("app-1", uid, "10.1.0.5"))
+        await node.start_agent()
+        await eventually(lambda: node.annotation("app-1") == "enabled", "enrolled")
+        await node.stop_agent()
+        node.rules, node.ztunnel = FakeRules(), FakeZtunnel()
+        await node.start_agent(reconcile=True)
+        await settled(node)
+        assert [(action, inode) for action, inode, _ in node.rules.calls] == [("apply", pod.inode)]
+        assert node.ztunnel.added == []
