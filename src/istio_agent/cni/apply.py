@@ -120,6 +120,7 @@ def apply_rule_set(
     read_back: bool = True,
     replace: bool = True,
     after: Callable[[str, Deadline], None] | None = None,
+    prepare: Callable[[], None] | None = None,
 ) -> ApplyOutcome:
     """Make ``netns`` hold exactly ``rules`` as its Istio rules (any rule set of ``ISTIO_*`` chains:
     the sidecar capture, ambient's in-pod or host rules); :func:`apply_capture`'s arguments.
@@ -127,7 +128,8 @@ def apply_rule_set(
     ``replace=False``: other Istio rules in place are an ApplyError instead of being replaced
     (nothing is written). ``after(action, deadline)`` runs once the rules are in place, under the
     namespace's lock (routes that go with the rules); a CommandError from it puts the rules back as
-    they were.
+    they were. ``prepare`` makes, in the empty namespace where the rules are tried out, what they
+    refer to besides themselves (an ipset).
     """
     budget = Deadline(deadline)
     try:
@@ -138,7 +140,7 @@ def apply_rule_set(
     planned = {"v4": rules.v4, "v6": rules.v6 if ipv6 else []}
     if cleanup_only:
         planned = {"v4": [], "v6": []}
-    applier = _Applier(chosen, netns, budget, replace=replace)
+    applier = _Applier(chosen, netns, budget, replace=replace, prepare=prepare)
     try:
         with namespace_lock(netns, budget):
             return _apply_locked(applier, ipv6, planned, known, cleanup_only, read_back, after)
@@ -174,12 +176,22 @@ def _apply_locked(
     return ApplyOutcome(action, applier.backend, saved)
 
 
-def expected_portion(backend: Backend, family: str, rules: list[Rule], *, deadline: Deadline) -> Tables:
-    """The Istio portion ``rules`` give once installed, in ``backend``'s iptables-save form."""
+def expected_portion(
+    backend: Backend,
+    family: str,
+    rules: list[Rule],
+    *,
+    deadline: Deadline,
+    prepare: Callable[[], None] | None = None,
+) -> Tables:
+    """The Istio portion ``rules`` give once installed, in ``backend``'s iptables-save form.
+
+    ``prepare``: run first in the empty namespace that gives the form (see ``Backend.canonical``).
+    """
     if not rules:
         return {}
     try:
-        canonical = backend.canonical(family, render(rules), deadline=deadline)
+        canonical = backend.canonical(family, render(rules), deadline=deadline, prepare=prepare)
     except CommandError as err:
         restore = backend.binary(family, "restore")
         raise ApplyError(
@@ -279,12 +291,19 @@ class _Applier:
     """One apply: the state before, the writes made so far, and how to undo them."""
 
     def __init__(
-        self, backend: Backend, netns: Path | None, deadline: Deadline, *, replace: bool = True
+        self,
+        backend: Backend,
+        netns: Path | None,
+        deadline: Deadline,
+        *,
+        replace: bool = True,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         self.backend = backend
         self.netns = netns
         self.deadline = deadline
         self.replace = replace
+        self.prepare = prepare
         self.before: dict[str, str] = {}
         self.touched: dict[str, set[str]] = {}
 
@@ -313,12 +332,16 @@ class _Applier:
             return "applied"
         differing: dict[str, Tables] = {}
         for family in self.before:
-            expected = expected_portion(self.backend, family, planned[family], deadline=self.deadline)
+            expected = expected_portion(
+                self.backend, family, planned[family], deadline=self.deadline, prepare=self.prepare
+            )
             current: Tables = {}
             if istio_portion(present[family]):  # a family without Istio chains holds nothing of Istio's
                 ours = expected
                 if known[family] != planned[family]:
-                    ours = expected_portion(self.backend, family, known[family], deadline=self.deadline)
+                    ours = expected_portion(
+                        self.backend, family, known[family], deadline=self.deadline, prepare=self.prepare
+                    )
                 current = istio_portion(present[family], ours)
             if expected != current:
                 differing[family] = current

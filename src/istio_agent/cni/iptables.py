@@ -22,7 +22,7 @@ import ctypes
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,16 +165,26 @@ class Backend:
         except NamespaceError as err:
             raise CommandError(argv, f"not run: {err}") from None
 
-    def canonical(self, family: str, text: str, *, deadline: Deadline = NO_DEADLINE) -> str:
+    def canonical(
+        self,
+        family: str,
+        text: str,
+        *,
+        deadline: Deadline = NO_DEADLINE,
+        prepare: Callable[[], None] | None = None,
+    ) -> str:
         """What iptables-save prints once ``text`` is restored into an empty namespace.
 
         The save form of a rule is the backend's own (``--dport 15008`` becomes ``-m tcp --dport
         15008``, marks turn hex); comparing installed rules with a config's rules needs both in that
         form. A throwaway namespace (``unshare(2)`` on a thread, ~3 ms with the two commands) gives it
-        exactly, for any version.
+        exactly, for any version. ``prepare`` runs there first, on the same thread: what the rules
+        need besides themselves (the ipset a ``--match-set`` names).
         """
 
         def restore_then_save() -> str:
+            if prepare is not None:
+                prepare()
             env = self.thread_lock()  # that namespace's own lock, never the node's (any version)
             run([self.binary(family, "restore"), "--noflush"], stdin=text, env=env, deadline=deadline)
             return run([self.binary(family, "save")], env=env, deadline=deadline)
