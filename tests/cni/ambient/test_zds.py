@@ -271,6 +271,32 @@ async def test_a_pod_deleted_while_ztunnel_was_away_is_not_in_the_snapshot_and_z
 
 
 @needs_root
+async def test_ztunnel_reconnects_to_a_restarted_node_agent_and_keeps_its_proxies(
+    node: Node, spaces: Callable[[], Netns]
+) -> None:
+    space = spaces()
+    node.pod("uid-1", space)
+    zt = ZtunnelStandin(node.socket_path, reconnect=True)
+    try:
+        await zt.connect()
+        await zt.wait_snapshot()
+        await node.server.stop()
+        await zt.wait_disconnected()
+        zt.received.clear()
+        restarted = ZtunnelServer(node.socket_path, snapshot=lambda: list(node.enrolled.values()))
+        await restarted.start()
+        try:
+            await zt.wait_snapshot()
+            assert zt.received == [("add", "uid-1"), ("snapshot", "")]
+            assert restarted.connected
+            assert await greetings(space) == served("uid-1")
+        finally:
+            await restarted.stop()
+    finally:
+        await zt.stop()
+
+
+@needs_root
 async def test_a_pod_whose_netns_is_unknown_is_kept(
     node: Node, ztunnels: Callable[[], ZtunnelStandin], spaces: Callable[[], Netns]
 ) -> None:

@@ -21,6 +21,7 @@ Use::
     await zt.wait_snapshot()      # after SnapshotSent was acked
     zt.workloads                  # uid -> Workload (info, received fd, netns id, listeners)
     await zt.disconnect()         # the connection drops, the proxies stay (a reconnecting ztunnel)
+    ZtunnelStandin(path, reconnect=True)  # connects again whenever the node agent ends the connection
     await zt.stop()               # ztunnel exits: connection and every proxy gone
 
 Knobs for the timeout and error tests: ``ack`` (False: never answer), ``nack`` (uid -> error text
@@ -72,8 +73,17 @@ class Workload:
 class ZtunnelStandin:
     """One ztunnel on one node: connects to the node agent's ZDS socket and runs workloads."""
 
-    def __init__(self, socket_path: Path | str, *, ports: Sequence[int] = PORTS, hello: bool = True) -> None:
+    def __init__(
+        self,
+        socket_path: Path | str,
+        *,
+        ports: Sequence[int] = PORTS,
+        hello: bool = True,
+        reconnect: bool = False,
+    ) -> None:
         self.socket_path = socket_path
+        self.reconnect = reconnect
+        """Connect again when the node agent ends the connection, as ztunnel's workload manager does."""
         self.ports = tuple(ports)
         self.send_hello = hello
         self.ack = True
@@ -161,7 +171,12 @@ class ZtunnelStandin:
         await self.wait_for(lambda zt: not zt.connected, timeout)
 
     def _close_socket(self) -> None:
+        self.snapshot_received = False  # a snapshot belongs to its connection
         if self._sock is not None:
+            if self._sock.fileno() >= 0:  # the loop must not keep watching a number the kernel will reuse
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(self._sock.fileno())
+                loop.remove_writer(self._sock.fileno())
             self._sock.close()
             self._sock = None
 
@@ -195,10 +210,16 @@ class ZtunnelStandin:
         except OSError as err:
             self.errors.append(f"connection failed: {err}")
         finally:
-            if self._task is asyncio.current_task():
+            if self._task is asyncio.current_task():  # ended by the node agent (or a refusal), not by us
                 self._task = None
                 self._close_socket()
+                if self.reconnect and self.protocol_error is None:
+                    self._task = asyncio.create_task(self._connect_again())
             await self._notify()
+
+    async def _connect_again(self) -> None:
+        await asyncio.sleep(0.01)
+        await self.connect(timeout=60.0)
 
     async def _answer(self, error: str) -> None:
         if not self.ack:

@@ -98,6 +98,14 @@ class SeqpacketConnection:
         return self.sock.fileno() < 0
 
     def close(self) -> None:
+        """Close the socket, first dropping any reader or writer the loop still has for it: a
+        descriptor number the kernel reuses must not inherit them."""
+        fd = self.sock.fileno()
+        if fd >= 0:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing registered
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(fd)
+                loop.remove_writer(fd)
         self.sock.close()
 
     async def send(self, data: bytes, fds: Sequence[int] = ()) -> None:

@@ -261,6 +261,7 @@ class ZtunnelServer:
         self._connections.append(conn)
         log.info(f"new ztunnel connected conn_uuid={conn.id}, total connected: {len(self._connections)}")
         pending: asyncio.Task[_Request] | None = None
+        readable: asyncio.Future[None] | None = None
         try:
             hello = await conn.read_hello()
             if hello.version != zds_pb2.V1:
@@ -303,6 +304,10 @@ class ZtunnelServer:
                 pending.cancel()
             while not conn.updates.empty():
                 conn.updates.get_nowait().fail(gone)
+            if readable is not None:  # unregister its reader before the descriptor is closed and reused
+                readable.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await readable
             channel.close()
             log.info(f"ztunnel disconnected conn_uuid={conn.id}, total connected: {len(self._connections)}")
 
