@@ -297,6 +297,23 @@ async def test_ztunnel_reconnects_to_a_restarted_node_agent_and_keeps_its_proxie
 
 
 @needs_root
+async def test_an_add_for_a_known_pod_in_another_netns_moves_its_proxy(
+    node: Node, ztunnels: Callable[[], ZtunnelStandin], spaces: Callable[[], Netns]
+) -> None:
+    before, after = spaces(), spaces()
+    zt = ztunnels()
+    await zt.connect()
+    await zt.wait_snapshot()
+    await node.server.add(node.pod("uid-1", before))
+    await node.server.add(node.pod("uid-1", before))  # the same netns: nothing changes
+    assert await greetings(before) == served("uid-1")
+    await node.server.add(node.pod("uid-1", after))
+    assert await greetings(before) == ["refused"] * 3
+    assert await greetings(after) == served("uid-1")
+    assert fds_on(before.path) == []
+
+
+@needs_root
 async def test_a_pod_whose_netns_is_unknown_is_kept(
     node: Node, ztunnels: Callable[[], ZtunnelStandin], spaces: Callable[[], Netns]
 ) -> None:
@@ -408,6 +425,66 @@ async def test_a_late_ack_is_an_unexpected_message_and_closes_the_connection(nod
         assert node.server.connections == 0
     finally:
         client.close()
+
+
+async def test_a_hello_of_another_version_is_taken_with_a_warning(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Istio's server reads the version and logs it; it refuses nothing on it
+    client = await SeqpacketConnection.connect(node.socket_path)
+    try:
+        await client.send(b"\x08\x02")  # ZdsHello{version: 2}, a version this proto does not know
+        assert await _request(client) == "snapshot_sent"
+        assert node.server.connected
+        assert "ztunnel hello has version 2, expected V1" in caplog.text
+    finally:
+        client.close()
+
+
+async def test_a_failing_snapshot_source_closes_the_connection_not_the_server(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = []
+
+    def snapshot() -> list[EnrolledPod]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("pod cache not ready")
+        return []
+
+    node = Node(
+        short_tmp / "zt.sock", {}, ZtunnelServer(short_tmp / "zt.sock", snapshot=snapshot, accept_interval=0)
+    )
+    await node.server.start()
+    try:
+        first = await _hello(node)
+        async with asyncio.timeout(5):
+            assert await first.receive() is None
+        first.close()
+        second = await _hello(node)
+        assert await _request(second) == "snapshot_sent"
+        second.close()
+        assert "failed to handle ztunnel connection" in caplog.text
+        assert "pod cache not ready" in caplog.text
+    finally:
+        await node.server.stop()
+
+
+async def test_connections_are_accepted_at_most_five_a_second(short_tmp: Path) -> None:
+    server = ZtunnelServer(short_tmp / "zt.sock", snapshot=list)  # Istio's rate: one every 0.2 s
+    await server.start()
+    clients = []
+    try:
+        started = time.monotonic()
+        clients = [await _hello(Node(short_tmp / "zt.sock", {}, server)) for _ in range(3)]
+        for client in clients:
+            assert await _request(client) == "snapshot_sent"
+        assert time.monotonic() - started >= 0.4
+        assert server.connections == 3
+    finally:
+        for client in clients:
+            client.close()
+        await server.stop()
 
 
 async def test_a_ztunnel_that_says_no_hello_is_disconnected(node: Node) -> None:

@@ -295,6 +295,8 @@ class ZtunnelServer:
             log.error(f"bad message from ztunnel, closing the connection conn_uuid={conn.id}: {err}")
         except OSError as err:
             log.error(f"ztunnel connection failed conn_uuid={conn.id}: {err}")
+        except Exception as err:  # a bug here ends this connection (ztunnel reconnects), never the server
+            log.error(f"failed to handle ztunnel connection conn_uuid={conn.id}: {err!r}", exc_info=True)
         finally:
             self._connections.remove(conn)
             gone = ZdsError("ztunnel connection closed")
