@@ -226,3 +226,24 @@ def test_a_vanished_namespace_is_an_apply_error(flavor: str) -> None:
     config = with_backend(InpodSettings(), flavor)
     with pytest.raises(ApplyError, match=r"does not exist|not run"):
         apply_inpod(gone, config, PodRedirect())
+
+
+def test_force_apply_writes_the_rules_anew(flavor: str, pod: Netns) -> None:
+    config, overrides = settings("default", False)
+    config = with_backend(config, flavor)
+    apply_inpod(pod.path, config, overrides)
+    forced = dataclasses.replace(config, force_apply=True)
+    assert apply_inpod(pod.path, forced, overrides) == "applied"
+    assert state(config, pod) == installed_by_golden(config, "default")
+
+
+def test_sidecar_rules_left_in_the_pod_are_replaced(pod: Netns) -> None:
+    """A pod that had istio-init's rules (a sidecar pod turned ambient): Istio's leftovers cleanup."""
+    from istio_agent.cni.apply import apply_capture
+    from tests.cni.test_apply import ISTIO_INIT
+
+    config, overrides = settings("default", False)
+    config = with_backend(config, "nft")
+    apply_capture(ISTIO_INIT, netns=pod.path, backend=config.iptables_backend)
+    assert apply_inpod(pod.path, config, overrides) == "replaced"
+    assert state(config, pod) == installed_by_golden(config, "default")
