@@ -52,12 +52,12 @@ class InpodSettings:
     dns_capture: bool = False
     """``AMBIENT_DNS_CAPTURE``: DNS to ztunnel's proxy on 15053, unless a pod says otherwise."""
     ipv6: bool = False
-    """``AMBIENT_ENABLE_IPV6`` (Istio's ``EnableIPv6``): v6 rules, routes and probe set too."""
+    """``AMBIENT_IPV6`` (Istio's ``EnableIPv6``): v6 rules, routes and probe set too."""
     reconcile: bool = True
     """``AMBIENT_RECONCILE_POD_RULES_ON_STARTUP``: a pod holding other Istio rules gets ours instead;
     off, such a pod is an error (Istio warns, then its restore fails on the existing chains)."""
     native_nftables: bool = False
-    """``global.nativeNftables``: nft tables ``inet istio-ambient-*`` instead of iptables."""
+    """``NATIVE_NFTABLES`` (``global.nativeNftables``): nft tables ``inet istio-ambient-*`` instead of iptables."""
     host_probe_snat_ipv4: str = SNAT_V4
     host_probe_snat_ipv6: str = SNAT_V6
     force_apply: bool = False
