@@ -12,6 +12,10 @@ our entry gets a back-off (:mod:`.guard`) instead of an endless rewrite loop; a 
 the plugin (its launcher and, beside it, its whole runtime directory) is on none of the host's CNI
 bin directories. Cleanup removes only what this process installed, and keeps the kubeconfig and the
 plugin when our entry cannot be taken out.
+
+With ambient enabled, the ambient node agent (:mod:`istio_agent.cni.install.ambient`) is started before
+the first pass, as Istio's ``root.go`` starts it before its installer, and stopped when the run ends;
+install-cni is ready only while both are.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from istio_agent import goformat
 from istio_agent.cni.install import conffiles, kubeconfig
@@ -35,6 +39,9 @@ from istio_agent.cni.plugin_config import PLUGIN_TYPE
 from istio_agent.files import write_atomic
 from istio_agent.log import scope
 from istio_agent.metrics import Registry
+
+if TYPE_CHECKING:
+    from istio_agent.cni.ambient.nodeagent import NodeAgent
 
 log = scope("cni-agent")
 
@@ -126,9 +133,13 @@ class Installer:
         throttle: Throttle | None = None,
         guard: ConflictGuard | None = None,
         recheck_seconds: float = RECHECK_SECONDS,
+        node_agent: NodeAgent | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = InstallMetrics(registry)
+        self._registry = registry
+        self.node_agent = node_agent
+        """The ambient node agent (built at :meth:`run` from the settings when not given)."""
         self._throttle = throttle or Throttle()
         self._guard = guard or ConflictGuard()
         self._recheck = recheck_seconds
@@ -143,8 +154,7 @@ class Installer:
         """Binaries (files and the runtime directory) this process installed: the only ones cleanup may remove."""
         self._kubeconfig_written = False
         self._ready = False
-        self.reason = "installing"
-        """Why install-cni is not ready (empty when ready)."""
+        self._reason = "installing"
         self._logged: set[str] = set()
         """Block reasons logged since the config was last fine (each is logged once)."""
         self._warned: set[str] = set()
@@ -153,7 +163,19 @@ class Installer:
 
     @property
     def ready(self) -> bool:
-        return self._ready
+        """The install is in place, and the ambient node agent (when enabled) is ready."""
+        return self._ready and (self.node_agent is None or self.node_agent.ready)
+
+    @property
+    def reason(self) -> str:
+        """Why install-cni is not ready (empty when ready)."""
+        if self.node_agent is not None and not self.node_agent.ready:
+            return self.node_agent.reason
+        return self._reason
+
+    @reason.setter
+    def reason(self, value: str) -> None:
+        self._reason = value
 
     def _set_ready(self, ready: bool, reason: str = "") -> None:
         self._ready = ready
@@ -180,12 +202,44 @@ class Installer:
     # -- the loop ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Install, then keep it installed until cancelled; raises InstallError when a pass fails."""
-        await self.install_all()
-        while True:
-            await self._throttle.wait(str(self.config_path or ""))
-            await self.sleep_watch_install()
+        """Install, then keep it installed until cancelled; raises InstallError when a pass fails.
+
+        With ambient enabled the node agent starts first and stops when this ends."""
+        agent = await self._start_node_agent()
+        try:
             await self.install_all()
+            while True:
+                await self._throttle.wait(str(self.config_path or ""))
+                await self.sleep_watch_install()
+                await self.install_all()
+        finally:
+            if agent is not None:
+                await agent.stop(cleanup=self.settings.ambient_disable_safe_upgrade)
+
+    async def _start_node_agent(self) -> NodeAgent | None:
+        if self.node_agent is None and self.settings.ambient is not None:
+            from istio_agent.cni.install.ambient import AmbientSetupError, build_node_agent
+
+            try:
+                self.node_agent = build_node_agent(self.settings, self._registry)
+            except AmbientSetupError as err:
+                raise InstallError(str(err)) from None
+        if self.node_agent is None:
+            return None
+        log.info(
+            "Starting ambient node agent with inpod redirect mode on socket %s",
+            self.node_agent.events.socket_path,
+        )
+        try:
+            await self.node_agent.start()
+        except OSError as err:
+            await self.node_agent.stop(cleanup=False)
+            raise InstallError(f"failed to create ambient nodeagent service: {err}") from None
+        except asyncio.CancelledError:  # stopped while still waiting for its first lists
+            await self.node_agent.stop(cleanup=False)
+            raise
+        log.info("Ambient node agent started, starting installer...")
+        return self.node_agent
 
     async def install_all(self) -> None:
         """One pass: binaries, kubeconfig, then the CNI config if it needs writing."""

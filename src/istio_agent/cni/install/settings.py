@@ -4,9 +4,11 @@ Istio (``cni/pkg/cmd/root.go``, cobra + viper) takes a flag when given, else the
 like it (upper case, ``-`` as ``_``), else the default. So does this module, with one difference: a
 value that does not parse is an error naming the flag or variable, never silently the default.
 Settings Istio registers but never reads (``cni-network-config``, ``log-level``...) are accepted and
-ignored; ambient mode is not part of this install-cni (its settings are parsed so Istio's DaemonSet
-runs unchanged, and ``ambient-enabled`` is refused). The ``repair-*`` settings are Istio's
-``RepairConfig`` (``cni/pkg/config/config.go``), read as ``cni/pkg/cmd/root.go`` reads them.
+ignored. The ``repair-*`` settings are Istio's ``RepairConfig`` (``cni/pkg/config/config.go``), read as
+``cni/pkg/cmd/root.go`` reads them. With ``ambient-enabled`` the ambient node agent runs too
+(:mod:`istio_agent.cni.ambient.nodeagent`): its settings are the ``AMBIENT_*`` variables Istio reads
+through viper (no flags), ``ZTUNNEL_UDS_ADDRESS``, ``NATIVE_NFTABLES``, and the node agent's own
+``NODE_NAME`` and ``SYSTEM_NAMESPACE`` (``cni/pkg/nodeagent/options.go``).
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from istio_agent.cni.plugin_config import DEFAULT_RUN_DIR, PluginConfig
 from istio_agent.config.document import DocumentSyntaxError, load_document
 from istio_agent.config.env import ConfigError, Env, out_of_range, parse_go_bool
+
+if TYPE_CHECKING:  # the node agent's modules are imported only when ambient is enabled
+    from istio_agent.cni.ambient.nodeagent import AmbientSettings
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 BIN_SOURCE_DIR = Path("/opt/cni/bin")
@@ -89,6 +94,10 @@ OPTIONS = (
     Option("pod-namespace", "str", "", env_only=True),
     Option("native-nftables", "bool", False, env_only=True),
     Option("ambient-enablement-selector", "str", "", env_only=True),
+    Option("ambient-dns-capture", "bool", False, env_only=True),
+    Option("ambient-ipv6", "bool", False, env_only=True),
+    Option("ambient-disable-safe-upgrade", "bool", False, env_only=True),
+    Option("ambient-reconcile-pod-rules-on-startup", "bool", False, env_only=True),
     # Ours: Istio has these as constants; tests and non-Kubernetes hosts need them elsewhere.
     Option("cni-bin-source-dir", "str", str(BIN_SOURCE_DIR), ours=True),
     Option("cni-bin-target-dirs", "list", (str(BIN_TARGET_DIR),), ours=True),
@@ -159,6 +168,9 @@ class InstallSettings:
     kubernetes_service_port: str = ""
     plugin: PluginConfig = field(default_factory=PluginConfig)
     """Our entry in the CNI config, as the plugin will read it."""
+    ambient: AmbientSettings | None = None
+    """The ambient node agent's settings; None when ambient is not enabled."""
+    ambient_disable_safe_upgrade: bool = False
 
     @property
     def conf_file_mode(self) -> int:
@@ -186,11 +198,6 @@ def load_settings(
     """
     env = Env(environ)
     values = {option.flag: _read(option, flags.get(option.flag), env) for option in OPTIONS}
-    if values["ambient-enabled"]:
-        raise ConfigError(
-            "--ambient-enabled: ambient mode (the node agent and ztunnel) is not part of this install-cni; "
-            "run it with ambient disabled"
-        )
     port_problem = out_of_range(values["monitoring-port"], None, 65535)
     if port_problem:
         raise ConfigError(f"invalid value for --monitoring-port={values['monitoring-port']}: {port_problem}")
@@ -204,7 +211,7 @@ def load_settings(
     plugin = PluginConfig(
         plugin_log_level=plugin_log_level,
         cni_agent_run_dir=run_dir,
-        ambient_enabled=False,
+        ambient_enabled=values["ambient-enabled"],
         enablement_selectors=_selectors(values["ambient-enablement-selector"]),
         exclude_namespaces=tuple(values["exclude-namespaces"]),
         pod_namespace=values["pod-namespace"],
@@ -233,6 +240,37 @@ def load_settings(
         kubernetes_service_host=env.text("KUBERNETES_SERVICE_HOST"),
         kubernetes_service_port=env.text("KUBERNETES_SERVICE_PORT"),
         plugin=plugin,
+        ambient=_ambient(values, plugin, env) if values["ambient-enabled"] else None,
+        ambient_disable_safe_upgrade=values["ambient-disable-safe-upgrade"],
+    )
+
+
+def _ambient(values: Mapping[str, Any], plugin: PluginConfig, env: Env) -> AmbientSettings:
+    """The node agent's settings (Istio's ``AmbientArgs`` from ``root.go``); the enablement selectors
+    are compiled now, so a bad one stops install-cni as it stops Istio's."""
+    import socket
+
+    from istio_agent.cni.ambient.nodeagent import AmbientSettings
+    from istio_agent.cni.ambient.selectors import SelectorError, compile_selectors
+    from istio_agent.cni.ambient.settings import InpodSettings
+
+    try:
+        selectors = compile_selectors(plugin.enablement_selectors, "AMBIENT_ENABLEMENT_SELECTOR")
+    except SelectorError as err:
+        raise ConfigError(f"failed to instantiate ambient enablement selector: {err}") from None
+    node_name = env.text("NODE_NAME") or env.text("KUBERNETES_NODE_NAME") or socket.gethostname()
+    return AmbientSettings(
+        selectors=selectors,
+        ztunnel_socket=Path(values["ztunnel-uds-address"]),
+        node_name=node_name,
+        system_namespace=env.text("SYSTEM_NAMESPACE") or "istio-system",
+        inpod=InpodSettings(
+            dns_capture=values["ambient-dns-capture"],
+            ipv6=values["ambient-ipv6"],
+            reconcile=values["ambient-reconcile-pod-rules-on-startup"],
+            native_nftables=values["native-nftables"],
+        ),
+        host_proc_dir=Path(values["host-proc-dir"]),
     )
 
 
