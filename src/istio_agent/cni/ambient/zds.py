@@ -176,7 +176,7 @@ class ZtunnelServer:
         """Listen on the socket (a file left by an earlier run is replaced) and accept ztunnels."""
         self._listener = listen(self.socket_path)
         self._accepting = asyncio.create_task(self._accept_loop(self._listener), name="zds-accept")
-        log.info(f"ztunnel server listening on {self.socket_path}")
+        log.info("ztunnel server listening on %s", self.socket_path)
 
     async def stop(self) -> None:
         """Stop accepting, close every ztunnel connection (failing what waits on one), remove the socket."""
@@ -213,11 +213,15 @@ class ZtunnelServer:
         fd = os.open(pod.netns, os.O_RDONLY | os.O_CLOEXEC)
         message = zds_pb2.WorkloadRequest(add=zds_pb2.AddWorkload(uid=pod.uid, workload_info=_info(pod)))
         log.info(
-            f"sending pod add to ztunnel uid={pod.uid} pod={pod.namespace}/{pod.name} conn_uuid={conn.id}"
+            "sending pod add to ztunnel uid=%s pod=%s/%s conn_uuid=%s",
+            pod.uid,
+            pod.namespace,
+            pod.name,
+            conn.id,
         )
         response = await self._send(conn, _Request(message, fd))
         if response.ack.error:
-            log.error(f"failed to add workload uid={pod.uid}: {response.ack.error}")
+            log.error("failed to add workload uid=%s: %s", pod.uid, response.ack.error)
             raise AckError(response.ack.error)
 
     async def delete(self, uid: str) -> None:
@@ -228,7 +232,7 @@ class ZtunnelServer:
         ack in time is (:class:`ZdsError`, after every connection was tried).
         """
         message = zds_pb2.WorkloadRequest(**{"del": zds_pb2.DelWorkload(uid=uid)})
-        log.debug(f"sending delete pod to all ztunnels: {uid}")
+        log.debug("sending delete pod to all ztunnels: %s", uid)
         results = await asyncio.gather(
             *(self._send(conn, _Request(message, None)) for conn in list(self._connections)),
             return_exceptions=True,
@@ -249,7 +253,7 @@ class ZtunnelServer:
             try:
                 channel = await SeqpacketConnection.accept(listener)
             except OSError as err:
-                log.error(f"failed to accept ztunnel connection: {err}")
+                log.error("failed to accept ztunnel connection: %s", err)
             else:
                 task = asyncio.create_task(self._serve(channel), name="zds-conn")
                 self._serving.add(task)
@@ -259,14 +263,14 @@ class ZtunnelServer:
     async def _serve(self, channel: SeqpacketConnection) -> None:
         conn = _Connection(channel, self.ack_timeout)
         self._connections.append(conn)
-        log.info(f"new ztunnel connected conn_uuid={conn.id}, total connected: {len(self._connections)}")
+        log.info("new ztunnel connected conn_uuid=%s, total connected: %s", conn.id, len(self._connections))
         pending: asyncio.Task[_Request] | None = None
         readable: asyncio.Future[None] | None = None
         try:
             hello = await conn.read_hello()
             if hello.version != zds_pb2.V1:
-                log.warning(f"ztunnel hello has version {hello.version}, expected V1 conn_uuid={conn.id}")
-            log.info(f"received hello from ztunnel version={hello.version} conn_uuid={conn.id}")
+                log.warning("ztunnel hello has version %s, expected V1 conn_uuid=%s", hello.version, conn.id)
+            log.info("received hello from ztunnel version=%s conn_uuid=%s", hello.version, conn.id)
             conn.hello = hello
             await self._send_snapshot(conn)
             while True:
@@ -280,7 +284,7 @@ class ZtunnelServer:
                 if readable in done:
                     # ztunnel speaks only to answer: anything now is the end of the connection or an error
                     if await channel.receive(max_fds=0) is None:
-                        log.info(f"ztunnel closed the connection conn_uuid={conn.id}")
+                        log.info("ztunnel closed the connection conn_uuid=%s", conn.id)
                         return
                     raise _ProtocolError("ztunnel protocol error, unexpected message")
                 request, pending = pending.result(), None
@@ -288,15 +292,15 @@ class ZtunnelServer:
         except asyncio.CancelledError:
             raise
         except EOFError:
-            log.info(f"ztunnel closed the connection conn_uuid={conn.id}")
+            log.info("ztunnel closed the connection conn_uuid=%s", conn.id)
         except TimeoutError:
-            log.error(f"ztunnel did not answer within {self.ack_timeout}s, closing conn_uuid={conn.id}")
+            log.error("ztunnel did not answer within %ss, closing conn_uuid=%s", self.ack_timeout, conn.id)
         except (_ProtocolError, PacketError) as err:
-            log.error(f"bad message from ztunnel, closing the connection conn_uuid={conn.id}: {err}")
+            log.error("bad message from ztunnel, closing the connection conn_uuid=%s: %s", conn.id, err)
         except OSError as err:
-            log.error(f"ztunnel connection failed conn_uuid={conn.id}: {err}")
+            log.error("ztunnel connection failed conn_uuid=%s: %s", conn.id, err)
         except Exception as err:  # a bug here ends this connection (ztunnel reconnects), never the server
-            log.error(f"failed to handle ztunnel connection conn_uuid={conn.id}: {err!r}", exc_info=True)
+            log.error("failed to handle ztunnel connection conn_uuid=%s: %r", conn.id, err, exc_info=True)
         finally:
             self._connections.remove(conn)
             gone = ZdsError("ztunnel connection closed")
@@ -311,7 +315,9 @@ class ZtunnelServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await readable
             channel.close()
-            log.info(f"ztunnel disconnected conn_uuid={conn.id}, total connected: {len(self._connections)}")
+            log.info(
+                "ztunnel disconnected conn_uuid=%s, total connected: %s", conn.id, len(self._connections)
+            )
 
     async def _update(self, conn: _Connection, request: _Request) -> None:
         """Send one update and hand its outcome to the caller. As Istio: an ack that does not come in
@@ -323,11 +329,11 @@ class ZtunnelServer:
             request.fail(ZdsError("ztunnel connection closed"))
             raise
         except TimeoutError:
-            log.warning(f"timed out waiting for valid ztunnel response conn_uuid={conn.id}")
+            log.warning("timed out waiting for valid ztunnel response conn_uuid=%s", conn.id)
             request.fail(ZdsError(f"ztunnel did not ack within {self.ack_timeout}s"))
             return
         except OSError as err:
-            log.error(f"ztunnel connection broken/unwritable, disposing of this connection: {err}")
+            log.error("ztunnel connection broken/unwritable, disposing of this connection: %s", err)
             request.fail(ZdsError(f"ztunnel connection failed: {err}"))
             raise
         except (_ProtocolError, EOFError) as err:
@@ -335,7 +341,7 @@ class ZtunnelServer:
             raise
         request.close()
         if response.ack.error:
-            log.error(f"ztunnel responded with an ack error: {response.ack.error}")
+            log.error("ztunnel responded with an ack error: %s", response.ack.error)
         if not request.answer.done():
             request.answer.set_result(response)
 
@@ -347,24 +353,27 @@ class ZtunnelServer:
             try:
                 if fd is not None:
                     log.info(
-                        f"sending pod to ztunnel as part of snapshot uid={pod.uid} pod={pod.namespace}/{pod.name}"
+                        "sending pod to ztunnel as part of snapshot uid=%s pod=%s/%s",
+                        pod.uid,
+                        pod.namespace,
+                        pod.name,
                     )
                     message = zds_pb2.WorkloadRequest(
                         add=zds_pb2.AddWorkload(uid=pod.uid, workload_info=_info(pod))
                     )
                 else:
-                    log.info(f"netns is not available for pod, sending 'keep' to ztunnel uid={pod.uid}")
+                    log.info("netns is not available for pod, sending 'keep' to ztunnel uid=%s", pod.uid)
                     message = zds_pb2.WorkloadRequest(keep=zds_pb2.KeepWorkload(uid=pod.uid))
                 response = await conn.exchange(message, fd)
             finally:
                 if fd is not None:
                     os.close(fd)
             if response.ack.error:
-                log.error(f"add-workload: got ack error uid={pod.uid}: {response.ack.error}")
+                log.error("add-workload: got ack error uid=%s: %s", pod.uid, response.ack.error)
         response = await conn.exchange(zds_pb2.WorkloadRequest(snapshot_sent=zds_pb2.SnapshotSent()), None)
         if response.ack.error:
-            log.error(f"snap-sent: got ack error: {response.ack.error}")
-        log.debug(f"snapshot sent to ztunnel conn_uuid={conn.id}")
+            log.error("snap-sent: got ack error: %s", response.ack.error)
+        log.debug("snapshot sent to ztunnel conn_uuid=%s", conn.id)
 
 
 def _info(pod: EnrolledPod) -> zds_pb2.WorkloadInfo:
@@ -377,5 +386,5 @@ def _open_netns(pod: EnrolledPod) -> int | None:
     try:
         return os.open(pod.netns, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as err:
-        log.warning(f"cannot open netns {pod.netns} of pod uid={pod.uid}: {err.strerror}")
+        log.warning("cannot open netns %s of pod uid=%s: %s", pod.netns, pod.uid, err.strerror)
         return None
