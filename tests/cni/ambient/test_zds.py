@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
@@ -81,6 +82,8 @@ def test_our_zds_proto_is_istios_wire_contract(tmp_path: Path) -> None:
 # --- the server against the ztunnel stand-in, with real network namespaces ---------------------------
 
 GREETING_TIMEOUT = 5.0
+_NO_IPV6 = Path("/proc/sys/net/ipv6/conf/all/disable_ipv6")
+IPV6 = _NO_IPV6.exists() and _NO_IPV6.read_text().strip() == "0"
 
 
 @dataclass
@@ -133,13 +136,13 @@ def spaces() -> Iterator[Callable[[], Netns]]:
         yield lambda: stack.enter_context(netns("zds"))
 
 
-def _greeting(space: Netns, port: int) -> str:
-    """What answers on 127.0.0.1:<port> inside ``space`` ("refused" when nothing listens)."""
-    sock = space.socket()
+def _greeting(space: Netns, port: int, host: str = "127.0.0.1") -> str:
+    """What answers on <host>:<port> inside ``space`` ("refused" when nothing listens)."""
+    sock = space.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.settimeout(GREETING_TIMEOUT)
         try:
-            sock.connect(("127.0.0.1", port))
+            sock.connect((host, port))
         except ConnectionRefusedError:
             return "refused"
         return sock.makefile().readline().strip()
@@ -147,9 +150,9 @@ def _greeting(space: Netns, port: int) -> str:
         sock.close()
 
 
-async def greetings(space: Netns) -> list[str]:
+async def greetings(space: Netns, host: str = "127.0.0.1") -> list[str]:
     """The answers of ztunnel's three in-pod ports inside ``space`` (a thread: the stand-in answers on this loop)."""
-    return [await asyncio.to_thread(_greeting, space, port) for port in PORTS]
+    return [await asyncio.to_thread(_greeting, space, port, host) for port in PORTS]
 
 
 def served(uid: str) -> list[str]:
@@ -186,6 +189,8 @@ async def test_hello_then_a_snapshot_hands_each_pods_netns_to_ztunnel(
     assert node.server.connected
     assert await greetings(one) == served("uid-1")
     assert await greetings(two) == served("uid-2")
+    if IPV6:
+        assert await greetings(two, "::1") == served("uid-2")
     for uid, space in (("uid-1", one), ("uid-2", two)):
         workload = zt.workloads[uid]
         assert (workload.info.name, workload.info.namespace, workload.info.service_account) == (

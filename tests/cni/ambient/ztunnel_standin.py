@@ -11,7 +11,8 @@ only forgets the uid for the snapshot) and ``netns.rs`` (a workload's netns is k
 device of the fd received; sockets are made by a thread that ``setns``-ed into it).
 
 What it does for a workload is what a test can see: it opens TCP listeners inside the pod's network
-namespace on ztunnel's in-pod ports (15001 outbound, 15006 inbound, 15008 HBONE), each answering a
+namespace on ztunnel's in-pod ports (15001 outbound, 15006 inbound, 15008 HBONE; on [::] taking
+IPv4 too, or 0.0.0.0 where the host has no IPv6, as ztunnel binds them), each answering a
 connection with ``ztunnel-standin <uid> <port>\\n``, and closes them when the workload goes.
 
 Use::
@@ -354,7 +355,7 @@ def _greeter(
 
 
 def _listeners_in(netns_fd: int, ports: Sequence[int]) -> list[socket.socket]:
-    """Listening TCP sockets on 0.0.0.0:<port> made inside the netns of ``netns_fd`` by a thread that
+    """Listening TCP sockets on each port made inside the netns of ``netns_fd`` by a thread that
     entered it (netns.rs ``InpodNetns::run``); the sockets stay in that netns whoever uses them."""
     made: list[socket.socket] = []
     failure: list[OSError] = []
@@ -365,12 +366,7 @@ def _listeners_in(netns_fd: int, ports: Sequence[int]) -> list[socket.socket]:
                 errno = ctypes.get_errno()
                 raise OSError(errno, f"setns: {os.strerror(errno)}")
             for port in ports:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                made.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(("0.0.0.0", port))
-                sock.listen(16)
-                sock.setblocking(False)
+                made.append(_wildcard_listener(port))
         except OSError as err:
             failure.append(err)
 
@@ -382,6 +378,27 @@ def _listeners_in(netns_fd: int, ports: Sequence[int]) -> list[socket.socket]:
             sock.close()
         raise failure[0]
     return made
+
+
+def _wildcard_listener(port: int) -> socket.socket:
+    """ztunnel's ``bind_wildcard``: [::] taking IPv4 too where the netns has IPv6, else 0.0.0.0."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        host = "::"
+    except OSError:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        host = "0.0.0.0"
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if sock.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        sock.listen(16)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 async def _wait_fd(fd: int, add: Callable[..., object], remove: Callable[[int], object]) -> None:
