@@ -34,7 +34,7 @@ from istio_agent.metrics import Registry
 from tests.cni.ambient.test_events import FakeHostProbes, FakeRules, FakeZtunnel
 from tests.cni.ambient.test_plugin_ambient import HELM_SELECTORS
 from tests.cni.fake_kube import FakeKube, start_fake_kube
-from tests.cni.netns import Netns, needs_root, netns
+from tests.cni.netns import Netns, needs_root, netns, sh
 
 NODE = "node-1"
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
@@ -386,3 +386,116 @@ async def test_a_restarted_agent_with_reconcile_applies_the_rules_again(node: No
         await settled(node)
         assert [(action, inode) for action, inode, _ in node.rules.calls] == [("apply", pod.inode)]
         assert node.ztunnel.added == []
+
+
+# -- with the real parts: plugin, event server, in-pod rules, probe set, ZDS --------------------------------
+
+
+@needs_root
+async def test_real_parts_a_pod_is_enrolled_by_the_plugin_and_removed_by_unlabelling(node: Node) -> None:
+    """The real ``istio-cni`` executable's event reaches the real event server; the real in-pod rules
+    go in the pod's namespace, its IP in the probe set of a namespace standing for the host, and the
+    ztunnel stand-in (``ztunnel_standin.py``, written from ztunnel's source) runs its proxy in the pod's
+    namespace from the fd it received: an app connection to anywhere lands on its 15001. Turning the
+    namespace's label off takes it all back."""
+    from istio_agent.cni.ambient.hostprobe import HostProbeRules
+    from tests.cni.ambient.test_events import ambient_pod
+    from tests.cni.ambient.ztunnel_standin import ZtunnelStandin
+    from tests.cni.test_plugin_exec import PREV_RESULT, run_plugin
+
+    if shutil.which("ipset") is None:
+        pytest.skip("ipset is not installed (Debian's ipset)")
+    node.kube.add_namespace("default", AMBIENT)
+    uid = str(uuid.uuid4())
+    with running_pod(uid) as pod, netns("host") as host:
+        sh(
+            "ip",
+            "link",
+            "add",
+            "eth0",
+            "netns",
+            pod.space.name,
+            "type",
+            "veth",
+            "peer",
+            "vpod",
+            "netns",
+            host.name,
+        )
+        pod.space.ip("address", "add", "10.1.0.5/24", "dev", "eth0")
+        host.ip("address", "add", "10.1.0.1/24", "dev", "vpod")
+        pod.space.ip("link", "set", "eth0", "up")
+        host.ip("link", "set", "vpod", "up")
+        pod.space.ip("route", "add", "default", "via", "10.1.0.1")
+        created = ambient_pod(uid=uid)
+        created["spec"]["nodeName"] = NODE
+        created["metadata"]["labels"] = {}  # ambient by its namespace's label
+        node.kube.add_pod(created)  # as the scheduler binds it, before the sandbox (no IP yet)
+        inpod = InpodSettings(reconcile=True)
+        probes = HostProbeRules(inpod, netns=host.path)
+        settings = AmbientSettings(
+            selectors=compile_selectors(HELM_SELECTORS),
+            ztunnel_socket=node.socket_dir / "ztunnel.sock",
+            node_name=NODE,
+            inpod=inpod,
+            host_proc_dir=Path("/proc"),
+        )
+        agent = build(
+            settings,
+            node.client,
+            socket_dir=node.socket_dir,
+            registry=Registry(prefix="istio_"),
+            probes=probes,
+        )
+        node.agent = agent
+        await agent.start()
+        ztunnel = ZtunnelStandin(settings.ztunnel_socket)
+        await ztunnel.connect()
+        try:
+            await ztunnel.wait_snapshot()
+            (node.socket_dir / "istio-cni-kubeconfig").write_text(node.kube.kubeconfig())
+            config = {
+                "cniVersion": "1.0.0",
+                "name": "k8s-pod-network",
+                "type": "istio-cni",
+                "cni_agent_run_dir": str(node.socket_dir),
+                "pod_namespace": "istio-system",
+                "ambient_enabled": True,
+                "enablement_selectors": HELM_SELECTORS,
+                "prevResult": PREV_RESULT,
+            }
+            env = {
+                "CNI_COMMAND": "ADD",
+                "CNI_CONTAINERID": "abc123",
+                "CNI_NETNS": str(pod.space.path),
+                "CNI_IFNAME": "eth0",
+                "CNI_PATH": "/opt/cni/bin",
+                "CNI_ARGS": "K8S_POD_NAMESPACE=default;K8S_POD_NAME=app-1",
+            }
+            run = await run_plugin(env, config)
+            assert run.code == 0, run.stdout + run.stderr
+            assert node.annotation("app-1") == "enabled"
+            assert "-A OUTPUT -j ISTIO_OUTPUT" in pod.space.exec("iptables-save")
+            assert "10.1.0.5" in host.exec("ipset", "list", "istio-inpod-probes-v4")
+            await ztunnel.wait_for(lambda zt: uid in zt.workloads)
+            answer = await asyncio.to_thread(connect_from, pod.space, ("1.2.3.4", 80))
+            assert answer == f"ztunnel-standin {uid} 15001"
+
+            node.kube.update_namespace("default", {"metadata": {"labels": {"istio.io/dataplane-mode": None}}})
+            await eventually(lambda: node.annotation("app-1") is None, "unenrolled")
+            await ztunnel.wait_for(lambda zt: uid not in zt.workloads)
+            assert "ISTIO_OUTPUT" not in pod.space.exec("iptables-save")
+            assert "10.1.0.5" not in host.exec("ipset", "list", "istio-inpod-probes-v4")
+        finally:
+            await ztunnel.stop()
+            await node.stop_agent()
+            await asyncio.to_thread(probes.uninstall)
+
+
+def connect_from(space: Netns, address: tuple[str, int]) -> str:
+    """Connect from inside ``space`` (as the pod's app) and read the first line answered."""
+    sock = space.socket()
+    with sock:
+        sock.settimeout(5)
+        sock.connect(address)
+        return sock.makefile().readline().strip()

@@ -349,6 +349,18 @@ async def test_removal_undoes_the_enrollment(agent: Agent, tmp_path: Path) -> No
     assert agent.dataplane.snapshot() == []
 
 
+async def test_removal_takes_out_the_ips_of_the_event_when_the_status_has_none(
+    agent: Agent, tmp_path: Path
+) -> None:
+    """The plugin's event carries the pod's IPs before the kubelet reports them in the pod's status."""
+    agent.cache[("default", "app-1")] = agent.kube.add_pod(ambient_pod())
+    (tmp_path / "netns").touch()
+    assert (await agent.post(event(tmp_path / "netns")))[0] == 200
+    assert agent.probes.ips == {"10.1.0.5"}
+    await agent.dataplane.remove_pod(agent.kube.pods[("default", "app-1")], deleted=True)
+    assert agent.probes.ips == set()
+
+
 # -- the real plugin against the real server ------------------------------------------------------------
 
 

@@ -147,13 +147,15 @@ def _workload(pod: Mapping[str, Any], netns: Path | None) -> EnrolledPod:
 
 
 class _Entry:
-    """An enrolled pod: who it is, and its namespace held open (None while unknown)."""
+    """An enrolled pod: who it is, its namespace held open (None while unknown), and the IPs put in
+    the probe set for it (the plugin's event knows them before the pod's status does)."""
 
-    __slots__ = ("fd", "pod")
+    __slots__ = ("fd", "ips", "pod")
 
     def __init__(self, pod: Mapping[str, Any], fd: int | None) -> None:
         self.pod = pod
         self.fd = fd
+        self.ips: list[str] = []
 
     @property
     def netns(self) -> Path | None:
@@ -217,7 +219,9 @@ class Dataplane:
                     log.warning("pod %s: cannot open its netns %s: %s", _name(pod), netns, err)
             else:
                 log.warning("pod %s: its netns was not found; ztunnel is asked to keep it", _name(pod))
-            self._replace(uid, _Entry(pod, fd))
+            entry = _Entry(pod, fd)
+            entry.ips = pod_ips(pod)
+            self._replace(uid, entry)
         await self._sync_probe_set(pods)
         if self.reconcile:
             for pod in pods:
@@ -292,16 +296,17 @@ class Dataplane:
             await self._annotate(pod, PENDING)
             raise RuntimeError(f"failed to add pod {name} to ztunnel: {err}") from err
         await asyncio.to_thread(self.probes.add_pod_ips, list(ips), uid=uid)
+        entry.ips = list(ips)
         await self._annotate(pod, ENABLED)
 
     async def remove_pod(self, pod: Mapping[str, Any], *, deleted: bool) -> None:
         """Unenroll ``pod``: probe set, rules (unless it is being deleted), ztunnel, annotation."""
         uid, name = pod_uid(pod), _name(pod)
         log.info("pod %s: removing pod from mesh (deleted: %s)", name, deleted)
-        ips = pod_ips(pod)
+        entry = self._pods.pop(uid, None)
+        ips = list(dict.fromkeys([*pod_ips(pod), *(entry.ips if entry is not None else ())]))
         if ips:
             await asyncio.to_thread(self.probes.remove_pod_ips, ips, uid=uid)
-        entry = self._pods.pop(uid, None)
         try:
             if not deleted:
                 if entry is not None and entry.netns is not None:
