@@ -637,6 +637,14 @@ async def test_a_socket_file_left_behind_is_replaced(short_tmp: Path) -> None:
             id="keep-fd",
         ),
         pytest.param(zds_pb2.WorkloadRequest(), False, "no payload", id="empty-payload"),
+        pytest.param(
+            zds_pb2.WorkloadRequest(
+                add=zds_pb2.AddWorkload(uid="u" * 1100, workload_info=zds_pb2.WorkloadInfo())
+            ),
+            True,
+            "received truncated message",
+            id="oversized",
+        ),
     ],
 )
 async def test_the_standin_refuses_what_ztunnel_refuses(
@@ -688,3 +696,46 @@ async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    ("after_snapshot", "error"),
+    [
+        pytest.param(
+            zds_pb2.WorkloadRequest(keep=zds_pb2.KeepWorkload(uid="u")),
+            "pod keep received after snapshot",
+            id="keep",
+        ),
+        pytest.param(
+            zds_pb2.WorkloadRequest(snapshot_sent=zds_pb2.SnapshotSent()),
+            "pod snapshot received already",
+            id="snapshot",
+        ),
+    ],
+)
+async def test_the_standin_stops_on_what_ztunnel_takes_for_a_protocol_error(
+    short_tmp: Path, after_snapshot: zds_pb2.WorkloadRequest, error: str
+) -> None:
+    listener = listen(short_tmp / "zt.sock")
+    zt = ZtunnelStandin(short_tmp / "zt.sock", reconnect=True)
+    try:
+        await zt.connect()
+        agent = await SeqpacketConnection.accept(listener)
+        assert await agent.receive() is not None  # hello
+        for message, expected in (
+            (zds_pb2.WorkloadRequest(snapshot_sent=zds_pb2.SnapshotSent()), ""),
+            (after_snapshot, error),
+        ):
+            await agent.send(message.SerializeToString())
+            answer = await agent.receive()
+            assert answer is not None
+            assert expected in zds_pb2.WorkloadResponse.FromString(answer.data).ack.error
+            assert bool(expected) == bool(zds_pb2.WorkloadResponse.FromString(answer.data).ack.error)
+        assert await agent.receive() is None
+        assert zt.protocol_error == error
+        await asyncio.sleep(0.1)
+        assert not zt.connected  # ztunnel's workload manager stopped: no reconnection
+        agent.close()
+    finally:
+        await zt.stop()
+        listener.close()
