@@ -525,6 +525,19 @@ async def test_a_bad_hello_closes_that_connection_only(node: Node, hello: bytes)
         good.close()
 
 
+async def test_a_descriptor_sent_to_the_agent_closes_that_connection(node: Node) -> None:
+    client = await SeqpacketConnection.connect(node.socket_path)
+    fd = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        await client.send(zds_pb2.ZdsHello(version=zds_pb2.V1).SerializeToString(), (fd,))
+        async with asyncio.timeout(5):
+            assert await client.receive() is None
+        assert len(fds_on(Path("/proc/self/ns/net"))) == 1  # ours: the agent closed the one it got
+    finally:
+        os.close(fd)
+        client.close()
+
+
 async def test_input_while_idle_and_a_wrong_answer_close_the_connection(node: Node) -> None:
     idle = await _hello(node)
     try:
