@@ -408,25 +408,7 @@ async def test_real_parts_a_pod_is_enrolled_by_the_plugin_and_removed_by_unlabel
     node.kube.add_namespace("default", AMBIENT)
     uid = str(uuid.uuid4())
     with running_pod(uid) as pod, netns("host") as host:
-        sh(
-            "ip",
-            "link",
-            "add",
-            "eth0",
-            "netns",
-            pod.space.name,
-            "type",
-            "veth",
-            "peer",
-            "vpod",
-            "netns",
-            host.name,
-        )
-        pod.space.ip("address", "add", "10.1.0.5/24", "dev", "eth0")
-        host.ip("address", "add", "10.1.0.1/24", "dev", "vpod")
-        pod.space.ip("link", "set", "eth0", "up")
-        host.ip("link", "set", "vpod", "up")
-        pod.space.ip("route", "add", "default", "via", "10.1.0.1")
+        wire(pod.space, host, "10.1.0.5")
         created = ambient_pod(uid=uid)
         created["spec"]["nodeName"] = NODE
         created["metadata"]["labels"] = {}  # ambient by its namespace's label
@@ -499,3 +481,90 @@ def connect_from(space: Netns, address: tuple[str, int]) -> str:
         sock.settimeout(5)
         sock.connect(address)
         return sock.makefile().readline().strip()
+
+
+def wire(pod: Netns, host: Netns, ip: str) -> None:
+    """A veth from the pod (``ip``/24, default route) to the host stand-in (.1)."""
+    gateway = ip.rsplit(".", 1)[0] + ".1"
+    device = "v" + pod.name[-8:].replace("-", "")
+    sh("ip", "link", "add", "eth0", "netns", pod.name, "type", "veth", "peer", device, "netns", host.name)
+    pod.ip("address", "add", f"{ip}/24", "dev", "eth0")
+    if gateway not in host.ip("-4", "address", "show"):
+        host.ip("address", "add", f"{gateway}/24", "dev", device)
+    pod.ip("link", "set", "eth0", "up")
+    host.ip("link", "set", device, "up")
+    pod.ip("route", "add", "default", "via", gateway)
+
+
+def saved_rules(space: Netns) -> str:
+    """``iptables-save`` without its comment lines (they carry a timestamp)."""
+    return "".join(
+        line + "\n" for line in space.exec("iptables-save").splitlines() if not line.startswith("#")
+    )
+
+
+@needs_root
+async def test_real_parts_a_restarted_agent_leaves_enrolled_pods_as_they_are(node: Node) -> None:
+    """``AMBIENT_RECONCILE_POD_RULES_ON_STARTUP`` on, real in-pod rules: the rules of a pod enrolled by
+    the previous agent are applied again and stay byte for byte what they were, the pod is not written
+    to, and the reconnecting ztunnel's snapshot names it with its namespace, so its proxy stays."""
+    from istio_agent.cni.ambient.hostprobe import HostProbeRules
+    from tests.cni.ambient.ztunnel_standin import ZtunnelStandin
+
+    if shutil.which("ipset") is None:
+        pytest.skip("ipset is not installed (Debian's ipset)")
+    node.kube.add_namespace("default", AMBIENT)
+    uid = str(uuid.uuid4())
+    with running_pod(uid) as pod, netns("host") as host:
+        wire(pod.space, host, "10.1.0.5")
+        node.kube.add_pod(pod_object("app-1", uid, "10.1.0.5"))
+        inpod = InpodSettings(reconcile=True)
+        probes = HostProbeRules(inpod, netns=host.path)
+        settings = AmbientSettings(
+            selectors=compile_selectors(HELM_SELECTORS),
+            ztunnel_socket=node.socket_dir / "ztunnel.sock",
+            node_name=NODE,
+            inpod=inpod,
+            host_proc_dir=Path("/proc"),
+        )
+
+        async def start() -> NodeAgent:
+            agent = build(
+                settings,
+                node.client,
+                socket_dir=node.socket_dir,
+                registry=Registry(prefix="istio_"),
+                probes=probes,
+            )
+            node.agent = agent
+            await agent.start()
+            return agent
+
+        await start()
+        ztunnel = ZtunnelStandin(settings.ztunnel_socket, reconnect=True)
+        await ztunnel.connect()
+        try:
+            await eventually(lambda: node.annotation("app-1") == "enabled", "enrolled by the watch")
+            await ztunnel.wait_for(lambda zt: uid in zt.workloads)
+            rules_before = saved_rules(pod.space)
+            assert "ISTIO_OUTPUT" in rules_before
+            version = node.kube.pods[("default", "app-1")]["metadata"]["resourceVersion"]
+            proxy = ztunnel.workloads[uid]
+
+            await node.stop_agent()
+            await ztunnel.wait_for(lambda zt: not zt.snapshot_received or not zt.connected)
+            received = len(ztunnel.received)
+            await start()
+            await ztunnel.wait_snapshot()
+            await settled(node)
+            assert ztunnel.received[received:] == [("add", uid), ("snapshot", "")]
+            assert ztunnel.workloads[uid] is proxy  # same netns: ztunnel keeps its proxy
+            assert saved_rules(pod.space) == rules_before
+            assert node.kube.pods[("default", "app-1")]["metadata"]["resourceVersion"] == version
+            assert "10.1.0.5" in host.exec("ipset", "list", "istio-inpod-probes-v4")
+            answer = await asyncio.to_thread(connect_from, pod.space, ("1.2.3.4", 80))
+            assert answer == f"ztunnel-standin {uid} 15001"
+        finally:
+            await ztunnel.stop()
+            await node.stop_agent()
+            await asyncio.to_thread(probes.uninstall)
