@@ -13,7 +13,7 @@ from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
 SRC_DIR = PROTO_DIR.parent.parent
-PROTO_FILES = ("istio_ca.proto", "nds.proto", "proxy_config.proto", "health.proto")
+PROTO_FILES = ("istio_ca.proto", "nds.proto", "proxy_config.proto", "health.proto", "zds.proto")
 
 
 def generate(out_dir: Path) -> None:
