@@ -18,6 +18,8 @@ controller use:
   selectors; the field selectors the server has for them, ``metadata.name`` and ``status.phase``),
   the same versions, history and 410 as pods: the ambient node agent watches both (``add_namespace``,
   ``update_namespace``, ``delete_namespace`` are the test's writes).
+- ``GET`` of an apps/v1 DaemonSet from :attr:`FakeKube.daemonsets` (install-cni asks whether its own
+  DaemonSet is still there when it stops: an upgrade).
 - ``DELETE`` of a pod with ``DeleteOptions`` preconditions (UID, resourceVersion: 409 Conflict when
   they do not hold); a pod bound to a node is deleted gracefully (``deletionTimestamp`` set, gone
   when the "kubelet" calls :meth:`FakeKube.finish_deletion`), an unbound one at once.
@@ -180,6 +182,8 @@ class FakeKube:
 
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     namespaces: dict[str, dict[str, Any]] = field(default_factory=dict)
+    daemonsets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    """apps/v1 DaemonSets by (namespace, name), for GET only (install-cni's upgrade check)."""
     failures: list[int | str] = field(default_factory=list)
     """Per pod GET, in order: an HTTP status to answer instead, or "hang" (never answer)."""
     requests: list[str] = field(default_factory=list)
@@ -464,6 +468,17 @@ class FakeKube:
         finally:
             self.watchers.discard(watcher)
 
+    async def daemonset_get(self, request: web.Request) -> web.StreamResponse:
+        self.calls.append((request.method, request.path_qs))
+        namespace, name = request.match_info["ns"], request.match_info["name"]
+        denied = self._denied(request, "get", "daemonsets", name)
+        if denied is not None:
+            return denied
+        daemonset = self.daemonsets.get((namespace, name))
+        if daemonset is None:
+            return _answer(404, "NotFound", f'daemonsets.apps "{name}" not found')
+        return web.json_response({"kind": "DaemonSet", "apiVersion": "apps/v1", **copy.deepcopy(daemonset)})
+
     async def namespace_get(self, request: web.Request) -> web.StreamResponse:
         self.calls.append((request.method, request.path_qs))
         name = request.match_info["name"]
@@ -722,6 +737,7 @@ async def start_fake_kube(state_dir: Path) -> tuple[FakeKube, web.AppRunner]:
     app.router.add_get("/api/v1/pods", fake.pods_collection)
     app.router.add_get("/api/v1/namespaces/{ns}/pods", fake.pods_collection)
     app.router.add_get("/api/v1/namespaces", fake.namespaces_collection)
+    app.router.add_get("/apis/apps/v1/namespaces/{ns}/daemonsets/{name}", fake.daemonset_get)
     app.router.add_get("/api/v1/namespaces/{name}", fake.namespace_get)
     app.router.add_post("/api/v1/namespaces/{ns}/events", fake.event_create)
     app.router.add_patch("/api/v1/namespaces/{ns}/events/{name}", fake.event_patch)

@@ -267,6 +267,11 @@ class KubeClient:
         """:meth:`get_pod_blocking` on the agent's asyncio client."""
         return await self._object("GET", _pod_path(namespace, name), f"get pod {namespace}/{name}", deadline)
 
+    async def get_daemonset(self, namespace: str, name: str, *, deadline: float) -> dict[str, Any]:
+        """An apps/v1 DaemonSet (install-cni's own, to tell an upgrade from an uninstall), or KubeError."""
+        path = f"/apis/apps/v1/namespaces/{_segment(namespace)}/daemonsets/{_segment(name)}"
+        return await self._object("GET", path, f"get daemonset {namespace}/{name}", deadline)
+
     async def list_pods(
         self, *, label_selector: str = "", field_selector: str = "", deadline: float
     ) -> PodList:

@@ -16,10 +16,12 @@ import stat
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from istio_agent.cni.ambient.nodeagent import build
+from istio_agent.cni.install.ambient import AmbientAgent
 from istio_agent.cni.install.installer import Installer
 from istio_agent.cni.install.settings import load_settings
 from istio_agent.cni.kube import KubeClient, parse_kubeconfig
@@ -120,7 +122,10 @@ def short_root() -> AsyncIterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-async def run_installer(node: Node, kube: FakeKube) -> tuple[Installer, asyncio.Task[None], FakeZtunnel]:
+async def run_installer(
+    node: Node, kube: FakeKube, environ: dict[str, str] | None = None
+) -> tuple[Installer, asyncio.Task[None], FakeHostProbes]:
+    """install-cni's installer with ambient on, the node agent on FAKES; POD_NAMESPACE istio-system."""
     settings = load_settings(
         {
             "ambient-enabled": "true",
@@ -134,24 +139,28 @@ async def run_installer(node: Node, kube: FakeKube) -> tuple[Installer, asyncio.
         {
             "AMBIENT_ENABLEMENT_SELECTOR": SELECTOR_ENV,
             "NODE_NAME": "node-1",
+            "POD_NAMESPACE": "istio-system",
             "KUBERNETES_SERVICE_HOST": "10.96.0.1",
             "KUBERNETES_SERVICE_PORT": "443",
+            **(environ or {}),
         },
     )
     assert settings.ambient is not None
-    ztunnel = FakeZtunnel()
+    client = KubeClient(parse_kubeconfig(kube.kubeconfig(), "test"))
+    probes = FakeHostProbes()
     agent = build(
         settings.ambient,
-        KubeClient(parse_kubeconfig(kube.kubeconfig(), "test")),
+        client,
         socket_dir=node.run,
         registry=Registry(prefix="istio_"),
         rules=FakeRules(),
-        probes=FakeHostProbes(),
-        ztunnel=ztunnel,
+        probes=probes,
+        ztunnel=FakeZtunnel(),
         informer_options={"backoff": reflector_backoff(initial=0.05, cap=0.2)},
     )
-    installer = Installer(settings, Registry(prefix="istio_"), node_agent=agent)
-    return installer, asyncio.create_task(installer.run()), ztunnel
+    ambient = AmbientAgent(agent, client, settings, retry_interval=0.01)
+    installer = Installer(settings, Registry(prefix="istio_"), ambient=ambient)
+    return installer, asyncio.create_task(installer.run()), probes
 
 
 async def eventually(condition: object, what: str, timeout: float = 10.0) -> None:
@@ -184,7 +193,7 @@ async def test_the_node_agent_starts_before_the_plugin_is_installed(kube: FakeKu
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert not socket.exists()  # the agent stopped with the run
-    assert installer.node_agent is not None and not installer.node_agent.ready
+    assert installer.ambient is not None and not installer.ambient.ready
 
 
 async def test_install_cni_is_not_ready_until_the_node_agent_is(kube: FakeKube, short_root: Path) -> None:
@@ -205,3 +214,71 @@ async def test_install_cni_is_not_ready_until_the_node_agent_is(kube: FakeKube, 
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def istio_entry(node: Node) -> bool:
+    plugins = json.loads((node.conf / "10-calico.conflist").read_text())["plugins"]
+    return any(plugin["type"] == "istio-cni" for plugin in plugins)
+
+
+@pytest.mark.parametrize(
+    ("daemonset", "environ", "kept"),
+    [
+        pytest.param(
+            {"metadata": {"name": "istio-cni-node"}}, {}, True, id="an upgrade: the DaemonSet stays"
+        ),
+        pytest.param(None, {}, False, id="an uninstall: the DaemonSet is gone"),
+        pytest.param(
+            {"metadata": {"name": "istio-cni-node", "deletionTimestamp": "2026-12-04T15:00:00Z"}},
+            {},
+            False,
+            id="an uninstall: the DaemonSet is being deleted",
+        ),
+        pytest.param(
+            {"metadata": {"name": "istio-cni-node"}},
+            {"AMBIENT_DISABLE_SAFE_UPGRADE": "true"},
+            False,
+            id="safe upgrade disabled",
+        ),
+    ],
+)
+async def test_on_an_upgrade_the_plugin_and_host_rules_stay(
+    kube: FakeKube, short_root: Path, daemonset: dict[str, Any] | None, environ: dict[str, str], kept: bool
+) -> None:
+    """Istio's ``ShouldStopCleanup``: while install-cni's DaemonSet is still there (an upgrade), the
+    plugin stays installed, so new ambient pods wait (their ADD fails) for the next node agent, and the
+    host's probe rules stay for the pods already running; otherwise both go."""
+    if daemonset is not None:
+        kube.daemonsets[("istio-system", "istio-cni-node")] = daemonset
+    node = Node(short_root)
+    node.put("calico.conflist", "10-calico.conflist")
+    installer, task, probes = await run_installer(node, kube, environ)
+    try:
+        await eventually(lambda: installer.ready, "install-cni ready")
+        assert probes.installed and istio_entry(node)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        installer.cleanup()
+    assert probes.installed is kept
+    assert istio_entry(node) is kept
+    asked = ("GET", "/apis/apps/v1/namespaces/istio-system/daemonsets/istio-cni-node") in kube.calls
+    assert asked is not bool(environ)  # with safe upgrade disabled Istio does not ask
+
+
+async def test_when_the_daemonset_cannot_be_read_it_is_not_an_upgrade(
+    kube: FakeKube, short_root: Path
+) -> None:
+    """Istio: an error other than NotFound or Unauthorized is tried again, then it shuts down normally."""
+    kube.daemonsets[("istio-system", "istio-cni-node")] = {"metadata": {"name": "istio-cni-node"}}
+    kube.forbidden.add(("get", "daemonsets"))
+    node = Node(short_root)
+    node.put("calico.conflist", "10-calico.conflist")
+    installer, task, probes = await run_installer(node, kube)
+    try:
+        await eventually(lambda: installer.ready, "install-cni ready")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        installer.cleanup()
+    assert not probes.installed and not istio_entry(node)

@@ -15,7 +15,8 @@ plugin when our entry cannot be taken out.
 
 With ambient enabled, the ambient node agent (:mod:`istio_agent.cni.install.ambient`) is started before
 the first pass, as Istio's ``root.go`` starts it before its installer, and stopped when the run ends;
-install-cni is ready only while both are.
+install-cni is ready only while both are. A stop that is an upgrade (install-cni's DaemonSet still
+there) leaves the plugin installed and the agent's host rules in place, as Istio's does.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from istio_agent.log import scope
 from istio_agent.metrics import Registry
 
 if TYPE_CHECKING:
-    from istio_agent.cni.ambient.nodeagent import NodeAgent
+    from istio_agent.cni.install.ambient import AmbientAgent
 
 log = scope("cni-agent")
 
@@ -133,13 +134,15 @@ class Installer:
         throttle: Throttle | None = None,
         guard: ConflictGuard | None = None,
         recheck_seconds: float = RECHECK_SECONDS,
-        node_agent: NodeAgent | None = None,
+        ambient: AmbientAgent | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = InstallMetrics(registry)
         self._registry = registry
-        self.node_agent = node_agent
+        self.ambient = ambient
         """The ambient node agent (built at :meth:`run` from the settings when not given)."""
+        self._upgrading = False
+        """The run ended for an upgrade in ambient mode: cleanup leaves the plugin installed."""
         self._throttle = throttle or Throttle()
         self._guard = guard or ConflictGuard()
         self._recheck = recheck_seconds
@@ -164,13 +167,13 @@ class Installer:
     @property
     def ready(self) -> bool:
         """The install is in place, and the ambient node agent (when enabled) is ready."""
-        return self._ready and (self.node_agent is None or self.node_agent.ready)
+        return self._ready and (self.ambient is None or self.ambient.ready)
 
     @property
     def reason(self) -> str:
         """Why install-cni is not ready (empty when ready)."""
-        if self.node_agent is not None and not self.node_agent.ready:
-            return self.node_agent.reason
+        if self.ambient is not None and not self.ambient.ready:
+            return self.ambient.reason
         return self._reason
 
     @reason.setter
@@ -214,32 +217,34 @@ class Installer:
                 await self.install_all()
         finally:
             if agent is not None:
-                await agent.stop(cleanup=self.settings.ambient_disable_safe_upgrade)
+                self._upgrading = await agent.is_upgrade()
+                log.info("Ambient node agent shutting down - should stop cleanup? %s", self._upgrading)
+                await agent.stop(cleanup=not self._upgrading)
 
-    async def _start_node_agent(self) -> NodeAgent | None:
-        if self.node_agent is None and self.settings.ambient is not None:
+    async def _start_node_agent(self) -> AmbientAgent | None:
+        if self.ambient is None and self.settings.ambient is not None:
             from istio_agent.cni.install.ambient import AmbientSetupError, build_node_agent
 
             try:
-                self.node_agent = build_node_agent(self.settings, self._registry)
+                self.ambient = build_node_agent(self.settings, self._registry)
             except AmbientSetupError as err:
                 raise InstallError(str(err)) from None
-        if self.node_agent is None:
+        if self.ambient is None:
             return None
         log.info(
             "Starting ambient node agent with inpod redirect mode on socket %s",
-            self.node_agent.events.socket_path,
+            self.ambient.agent.events.socket_path,
         )
         try:
-            await self.node_agent.start()
+            await self.ambient.start()
         except OSError as err:
-            await self.node_agent.stop(cleanup=False)
+            await self.ambient.stop(cleanup=False)
             raise InstallError(f"failed to create ambient nodeagent service: {err}") from None
         except asyncio.CancelledError:  # stopped while still waiting for its first lists
-            await self.node_agent.stop(cleanup=False)
+            await self.ambient.stop(cleanup=False)
             raise
         log.info("Ambient node agent started, starting installer...")
-        return self.node_agent
+        return self.ambient
 
     async def install_all(self) -> None:
         """One pass: binaries, kubeconfig, then the CNI config if it needs writing."""
@@ -517,6 +522,9 @@ class Installer:
         (``cni/pkg/install/install.go``): a config chaining a missing plugin fails every pod sandbox.
         """
         settings = self.settings
+        if self._upgrading:
+            log.info("an upgrade of the ambient node agent: leaving the plugin in place for the next one")
+            return
         log.info("cleaning up")
         if not self._remove_config():
             log.error(
