@@ -86,7 +86,10 @@ class AmbientNode:
             **extra,
         }
 
-    async def add(self, pod: str = "app-1", namespace: str = "default", **extra: Any) -> Run:
+    async def add(
+        self, pod: str = "app-1", namespace: str = "default", *, program: Path | None = None, **extra: Any
+    ) -> Run:
+        """One ADD by the venv's ``istio-cni`` (or ``program``: the self-contained bundle)."""
         env = {
             "CNI_COMMAND": "ADD",
             "CNI_CONTAINERID": "abc123",
@@ -96,7 +99,18 @@ class AmbientNode:
             "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={pod}",
             "DRY_RUN_FILE_PATH": str(self.dry_run),
         }
-        return await run_plugin(env, self.config(**extra))
+        if program is None:
+            return await run_plugin(env, self.config(**extra))
+        process = await asyncio.create_subprocess_exec(
+            str(program),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin", **env},
+        )
+        out, err = await process.communicate(json.dumps(self.config(**extra)).encode())
+        assert process.returncode is not None
+        return Run(process.returncode, out.decode(), err.decode(), 0.0)
 
 
 @pytest.fixture
@@ -290,3 +304,19 @@ async def test_without_the_retry_flag_a_failed_check_means_not_ambient(node: Amb
     passed_on(await node.add())
     assert node.agent.requests == []
     assert len(node.kube.requests) == 3  # two checks, then the sidecar path's own GET
+
+
+BUNDLE = Path(__file__).resolve().parents[3] / "build" / "cni" / "bin" / "istio-cni"
+"""The self-contained plugin ``make cni-plugin`` builds (``make test`` depends on it)."""
+
+
+async def test_the_self_contained_plugin_takes_the_same_path(node: AmbientNode) -> None:
+    """What the bundle carries for the ambient path (the selectors, the event POST) is enough."""
+    assert BUNDLE.exists(), f"{BUNDLE} missing: run make cni-plugin"
+    node.kube.add_namespace("default", AMBIENT)
+    node.kube.add_pod(plain_pod())
+    passed_on(await node.add(program=BUNDLE))
+    assert len(node.agent.requests) == 1
+    node.agent.status = 500
+    run = await node.add(program=BUNDLE)
+    assert run.code == 1 and run.json["msg"].startswith(CONTACT_FAILED), run.json
