@@ -39,7 +39,17 @@ from tests.cni.netns import Netns, needs_root, netns, sh
 NODE = "node-1"
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
 REDIRECTION = "ambient.istio.io/redirection"
-CGROUP_ROOT = Path("/sys/fs/cgroup/pids")
+CGROUPS = Path("/sys/fs/cgroup")
+
+
+def cgroup_root() -> Path | None:
+    """A hierarchy a test may make a pod's cgroup in: cgroup v1's pids, else the v2 (unified) one."""
+    for candidate in (CGROUPS / "pids", CGROUPS, CGROUPS / "unified"):
+        if (candidate / "cgroup.procs").exists() and (
+            candidate.name == "pids" or (candidate / "cgroup.controllers").exists()
+        ):
+            return candidate
+    return None
 
 
 # -- finding a pod's namespace from its UID ---------------------------------------------------------------
@@ -89,11 +99,12 @@ class RunningPod:
 
 @contextmanager
 def running_pod(uid: str) -> Iterator[RunningPod]:
-    if not CGROUP_ROOT.is_dir():
-        pytest.skip(f"needs root and the cgroup v1 pids hierarchy at {CGROUP_ROOT} (not installed)")
+    root = cgroup_root()
+    if root is None:
+        pytest.skip(f"needs root and a cgroup hierarchy mounted under {CGROUPS} to put a pod's process in")
     with ExitStack() as stack:
         space = stack.enter_context(netns("amb"))
-        group = CGROUP_ROOT / f"ia-{os.getpid()}" / f"pod{uid}" / "0123456789abcdef"
+        group = root / f"ia-{os.getpid()}" / f"pod{uid}" / "0123456789abcdef"
         group.mkdir(parents=True)
         process = subprocess.Popen(["nsenter", f"--net={space.path}", "sleep", "600"])
         try:

@@ -237,12 +237,12 @@ class Installer:
         )
         try:
             await self.ambient.start()
-        except OSError as err:
-            await self.ambient.stop(cleanup=False)
-            raise InstallError(f"failed to create ambient nodeagent service: {err}") from None
         except asyncio.CancelledError:  # stopped while still waiting for its first lists
             await self.ambient.stop(cleanup=False)
             raise
+        except Exception as err:  # a socket it cannot have, host rules that do not go in
+            await self.ambient.stop(cleanup=False)
+            raise InstallError(f"failed to create ambient nodeagent service: {err}") from None
         log.info("Ambient node agent started, starting installer...")
         return self.ambient
 
