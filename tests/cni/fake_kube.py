@@ -39,6 +39,7 @@ import base64
 import copy
 import json
 import secrets
+import socket
 import ssl
 import uuid
 from dataclasses import dataclass, field
@@ -721,8 +722,12 @@ def _metadata_problems(meta: dict[str, Any]) -> str:
     return ", ".join(problems)
 
 
-async def start_fake_kube(state_dir: Path) -> tuple[FakeKube, web.AppRunner]:
-    """Serve a FakeKube on 127.0.0.1 (HTTPS, certificate for 127.0.0.1); the caller cleans the runner up."""
+async def start_fake_kube(
+    state_dir: Path, *, sock: socket.socket | None = None
+) -> tuple[FakeKube, web.AppRunner]:
+    """Serve a FakeKube on 127.0.0.1 (HTTPS, certificate for 127.0.0.1); the caller cleans the runner up.
+
+    ``sock``: a listening socket on 127.0.0.1 to serve on instead (one made in a test's node namespace)."""
     ca = LocalCA.load_or_create(state_dir, "cluster.local")
     key_pem, chain_pem = ca.issue_serving_cert(["127.0.0.1"])
     (state_dir / "tls.key").write_bytes(key_pem)
@@ -743,7 +748,11 @@ async def start_fake_kube(state_dir: Path) -> tuple[FakeKube, web.AppRunner]:
     app.router.add_patch("/api/v1/namespaces/{ns}/events/{name}", fake.event_patch)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    site: web.BaseSite = (
+        web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+        if sock is None
+        else web.SockSite(runner, sock, ssl_context=context)
+    )
     await site.start()
     fake.port = int(runner.addresses[0][1])
     return fake, runner

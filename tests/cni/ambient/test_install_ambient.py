@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import stat
+import subprocess
+import sys
 import tempfile
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +37,7 @@ from tests.cni.ambient.test_events import FakeHostProbes, FakeRules, FakeZtunnel
 from tests.cni.ambient.test_plugin_ambient import HELM_SELECTORS
 from tests.cni.fake_kube import FakeKube, start_fake_kube
 from tests.cni.install.layout import Node
+from tests.cni.netns import needs_root
 
 SELECTOR_ENV = json.dumps(HELM_SELECTORS)
 
@@ -282,3 +288,135 @@ async def test_when_the_daemonset_cannot_be_read_it_is_not_an_upgrade(
         await asyncio.gather(task, return_exceptions=True)
         installer.cleanup()
     assert not probes.installed and not istio_entry(node)
+
+
+# -- the real install-cni process ---------------------------------------------------------------------------
+
+
+def readyz(node_netns: Path, port: int) -> int:
+    """GET /readyz on install-cni's health port, from inside the node's namespace: the status."""
+    from tests.cni.netns import socket_in
+
+    sock = socket_in(node_netns)
+    with sock:
+        sock.settimeout(2)
+        try:
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /readyz HTTP/1.0\r\nHost: x\r\n\r\n")
+            return int(sock.recv(64).split()[1])
+        except OSError:
+            return 0
+
+
+@pytest.mark.e2e
+@needs_root
+async def test_install_cni_runs_the_node_agent_that_enrolls_the_plugins_pods(short_root: Path) -> None:
+    """The real ``install-cni`` with ``AMBIENT_ENABLED=true``, in a namespace standing for the node, with
+    the FAKE API server on that node's loopback: ready once the agent is; the real plugin (the entry
+    install-cni wrote) hands an ambient pod over; the pod gets its in-pod rules, its IP goes in the
+    node's probe set and the ztunnel stand-in runs its proxy; on SIGTERM (its DaemonSet gone: an
+    uninstall) the node's probe rules and the plugin go."""
+    from tests.cli.test_install_cni import free_port
+    from tests.cni.ambient.test_enrollment import NODE, running_pod
+    from tests.cni.ambient.test_events import ambient_pod
+    from tests.cni.ambient.ztunnel_standin import ZtunnelStandin
+    from tests.cni.fake_kube import TOKEN
+    from tests.cni.install.layout import install_cni_args
+    from tests.cni.netns import netns, socket_in
+    from tests.cni.test_plugin_exec import PREV_RESULT
+
+    if shutil.which("ipset") is None:
+        pytest.skip("ipset is not installed (Debian's ipset)")
+    with netns("node") as node_space:
+        listener = socket_in(node_space.path)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        state = short_root / "ca"
+        state.mkdir()
+        kube, runner = await start_fake_kube(state, sock=listener)
+        root = short_root / "n"
+        root.mkdir()
+        layout = Node(root)
+        layout.put("calico.conflist", "10-calico.conflist")
+        (layout.sa / "ca.crt").write_bytes(kube.ca_pem)
+        (layout.sa / "token").write_text(TOKEN)
+        kube.add_namespace("default", {"istio.io/dataplane-mode": "ambient"})
+        health = free_port()
+        ztunnel_socket = short_root / "zt.sock"
+        env = {
+            **os.environ,
+            "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+            "KUBERNETES_SERVICE_PORT": str(kube.port),
+            "AMBIENT_ENABLED": "true",
+            "AMBIENT_ENABLEMENT_SELECTOR": SELECTOR_ENV,
+            "ZTUNNEL_UDS_ADDRESS": str(ztunnel_socket),
+            "NODE_NAME": NODE,
+            "POD_NAMESPACE": "istio-system",
+            "REPAIR_ENABLED": "false",
+        }
+        args = [
+            "nsenter",
+            f"--net={node_space.path}",
+            "--",
+            *install_cni_args(layout, health_port=health),
+            "--host-proc-dir=/proc",
+            "--cni-conf-name=10-calico.conflist",
+        ]
+        log = short_root / "install-cni.log"
+        with open(log, "wb") as output:
+            process = subprocess.Popen(args, env=env, stdout=output, stderr=subprocess.STDOUT)
+        ztunnel = ZtunnelStandin(ztunnel_socket)
+        try:
+            await eventually(lambda: readyz(node_space.path, health) == 200, "install-cni ready", 30)
+            await ztunnel.connect()
+            await ztunnel.wait_snapshot()
+            uid = str(uuid.uuid4())
+            with running_pod(uid) as pod:
+                created = ambient_pod(uid=uid)
+                created["spec"]["nodeName"] = NODE
+                kube.add_pod(created)
+                plugins = json.loads((layout.conf / "10-calico.conflist").read_text())["plugins"]
+                [entry] = [plugin for plugin in plugins if plugin["type"] == "istio-cni"]
+                config = {
+                    **entry,
+                    "cniVersion": "1.0.0",
+                    "name": "k8s-pod-network",
+                    "prevResult": PREV_RESULT,
+                }
+                cni_env = {
+                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                    "CNI_COMMAND": "ADD",
+                    "CNI_CONTAINERID": "abc123",
+                    "CNI_NETNS": str(pod.space.path),
+                    "CNI_IFNAME": "eth0",
+                    "CNI_PATH": "/opt/cni/bin",
+                    "CNI_ARGS": "K8S_POD_NAMESPACE=default;K8S_POD_NAME=app-1",
+                }
+                plugin = Path(sys.executable).parent / "istio-cni"
+                done = await asyncio.to_thread(
+                    subprocess.run,
+                    ["nsenter", f"--net={node_space.path}", "--", str(plugin)],
+                    input=json.dumps(config).encode(),
+                    env=cni_env,
+                    capture_output=True,
+                    check=False,
+                )
+                assert done.returncode == 0, done.stdout.decode() + done.stderr.decode() + log.read_text()
+                annotations = kube.pods[("default", "app-1")]["metadata"].get("annotations") or {}
+                assert annotations.get("ambient.istio.io/redirection") == "enabled"
+                assert "-A OUTPUT -j ISTIO_OUTPUT" in pod.space.exec("iptables-save")
+                assert "10.1.0.5" in node_space.exec("ipset", "list", "istio-inpod-probes-v4")
+                await ztunnel.wait_for(lambda zt: uid in zt.workloads)
+            process.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(process.wait, 15)
+            assert code == 0, log.read_text()
+            assert "istio-inpod-probes-v4" not in node_space.exec("ipset", "list", "-n")
+            assert "ISTIO_POSTRT" not in node_space.exec("iptables-save")
+            assert "istio-cni" not in (layout.conf / "10-calico.conflist").read_text()
+            assert "Traceback" not in log.read_text()
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            await ztunnel.stop()
+            await runner.cleanup()
