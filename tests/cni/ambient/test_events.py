@@ -194,7 +194,7 @@ def event(netns: Path, name: str = "app-1", namespace: str = "default", ip: str 
     ).encode()
 
 
-def annotations(kube: FakeKube, name: str = "app-1", namespace: str = "default") -> dict[str, str]:
+def pod_annotations(kube: FakeKube, name: str = "app-1", namespace: str = "default") -> dict[str, str]:
     return dict(kube.pods[(namespace, name)]["metadata"].get("annotations") or {})
 
 
@@ -255,19 +255,17 @@ async def test_an_ambient_pod_is_enrolled(agent: Agent, tmp_path: Path) -> None:
         "reviews",
     )
     assert sent_inode == inode
-    assert annotations(agent.kube)[REDIRECTION] == "enabled"
+    assert pod_annotations(agent.kube)[REDIRECTION] == "enabled"
     assert [p.uid for p in agent.dataplane.snapshot()] == [pod["metadata"]["uid"]]
     assert agent.requests("200") == 1
 
 
 async def test_the_pods_overrides_reach_the_rules(agent: Agent, tmp_path: Path) -> None:
-    extra = {
-        "annotations": {
-            "ambient.istio.io/bypass-inbound-capture": "true",
-            "ambient.istio.io/dns-capture": "false",
-        }
+    overrides = {
+        "ambient.istio.io/bypass-inbound-capture": "true",
+        "ambient.istio.io/dns-capture": "false",
     }
-    agent.cache[("default", "app-1")] = agent.kube.add_pod(ambient_pod(**extra))
+    agent.cache[("default", "app-1")] = agent.kube.add_pod(ambient_pod(annotations=overrides))
     (tmp_path / "netns").touch()
     status, _ = await agent.post(event(tmp_path / "netns"))
     assert status == 200
@@ -307,7 +305,7 @@ async def test_rules_that_fail_leave_the_pod_out_and_unannotated(agent: Agent, t
     status, text = await agent.post(event(tmp_path / "netns"))
     assert status == 500 and "iptables-restore: exit 1" in text
     assert agent.ztunnel.added == [] and agent.probes.ips == set()
-    assert REDIRECTION not in annotations(agent.kube)
+    assert REDIRECTION not in pod_annotations(agent.kube)
     assert agent.dataplane.snapshot() == []
 
 
@@ -319,7 +317,7 @@ async def test_without_ztunnel_the_pod_is_pending_and_the_add_fails(agent: Agent
     (tmp_path / "netns").touch()
     status, text = await agent.post(event(tmp_path / "netns"))
     assert status == 500 and "no ztunnel connection" in text
-    assert annotations(agent.kube)[REDIRECTION] == "pending"
+    assert pod_annotations(agent.kube)[REDIRECTION] == "pending"
     assert len(agent.rules.calls) == 1
     assert len(agent.dataplane.snapshot()) == 1  # it goes in the next ztunnel's snapshot
 
@@ -332,7 +330,7 @@ async def test_a_netns_that_does_not_exist_is_not_retried(agent: Agent, tmp_path
         )
     status, _ = await agent.post(event(tmp_path / "gone"))
     assert status == 500
-    assert agent.rules.calls == [] and REDIRECTION not in annotations(agent.kube)
+    assert agent.rules.calls == [] and REDIRECTION not in pod_annotations(agent.kube)
 
 
 async def test_removal_undoes_the_enrollment(agent: Agent, tmp_path: Path) -> None:
@@ -345,7 +343,7 @@ async def test_removal_undoes_the_enrollment(agent: Agent, tmp_path: Path) -> No
     assert [call[0] for call in agent.rules.calls] == ["apply", "remove"]
     assert agent.ztunnel.deleted == [pod["metadata"]["uid"]]
     assert agent.probes.ips == set()
-    assert REDIRECTION not in annotations(agent.kube)
+    assert REDIRECTION not in pod_annotations(agent.kube)
     assert agent.dataplane.snapshot() == []
 
 
@@ -392,7 +390,7 @@ async def test_the_plugin_enrolls_through_the_server(agent: Agent, tmp_path: Pat
     run = await run_plugin(env, config)
     assert run.code == 0, run.stdout + run.stderr
     assert agent.probes.ips == {"10.1.0.5"} and len(agent.ztunnel.added) == 1
-    assert annotations(agent.kube)[REDIRECTION] == "enabled"
+    assert pod_annotations(agent.kube)[REDIRECTION] == "enabled"
 
     agent.ztunnel.connected = False  # the next pod cannot be handed over: its ADD fails
     agent.cache[("default", "app-2")] = agent.kube.add_pod(ambient_pod("app-2"))

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +122,7 @@ async def kube(tmp_path: Path) -> AsyncIterator[FakeKube]:
 
 
 @pytest.fixture
-def short_root() -> AsyncIterator[Path]:
+def short_root() -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="amb-"))  # the event socket's path must stay under 108 bytes
     yield root
     shutil.rmtree(root, ignore_errors=True)

@@ -29,7 +29,7 @@ from tests.cni.fake_kube import FakeKube, sidecar_pod, start_fake_kube
 from tests.cni.test_plugin_exec import PREV_RESULT, Run, run_plugin
 
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
-HELM_SELECTORS = [
+HELM_SELECTORS: list[dict[str, Any]] = [
     {"podSelector": {"matchLabels": {"istio.io/dataplane-mode": "ambient"}}},
     {
         "podSelector": {

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from istio_agent.cni.ambient.dataplane import Dataplane, InpodRules, KubeAnnotator
+from istio_agent.cni.ambient.dataplane import Dataplane, HostProbes, InpodRules, KubeAnnotator, Ztunnel
 from istio_agent.cni.ambient.enrollment import Enrollment
 from istio_agent.cni.ambient.events import SOCKET_NAME, EventServer, reconcile_add_event
 from istio_agent.cni.ambient.selectors import EnablementSelector
@@ -114,8 +114,8 @@ def build(
     socket_dir: Path,
     registry: Registry,
     rules: InpodRules | None = None,
-    probes: Any = None,
-    ztunnel: Any = None,
+    probes: HostProbes | None = None,
+    ztunnel: Ztunnel | None = None,
     informer_options: dict[str, Any] | None = None,
 ) -> NodeAgent:
     """The node agent on its real parts; ``rules``, ``probes`` and ``ztunnel`` replace them (tests)."""
