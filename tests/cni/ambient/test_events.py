@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +43,16 @@ class FakeRules:
 
     calls: list[tuple[str, int, PodRedirect | None]] = field(default_factory=list)
     fail: Exception | None = None
+    gate: threading.Event | None = None
+    """When set, ``apply`` waits for it (after setting ``entered``)."""
+    entered: threading.Event = field(default_factory=threading.Event)
 
     def apply(self, netns: Path, pod: PodRedirect) -> None:
         if self.fail is not None:
             raise self.fail
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(10)
         self.calls.append(("apply", os.stat(netns).st_ino, pod))
 
     def remove(self, netns: Path) -> None:
@@ -357,6 +364,22 @@ async def test_removal_takes_out_the_ips_of_the_event_when_the_status_has_none(
     assert agent.probes.ips == {"10.1.0.5"}
     await agent.dataplane.remove_pod(agent.kube.pods[("default", "app-1")], deleted=True)
     assert agent.probes.ips == set()
+
+
+async def test_an_add_and_a_removal_of_one_pod_take_turns(agent: Agent, tmp_path: Path) -> None:
+    """The plugin's event and the watch may act on one pod at once: the removal waits for the add."""
+    pod = agent.kube.add_pod(ambient_pod())
+    (tmp_path / "netns").touch()
+    agent.rules.gate = threading.Event()
+    adding = asyncio.create_task(agent.dataplane.add_pod(pod, ["10.1.0.5"], str(tmp_path / "netns")))
+    assert await asyncio.to_thread(agent.rules.entered.wait, 10)
+    removing = asyncio.create_task(agent.dataplane.remove_pod(pod, deleted=True))
+    await asyncio.sleep(0.1)
+    assert agent.ztunnel.deleted == [] and not removing.done()
+    agent.rules.gate.set()
+    await asyncio.gather(adding, removing)
+    assert [p.uid for p, _ in agent.ztunnel.added] == agent.ztunnel.deleted == [pod["metadata"]["uid"]]
+    assert agent.probes.ips == set() and agent.dataplane.snapshot() == []
 
 
 # -- the real plugin against the real server ------------------------------------------------------------

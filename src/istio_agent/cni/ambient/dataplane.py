@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -193,6 +193,9 @@ class Dataplane:
         self.reconcile = reconcile
         """``AMBIENT_RECONCILE_POD_RULES_ON_STARTUP``: the initial snapshot applies the rules again."""
         self._pods: dict[str, _Entry] = {}
+        self._busy: dict[str, asyncio.Lock] = {}
+        """One operation at a time per pod: the plugin's event and the watch may both act on it."""
+        self._users: dict[str, int] = {}
 
     # -- the snapshot ztunnel gets on (re)connect ------------------------------------------------------
 
@@ -271,6 +274,28 @@ class Dataplane:
 
     async def add_pod(self, pod: Mapping[str, Any], ips: Sequence[str], netns: str) -> None:
         """Enroll ``pod`` (see the module); ``netns`` "" means: find it by the pod's UID."""
+        async with self._turn(pod_uid(pod)):
+            await self._add_pod(pod, ips, netns)
+
+    async def remove_pod(self, pod: Mapping[str, Any], *, deleted: bool) -> None:
+        """Unenroll ``pod``: probe set, rules (unless it is being deleted), ztunnel, annotation."""
+        async with self._turn(pod_uid(pod)):
+            await self._remove_pod(pod, deleted=deleted)
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, uid: str) -> AsyncIterator[None]:
+        """The pod's lock, forgotten once nobody holds or waits for it."""
+        lock = self._busy.setdefault(uid, asyncio.Lock())
+        self._users[uid] = self._users.get(uid, 0) + 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._users[uid] -= 1
+            if not self._users[uid]:
+                del self._users[uid], self._busy[uid]
+
+    async def _add_pod(self, pod: Mapping[str, Any], ips: Sequence[str], netns: str) -> None:
         uid, name = pod_uid(pod), _name(pod)
         log.info("pod %s: adding pod to the mesh", name)
         entry = _Entry(pod, None)
@@ -299,8 +324,7 @@ class Dataplane:
         entry.ips = list(ips)
         await self._annotate(pod, ENABLED)
 
-    async def remove_pod(self, pod: Mapping[str, Any], *, deleted: bool) -> None:
-        """Unenroll ``pod``: probe set, rules (unless it is being deleted), ztunnel, annotation."""
+    async def _remove_pod(self, pod: Mapping[str, Any], *, deleted: bool) -> None:
         uid, name = pod_uid(pod), _name(pod)
         log.info("pod %s: removing pod from mesh (deleted: %s)", name, deleted)
         entry = self._pods.pop(uid, None)
