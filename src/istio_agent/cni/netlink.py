@@ -26,10 +26,10 @@ RTM_NEWADDR, RTM_GETADDR = 20, 22
 RTM_NEWROUTE, RTM_DELROUTE, RTM_GETROUTE = 24, 25, 26
 RTM_NEWRULE, RTM_DELRULE, RTM_GETRULE = 32, 33, 34
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_DUMP = 0x1, 0x4, 0x300
-NLM_F_REPLACE, NLM_F_CREATE = 0x100, 0x400
+NLM_F_REPLACE, NLM_F_EXCL, NLM_F_CREATE = 0x100, 0x200, 0x400
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 RTA_OIF, RTA_TABLE = 4, 15
-FRA_FWMARK, FRA_TABLE = 10, 15
+FRA_PRIORITY, FRA_FWMARK, FRA_TABLE, FRA_FWMASK = 6, 10, 15, 16
 FR_ACT_TO_TBL = 1
 RTN_LOCAL = 2
 RTPROT_BOOT = 3
@@ -69,11 +69,39 @@ def has_mark_rule(family: str, mark: int, table: int) -> bool:
     return any(True for _ in _mark_rules(family, mark, table))
 
 
-def add_mark_rule(family: str, mark: int, table: int) -> None:
-    """``ip rule add fwmark <mark> lookup <table>`` (the kernel picks the priority, as ``ip`` lets it)."""
+def add_mark_rule(
+    family: str,
+    mark: int,
+    table: int,
+    *,
+    mask: int | None = None,
+    priority: int | None = None,
+    exclusive: bool = False,
+) -> None:
+    """``ip rule add fwmark <mark>[/<mask>] [pref <priority>] lookup <table>`` (without a priority the
+    kernel picks one, as ``ip`` lets it); ``exclusive``: FileExistsError when the same rule is there."""
+    flags = NLM_F_CREATE | (NLM_F_EXCL if exclusive else 0)
+    _request(RTM_NEWRULE, flags, mark_rule(family, mark, table, mask=mask, priority=priority))
+
+
+def delete_mark_rule(
+    family: str, mark: int, table: int, *, mask: int | None = None, priority: int | None = None
+) -> None:
+    """``ip rule del`` of exactly that rule; FileNotFoundError-style OSError (ENOENT) when it is not there."""
+    _request(RTM_DELRULE, 0, mark_rule(family, mark, table, mask=mask, priority=priority))
+
+
+def mark_rule(
+    family: str, mark: int, table: int, *, mask: int | None = None, priority: int | None = None
+) -> bytes:
+    """The ``fib_rule_hdr`` and attributes of ``fwmark <mark>[/<mask>] [pref <priority>] lookup <table>``."""
     body = _RTMSG.pack(_FAMILIES[family], 0, 0, 0, _header_table(table), 0, 0, FR_ACT_TO_TBL, 0)
-    body += _attribute(FRA_FWMARK, _U32.pack(mark)) + _attribute(FRA_TABLE, _U32.pack(table))
-    _request(RTM_NEWRULE, NLM_F_CREATE, body)
+    if priority is not None:
+        body += _attribute(FRA_PRIORITY, _U32.pack(priority))
+    body += _attribute(FRA_FWMARK, _U32.pack(mark))
+    if mask is not None:
+        body += _attribute(FRA_FWMASK, _U32.pack(mask))
+    return body + _attribute(FRA_TABLE, _U32.pack(table))
 
 
 def delete_mark_rules(family: str, mark: int, table: int) -> int:
@@ -86,12 +114,20 @@ def delete_mark_rules(family: str, mark: int, table: int) -> int:
 
 def replace_local_default_route(family: str, table: int, interface: str) -> None:
     """``ip route replace local default dev <interface> table <table>``."""
+    _request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE, _local_default_route(family, table, interface))
+
+
+def delete_local_default_route(family: str, table: int, interface: str) -> None:
+    """``ip route del local default dev <interface> table <table>``; OSError (ESRCH) when it is not there."""
+    _request(RTM_DELROUTE, 0, _local_default_route(family, table, interface))
+
+
+def _local_default_route(family: str, table: int, interface: str) -> bytes:
     body = _RTMSG.pack(
         _FAMILIES[family], 0, 0, 0, _header_table(table), RTPROT_BOOT, RT_SCOPE_HOST, RTN_LOCAL, 0
     )
     body += _attribute(RTA_OIF, _U32.pack(socket.if_nametoindex(interface)))
-    body += _attribute(RTA_TABLE, _U32.pack(table))
-    _request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_REPLACE, body)
+    return body + _attribute(RTA_TABLE, _U32.pack(table))
 
 
 def flush_table(family: str, table: int) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import socket
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,48 +22,15 @@ from istio_agent.cni.ambient.settings import MARK_RULE_PRIORITY, ROUTE_TABLE, TP
 from istio_agent.cni.netns import NO_DEADLINE, CommandError, Deadline, NamespaceError, in_namespace
 from istio_agent.logline import Scope
 
-FRA_PRIORITY, FRA_FWMASK = 6, 16
-NLM_F_EXCL = 0x200
 LO_IPV6_DISABLED = Path("/proc/sys/net/ipv6/conf/lo/disable_ipv6")
 """Read from a thread inside the namespace: ``/proc/sys/net`` shows the reader's namespace."""
 log = Scope("cni")
-_FAMILY = {"v4": socket.AF_INET, "v6": socket.AF_INET6}
+_MARK_RULE = {"mask": TPROXY_MASK, "priority": MARK_RULE_PRIORITY}
+"""``fwmark 0x111/0xfff pref 32764``, looking up ROUTE_TABLE."""
 
 
 def _families(ipv6: bool) -> tuple[str, ...]:
     return ("v4", "v6") if ipv6 else ("v4",)
-
-
-def _mark_rule(family: str) -> bytes:
-    """``fwmark 0x111/0xfff pref 32764 lookup 100`` as an ``fib_rule_hdr`` and its attributes."""
-    table = ROUTE_TABLE
-    body = netlink._RTMSG.pack(_FAMILY[family], 0, 0, 0, table, 0, 0, netlink.FR_ACT_TO_TBL, 0)
-    for kind, value in (
-        (FRA_PRIORITY, MARK_RULE_PRIORITY),
-        (netlink.FRA_FWMARK, TPROXY_MARK),
-        (FRA_FWMASK, TPROXY_MASK),
-        (netlink.FRA_TABLE, table),
-    ):
-        body += netlink._attribute(kind, netlink._U32.pack(value))
-    return body
-
-
-def _local_route(family: str) -> bytes:
-    """``local <any>/0 dev lo table 100`` (scope host)."""
-    body = netlink._RTMSG.pack(
-        _FAMILY[family],
-        0,
-        0,
-        0,
-        ROUTE_TABLE,
-        netlink.RTPROT_BOOT,
-        netlink.RT_SCOPE_HOST,
-        netlink.RTN_LOCAL,
-        0,
-    )
-    body += netlink._attribute(netlink.RTA_OIF, netlink._U32.pack(socket.if_nametoindex("lo")))
-    body += netlink._attribute(netlink.RTA_TABLE, netlink._U32.pack(ROUTE_TABLE))
-    return body
 
 
 def _lo_has_ipv6() -> bool:
@@ -92,11 +59,9 @@ def ensure(ipv6: bool, *, netns: Path | None = None, deadline: Deadline = NO_DEA
             if family == "v6" and not _lo_has_ipv6():
                 log.debug("IPv6 is on, but lo has IPv6 disabled: no IPv6 loopback route")
             else:
-                netlink._request(
-                    netlink.RTM_NEWROUTE, netlink.NLM_F_CREATE | netlink.NLM_F_REPLACE, _local_route(family)
-                )
-            with contextlib.suppress(FileExistsError):  # already there: EEXIST, thanks to EXCL
-                netlink._request(netlink.RTM_NEWRULE, netlink.NLM_F_CREATE | NLM_F_EXCL, _mark_rule(family))
+                netlink.replace_local_default_route(family, ROUTE_TABLE, "lo")
+            with contextlib.suppress(FileExistsError):  # already there: EEXIST, thanks to exclusive
+                netlink.add_mark_rule(family, TPROXY_MARK, ROUTE_TABLE, exclusive=True, **_MARK_RULE)
 
     what = ("ip", "rule", "add", "fwmark", f"{TPROXY_MARK:#x}/{TPROXY_MASK:#x}", "lookup", str(ROUTE_TABLE))
     _step(what, netns, deadline, add)
@@ -107,12 +72,12 @@ def remove(ipv6: bool, *, netns: Path | None = None, deadline: Deadline = NO_DEA
 
     def take_away() -> None:
         for family in _families(ipv6):
-            for kind, body in (
-                (netlink.RTM_DELRULE, _mark_rule(family)),
-                (netlink.RTM_DELROUTE, _local_route(family)),
+            for delete in (
+                functools.partial(netlink.delete_mark_rule, family, TPROXY_MARK, ROUTE_TABLE, **_MARK_RULE),
+                functools.partial(netlink.delete_local_default_route, family, ROUTE_TABLE, "lo"),
             ):
                 try:
-                    netlink._request(kind, 0, body)
+                    delete()
                 except OSError as err:
                     if err.errno not in (errno.ENOENT, errno.ESRCH):
                         raise
