@@ -16,11 +16,11 @@ import shutil
 import subprocess
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -37,6 +37,7 @@ from tests.cni.fake_kube import FakeKube, start_fake_kube
 from tests.cni.netns import Netns, needs_root, netns, sh
 
 NODE = "node-1"
+T = TypeVar("T")
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
 REDIRECTION = "ambient.istio.io/redirection"
 CGROUPS = Path("/sys/fs/cgroup")
@@ -205,6 +206,15 @@ async def eventually(condition: Callable[[], bool], what: str, timeout: float = 
         async with asyncio.timeout(timeout):
             while not condition():
                 await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout}s: {what}") from None
+
+
+async def bounded(step: Awaitable[T], what: str, timeout: float = 20.0) -> T:
+    """``step``, or a failure naming it when it takes longer than ``timeout``."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await step
     except TimeoutError:
         raise AssertionError(f"not within {timeout}s: {what}") from None
 
@@ -441,7 +451,7 @@ async def test_real_parts_a_pod_is_enrolled_by_the_plugin_and_removed_by_unlabel
             probes=probes,
         )
         node.agent = agent
-        await agent.start()
+        await bounded(agent.start(), "the node agent starts")
         ztunnel = ZtunnelStandin(settings.ztunnel_socket)
         await ztunnel.connect()
         try:
@@ -465,7 +475,7 @@ async def test_real_parts_a_pod_is_enrolled_by_the_plugin_and_removed_by_unlabel
                 "CNI_PATH": "/opt/cni/bin",
                 "CNI_ARGS": "K8S_POD_NAMESPACE=default;K8S_POD_NAME=app-1",
             }
-            run = await run_plugin(env, config)
+            run = await bounded(run_plugin(env, config), "the plugin's ADD")
             assert run.code == 0, run.stdout + run.stderr
             assert node.annotation("app-1") == "enabled"
             assert "-A OUTPUT -j ISTIO_OUTPUT" in pod.space.exec("iptables-save")
@@ -480,9 +490,9 @@ async def test_real_parts_a_pod_is_enrolled_by_the_plugin_and_removed_by_unlabel
             assert "ISTIO_OUTPUT" not in pod.space.exec("iptables-save")
             assert "10.1.0.5" not in host.exec("ipset", "list", "istio-inpod-probes-v4")
         finally:
-            await ztunnel.stop()
-            await node.stop_agent()
-            await asyncio.to_thread(probes.uninstall)
+            await bounded(ztunnel.stop(), "the ztunnel stand-in stops")
+            await bounded(node.stop_agent(), "the node agent stops")
+            await bounded(asyncio.to_thread(probes.uninstall), "the probe rules go")
 
 
 def connect_from(space: Netns, address: tuple[str, int]) -> str:
@@ -562,10 +572,10 @@ async def test_real_parts_a_restarted_agent_leaves_enrolled_pods_as_they_are(nod
             version = node.kube.pods[("default", "app-1")]["metadata"]["resourceVersion"]
             proxy = ztunnel.workloads[uid]
 
-            await node.stop_agent()
+            await bounded(node.stop_agent(), "the node agent stops")
             await ztunnel.wait_for(lambda zt: not zt.snapshot_received or not zt.connected)
             received = len(ztunnel.received)
-            await start()
+            await bounded(start(), "the node agent starts again")
             await ztunnel.wait_snapshot()
             await settled(node)
             assert ztunnel.received[received:] == [("add", uid), ("snapshot", "")]
@@ -576,6 +586,6 @@ async def test_real_parts_a_restarted_agent_leaves_enrolled_pods_as_they_are(nod
             answer = await asyncio.to_thread(connect_from, pod.space, ("1.2.3.4", 80))
             assert answer == f"ztunnel-standin {uid} 15001"
         finally:
-            await ztunnel.stop()
-            await node.stop_agent()
-            await asyncio.to_thread(probes.uninstall)
+            await bounded(ztunnel.stop(), "the ztunnel stand-in stops")
+            await bounded(node.stop_agent(), "the node agent stops")
+            await bounded(asyncio.to_thread(probes.uninstall), "the probe rules go")
