@@ -16,7 +16,6 @@ stall until the next agent); stopping for good takes them out.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +158,3 @@ async def wait_ready(agent: NodeAgent, timeout: float) -> None:
     async with asyncio.timeout(timeout):
         while not agent.ready:
             await asyncio.sleep(0.01)
-
-
-__all__: Sequence[str] = ("AmbientSettings", "ModuleRules", "NodeAgent", "build", "wait_ready")
