@@ -12,6 +12,7 @@ redirected to.
 
 from __future__ import annotations
 
+import functools
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -44,9 +45,10 @@ class GuardedClient:
     def __init__(
         self, guard: DialGuard, *, skip_verify: SkipVerify = _verify_all, keepalive: bool = False
     ) -> None:
-        self._guard = guard
-        self._skip_verify = skip_verify
-        self._client = Client(connector=self.connect, keepalive=keepalive)
+        # The connector holds the guard and the predicate, not this object: a bound method would make
+        # a cycle through the client, keeping its last connection and buffers (a whole module) until
+        # the cyclic GC ran.
+        self._client = Client(connector=functools.partial(_connect, guard, skip_verify), keepalive=keepalive)
 
     @asynccontextmanager
     async def send(
@@ -106,15 +108,16 @@ class GuardedClient:
         """Close the kept-alive connections (a later request opens new ones)."""
         await self._client.aclose()
 
-    async def connect(self, url: URL) -> Stream:
-        """The client's connector: through the guard, TLS verified unless ``skip_verify(url)``."""
-        tls = None
-        if url.scheme == "https":
-            tls = unverified_tls() if self._skip_verify(url) else default_tls()
-        try:
-            return await open_guarded_stream(url.host, url.port, tls=tls, guard=self._guard)
-        except OSError as err:  # refused, unreachable, no such host, TLS handshake
-            raise ConnectError(url.address, err) from None
+
+async def _connect(guard: DialGuard, skip_verify: SkipVerify, url: URL) -> Stream:
+    """The client's connector: through the guard, TLS verified unless ``skip_verify(url)``."""
+    tls = None
+    if url.scheme == "https":
+        tls = unverified_tls() if skip_verify(url) else default_tls()
+    try:
+        return await open_guarded_stream(url.host, url.port, tls=tls, guard=guard)
+    except OSError as err:  # refused, unreachable, no such host, TLS handshake
+        raise ConnectError(url.address, err) from None
 
 
 def follow(url: URL, location: str) -> URL:
