@@ -265,6 +265,11 @@ async def test_relabelling_a_namespace_enrolls_its_running_pods_and_unlabelling_
         assert sorted(node.ztunnel.deleted) == sorted([one, two])
         assert node.probes.entries == {}
         assert node.agent is not None and node.agent.dataplane.snapshot() == []
+        events = node.agent.enrollment.events
+        # Istio's count: the 3 pods of this node and the 2 namespaces listed (add), the 2 relabellings
+        # and the 2 annotation changes of each pod of "default" (update).
+        assert events.labels(type="add").value == 5 and events.labels(type="update").value >= 6
+        assert events.labels(type="delete").value == 0
 
 
 @needs_root

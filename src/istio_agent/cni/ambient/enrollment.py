@@ -45,6 +45,7 @@ from istio_agent.cni.kube import KubeClient, PodList, WatchEvent
 from istio_agent.cni.repair.informer import Key, PodInformer
 from istio_agent.cni.repair.queue import WorkQueue
 from istio_agent.log import scope
+from istio_agent.metrics import Registry
 
 log = scope("cni-agent")
 
@@ -103,6 +104,7 @@ class Enrollment:
         node_name: str,
         system_namespace: str,
         informer_options: Mapping[str, Any] | None = None,
+        registry: Registry | None = None,
     ) -> None:
         self.dataplane = dataplane
         self.selectors = tuple(selectors)
@@ -123,6 +125,12 @@ class Enrollment:
             describe=lambda key: "/".join(cast(Key, key)),
         )
         self._seen: dict[Key, Mapping[str, Any]] = {}
+        self._seen_namespaces: set[str] = set()
+        self._reconciled: set[Key] = set()
+        self.events = (registry or Registry(prefix="istio_")).counter(
+            "nodeagent_reconcile_events_total", "The total number of node agent reconcile events.", ["type"]
+        )
+        """Istio's count of pod and namespace changes handled, by type (add, update, delete)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._queue_task: asyncio.Task[None] | None = None
 
@@ -183,7 +191,12 @@ class Enrollment:
     def _namespace_changed(self, key: Key) -> None:
         name = key[1]
         ns = self.namespace(name)
-        if ns is not None:
+        if ns is None:
+            self._seen_namespaces.discard(name)
+            self.events.labels(type="delete").inc()
+        else:
+            self.events.labels(type="update" if name in self._seen_namespaces else "add").inc()
+            self._seen_namespaces.add(name)
             state = "enabled in" if namespace_selected(self.selectors, labels_of(ns)) else "disabled from"
             log.info("namespace %s is %s ambient mesh", name, state)
         for pod_key, pod in list(self.pods.pods.items()):
@@ -198,6 +211,12 @@ class Enrollment:
     async def _reconcile(self, key: Key) -> None:
         pod = self.pods.pods.get(key)
         seen = self._seen.get(key)
+        kind = "delete" if pod is None else "update" if key in self._reconciled else "add"
+        self.events.labels(type=kind).inc()
+        if pod is None:
+            self._reconciled.discard(key)
+        else:
+            self._reconciled.add(key)
         if seen is not None and (pod is None or pod_uid(pod) != pod_uid(seen)):
             await self._deleted(seen)
             self._seen.pop(key, None)

@@ -147,6 +147,7 @@ def build(
         node_name=settings.node_name,
         system_namespace=settings.system_namespace,
         informer_options=informer_options,
+        registry=registry,
     )
     return NodeAgent(
         enrollment=enrollment, dataplane=dataplane, socket_path=socket_dir / SOCKET_NAME, registry=registry
