@@ -17,10 +17,17 @@
 - **The API server** is the FAKE one of the plugin tests (``tests/cni/fake_kube.py``: no real one
   runs here), on the node's loopback, where the plugin reaches it through the kubeconfig install-cni
   writes.
+- **Ambient** (``cri_node(ambient=True)``): install-cni gets the chart's ambient values
+  (:data:`AMBIENT_CHART_ENV`) and the DaemonSet's ambient mounts (:class:`AmbientMounts`): the node's
+  ztunnel socket directory at ``/var/run/ztunnel`` and containerd's directory of pod network
+  namespaces under ``/host``, receiving the runtime's later mounts (``HostToContainer``). The
+  DaemonSet ``istio-cni-node`` is in the API server, so a restart of install-cni is an upgrade (Istio's
+  ``ShouldStopCleanup``); it is deleted before the node's own stop, an uninstall.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -28,7 +35,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +85,88 @@ CHART_ENV = {
     "POD_NAME": "istio-cni-node-x7k2p",
     "POD_NAMESPACE": "istio-system",
 }
+AMBIENT_CHART_ENV = {
+    # the same ConfigMap with ambient.enabled=true and the chart's other ambient defaults (values.yaml:
+    # enablementSelectors, dnsCapture, ipv6, reconcileIptablesOnStartup, enableAmbientDetectionRetry);
+    # the selectors as the chart renders them (toYaml)
+    "AMBIENT_ENABLED": "true",
+    "AMBIENT_ENABLEMENT_SELECTOR": (
+        "- podSelector:\n"
+        "    matchLabels:\n"
+        "      istio.io/dataplane-mode: ambient\n"
+        "- namespaceSelector:\n"
+        "    matchLabels:\n"
+        "      istio.io/dataplane-mode: ambient\n"
+        "  podSelector:\n"
+        "    matchExpressions:\n"
+        "    - key: istio.io/dataplane-mode\n"
+        "      operator: NotIn\n"
+        "      values:\n"
+        "      - none\n"
+    ),
+    "AMBIENT_DNS_CAPTURE": "true",
+    "AMBIENT_IPV6": "true",
+    "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP": "false",
+    "ENABLE_AMBIENT_DETECTION_RETRY": "false",
+}
+ZTUNNEL_DIR = "/var/run/ztunnel"
+"""Where the DaemonSet mounts the host's ``/var/run/ztunnel`` (``cni-ztunnel-sock-dir``), same path;
+the node agent's default ``ZTUNNEL_UDS_ADDRESS`` is ``ztunnel.sock`` there."""
+HOST_MOUNTS = "/host"
+"""Istio's ``HostMountsPath``: the DaemonSet mounts the host's ``cniNetnsDir`` at ``/host/var/run/netns``,
+and the node agent opens a plugin event's netns path under it (``openNetnsInRoot``)."""
+DAEMONSET = {"metadata": {"name": "istio-cni-node", "namespace": "istio-system"}}
+
+
+@dataclass
+class AmbientMounts:
+    """The DaemonSet's ambient mounts, with the node's paths: ztunnel's socket directory, and the
+    directory where the runtime pins pod network namespaces (``cniNetnsDir``: containerd's own here).
+
+    ``netns_at_same_path`` also mounts that directory at its host path (besides ``/host`` + it),
+    which Istio's chart does not: for a node agent that opens the event's path as it is."""
+
+    ztunnel_dir: Path
+    netns_dir: Path
+    netns_at_same_path: bool = False
+
+    @property
+    def ztunnel_socket(self) -> Path:
+        return self.ztunnel_dir / "ztunnel.sock"
+
+    def binds(self) -> list[tuple[Path, str, bool]]:
+        binds = [
+            (self.ztunnel_dir, ZTUNNEL_DIR, False),
+            (self.netns_dir, f"{HOST_MOUNTS}{self.netns_dir}", False),
+        ]
+        if self.netns_at_same_path:
+            binds.append((self.netns_dir, str(self.netns_dir), False))
+        return binds
+
+
+@contextlib.contextmanager
+def kubelet_process(directory: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A process the node agent takes for the kubelet (comm and command line ``kubelet``, root as
+    kubelet runs): with native nftables it finds kubelet's uid in ``/proc`` at start (Istio's
+    ``kubeletuid_linux.go``) to SNAT only kubelet's probes. The test is the kubelet here (its CRI
+    client); this process only stands for it in ``/proc``. Ended on exit."""
+    program = directory / "kubelet"
+    shutil.copy2(shutil.which("sleep") or "/bin/sleep", program)
+    process = subprocess.Popen([str(program), "infinity"])
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+def share_mounts_below(directory: Path) -> None:
+    """Make ``directory`` a shared mount point, so the binds of it in install-cni's mount namespace
+    (slaves there) receive the runtime's later mounts below it (``mountPropagation: HostToContainer``).
+    The node's ``Containerd.stop`` unmounts it with everything under its directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True)
+    subprocess.run(["mount", "--make-shared", str(directory)], check=True)
 
 
 def injected_pod(name: str, namespace: str = "default") -> dict[str, Any]:
@@ -112,11 +201,67 @@ class CriNode:
     containerd: Containerd
 
     api_stopped: bool = False
+    ambient: AmbientMounts | None = None
+    env: Mapping[str, str] | None = None
+    """Chart values other than the defaults, for every start of install-cni."""
+    install_cni: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    """How many times install-cni was started (each start has a container directory of its own)."""
 
     @property
     def kube(self) -> FakeKube:
         assert self.api.kube is not None
         return self.api.kube
+
+    @property
+    def install_cni_log(self) -> Path:
+        return self.base / "install-cni.log"
+
+    def kube_call(self, write: Callable[[], Any]) -> Any:
+        """Run ``write`` (a change of the FAKE API server's state) on the server's loop, so that the
+        watches it wakes are woken there (``FakeKube`` is not thread-safe); its result."""
+        loop = self.api._loop  # ApiServerOnNode has no public handle on its loop
+        assert loop is not None
+
+        async def call() -> Any:
+            return write()
+
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
+
+    def start_install_cni(self) -> subprocess.Popen[bytes]:
+        """install-cni's container started again (a new container directory, as a new pod of the
+        DaemonSet has); returns once its program runs."""
+        self.starts += 1
+        workdir = self.base / f"install-cni-container-{self.starts}"
+        self.install_cni = start_install_cni(
+            self.layout,
+            self.node,
+            self.kube.port,
+            self.kube.ca_pem,
+            self.install_cni_log,
+            ambient=self.ambient,
+            workdir=workdir,
+            env=self.env,
+        )
+        return self.install_cni
+
+    def assert_in_image_root(self) -> None:
+        """install-cni's program runs chrooted in its container's root (once it has started: the
+        container's script says it is ready just before its ``exec chroot``)."""
+        assert self.install_cni is not None
+        running_in = os.readlink(f"/proc/{self.install_cni.pid}/root")
+        assert running_in == str(self.base / f"install-cni-container-{self.starts}" / "root"), running_in
+
+    def stop_install_cni(self) -> int:
+        """SIGTERM, as the kubelet stops the container; its exit code."""
+        assert self.install_cni is not None
+        self.install_cni.terminate()
+        try:
+            return self.install_cni.wait(15)
+        except subprocess.TimeoutExpired:
+            self.install_cni.kill()
+            self.install_cni.wait()
+            raise
 
     @property
     def ipam_dir(self) -> Path:
@@ -149,14 +294,27 @@ def node_conflist(ipam_dir: Path) -> dict[str, Any]:
 
 
 def start_install_cni(
-    layout: InstallLayout, node: Node, api_port: int, ca_pem: bytes, log: Path
+    layout: InstallLayout,
+    node: Node,
+    api_port: int,
+    ca_pem: bytes,
+    log: Path,
+    *,
+    ambient: AmbientMounts | None = None,
+    workdir: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """install-cni as the DaemonSet runs it: the install-cni image's own program, chrooted into the
     image's root (an overlay on the unpacked archive, in a mount namespace of its own), in the node's
     network namespace, with the image's ENV plus the chart's. Its host paths (the node's CNI conf and bin
     directories, the run directory and the service account) are bind-mounted into that root at the paths
     the test uses outside, as the chart mounts ``/var/run/istio-cni`` at the same path on both sides:
-    the plugin it configures runs on the node and must find those paths there too."""
+    the plugin it configures runs on the node and must find those paths there too.
+
+    ``ambient``: the chart's ambient values and the DaemonSet's ambient mounts; install-cni's mount
+    namespace is then a slave of the test's, so mounts the runtime makes later under a shared host path
+    reach it. ``workdir``: the container's directory (its overlay), new for each start. ``env``: chart
+    values other than the defaults (``NATIVE_NFTABLES``: the chart's ``global.nativeNftables``)."""
     (layout.sa / "ca.crt").write_bytes(ca_pem)
     (layout.sa / "token").write_text(FAKE_TOKEN)
     env = {
@@ -164,16 +322,28 @@ def start_install_cni(
         "KUBERNETES_SERVICE_HOST": "127.0.0.1",
         "KUBERNETES_SERVICE_PORT": str(api_port),
         **CHART_ENV,
+        **(AMBIENT_CHART_ENV if ambient is not None else {}),
+        **(env or {}),
     }
     layout.run.mkdir(exist_ok=True)
     binds = [(path, str(path), False) for path in (layout.conf, layout.bin, layout.run)]
     binds.append((layout.sa, str(layout.sa), True))
-    workdir = log.parent / "install-cni-container"
+    if ambient is not None:
+        binds += ambient.binds()
+    workdir = workdir or log.parent / "install-cni-container"
     workdir.mkdir()
     ready_read, ready_write = os.pipe()
     script = image_root_script(image_root("install-cni"), binds, workdir, ready_write)
     args = install_cni_args(layout, program=IMAGE_INSTALL_CNI)
-    command = ["nsenter", f"--net={node.netns.path}", "--", "unshare", "--mount", "--propagation=private"]
+    propagation = "slave" if ambient is not None else "private"
+    command = [
+        "nsenter",
+        f"--net={node.netns.path}",
+        "--",
+        "unshare",
+        "--mount",
+        f"--propagation={propagation}",
+    ]
     command += ["bash", "-c", script, "bash", *args, "--host-proc-dir=/proc"]
     try:
         with log.open("ab") as output:
@@ -194,10 +364,19 @@ def start_install_cni(
 
 
 @contextlib.contextmanager
-def cri_node(base: Path, *, path_prefix: Sequence[Path] = ()) -> Iterator[CriNode]:
+def cri_node(
+    base: Path,
+    *,
+    path_prefix: Sequence[Path] = (),
+    ambient: bool = False,
+    netns_at_same_path: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[CriNode]:
     """The started node; on exit every sandbox is removed and every process, mount and namespace ended.
 
-    ``path_prefix``: directories put first on containerd's PATH (the plugins it execs inherit it)."""
+    ``path_prefix``: directories put first on containerd's PATH (the plugins it execs inherit it).
+    ``ambient``: install-cni in ambient mode (the module's "Ambient"); ``netns_at_same_path``: see
+    :class:`AmbientMounts`; ``env``: chart values other than the defaults."""
     reason = unavailable("install-cni")
     if reason is not None:
         pytest.skip(reason)
@@ -210,24 +389,31 @@ def cri_node(base: Path, *, path_prefix: Sequence[Path] = ()) -> Iterator[CriNod
     layout.conf, layout.bin = conf_dir, bin_dir
     layout.source = Path("/opt/cni/bin")  # in the image's root, where install-cni runs
     prefix = os.pathsep.join(str(p) for p in path_prefix)
-    with running_node(base / "node") as node:
+    with contextlib.ExitStack() as stack, running_node(base / "node") as node:
         conflist = conf_dir / CONFLIST
         conflist.write_text(json.dumps(node_conflist(node.ipam_dir), indent=2))
         with running_containerd(
             base / "containerd", node.netns.path, conf_dir, bin_dir, path_prefix=prefix
         ) as runtime:
-            cri = CriNode(base, node, ApiServerOnNode(node, base / "kube"), layout, runtime)
+            cri = CriNode(base, node, ApiServerOnNode(node, base / "kube"), layout, runtime, env=env)
+            if ambient:
+                share_mounts_below(runtime.netns_dir)
+                cri.ambient = AmbientMounts(base / "ztunnel", runtime.netns_dir, netns_at_same_path)
+                cri.ambient.ztunnel_dir.mkdir()
+                cri.kube.daemonsets[("istio-system", "istio-cni-node")] = DAEMONSET
             try:
-                log = base / "install-cni.log"
-                process = start_install_cni(layout, node, cri.kube.port, cri.kube.ca_pem, log)
+                if ambient:
+                    stack.enter_context(kubelet_process(base))
+                process = cri.start_install_cni()
                 try:
-                    wait_for_chaining(runtime, conflist, process, log)
-                    running_in = os.readlink(f"/proc/{process.pid}/root")
-                    assert running_in == str(base / "install-cni-container" / "root"), running_in
+                    wait_for_chaining(runtime, conflist, process, cri.install_cni_log)
+                    cri.assert_in_image_root()
                     yield cri
                 finally:
-                    process.terminate()
-                    process.wait(15)
+                    # an uninstall, not an upgrade: the node agent takes its host rules out
+                    cri.kube.daemonsets.clear()
+                    if cri.install_cni is not None and cri.install_cni.poll() is None:
+                        cri.stop_install_cni()
             finally:
                 if not cri.api_stopped:
                     cri.api.stop()
