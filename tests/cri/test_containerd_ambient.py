@@ -281,13 +281,18 @@ def probe_set(cri: CriNode, backend: str) -> str:
     return sh(*in_netns(cri.node.netns.path, argv))
 
 
-def connect_from(sandbox: Sandbox, address: tuple[str, int] = ANYWHERE) -> str:
-    """Connect from inside the sandbox (as its app would) and read the first line answered."""
-    sock = socket_in(sandbox.netns)
+def connect(netns_path: Path, address: tuple[str, int]) -> str:
+    """Connect from inside a network namespace and read the first line answered."""
+    sock = socket_in(netns_path)
     with sock:
         sock.settimeout(5)
         sock.connect(address)
         return sock.makefile().readline().strip()
+
+
+def connect_from(sandbox: Sandbox, address: tuple[str, int] = ANYWHERE) -> str:
+    """Connect from inside the sandbox (as its app would) and read the first line answered."""
+    return connect(sandbox.netns, address)
 
 
 def runs_proxy_for(ztunnel: StandinOnNode, sandbox: Sandbox, uid: str) -> None:
@@ -327,6 +332,41 @@ def test_a_pod_in_an_ambient_namespace_is_enrolled_when_its_sandbox_runs(
     ztunnel.wait_for(lambda zt: uid not in zt.workloads)
     assert ("del", uid) in ztunnel.received()
     assert sandbox.ip not in probe_set(cri, backend)
+    assert leftovers(cri) == NOTHING_LEFT
+
+
+def test_through_the_nodes_bridge_inbound_lands_on_ztunnel_and_the_kubelets_probe_on_the_app(
+    cri: CriNode, ztunnel: StandinOnNode, backend: str
+) -> None:
+    """Traffic as the node carries it (containerd's sandboxes on Debian's bridge): a connection from a
+    pod outside the mesh to an enrolled pod's app port lands on ztunnel's inbound 15006, to 15008 on
+    its HBONE listener; the kubelet's probe (a node socket of kubelet's uid, root here) is SNATed by the
+    node agent's host rules to 169.254.7.127 and reaches the app itself."""
+    namespace(cri, "amb", AMBIENT)
+    namespace(cri, "plain")
+    with sandboxes(cri) as made:
+        web, uid = run_pod(cri, "web-1", "amb")
+        made.append(web)
+        client, _ = run_pod(cri, "client-1", "plain")
+        made.append(client)
+        runs_proxy_for(ztunnel, web, uid)
+        assert connect(client.netns, (web.ip, 8080)) == f"ztunnel-standin {uid} 15006"
+        assert connect(client.netns, (web.ip, 15008)) == f"ztunnel-standin {uid} 15008"
+
+        app = socket_in(web.netns)
+        with app:
+            app.bind(("0.0.0.0", 8080))
+            app.listen(4)
+            app.settimeout(5)
+            probe = socket_in(cri.node.netns.path)
+            with probe:
+                probe.settimeout(5)
+                probe.connect((web.ip, 8080))
+                conn, peer = app.accept()
+                with conn:
+                    conn.sendall(b"ok\n")
+                assert probe.recv(3) == b"ok\n"  # the reply goes back through the SNAT
+        assert peer[0] == "169.254.7.127"
     assert leftovers(cri) == NOTHING_LEFT
 
 
