@@ -1,19 +1,32 @@
 """Ambient mode under a real container runtime: containerd's CRI runs the sandboxes, install-cni runs
 as it ships with the chart's ambient values and mounts (``cluster.py``), and a ztunnel stand-in
 (``tests/cni/ambient/ztunnel_standin.py``, written from ztunnel's source) serves on the node, on the
-ztunnel socket install-cni's DaemonSet mounts.
+ztunnel socket directory install-cni's DaemonSet mounts. One node per backend: the chart's iptables
+(its default) and native nftables (``global.nativeNftables``).
 
 - a pod whose namespace is labelled ``istio.io/dataplane-mode=ambient`` created with RunPodSandbox is
   enrolled: its sandbox holds exactly what Istio's golden ``default_ipv6`` (the chart's DNS capture
-  and IPv6) installs, and the fwmark rule and loopback route of table 100; the stand-in got an add
-  with the sandbox's netns (a connection from inside it to any address reaches the stand-in's 15001);
-  its IP is in the node's probe set; the pod is annotated ``ambient.istio.io/redirection: enabled``;
+  and IPv6) installs, and the fwmark rule of both families; the stand-in got an add with the
+  sandbox's netns (a connection from inside it to any address reaches the stand-in's 15001); its IP
+  is in the node's probe set; the pod is annotated ``ambient.istio.io/redirection: enabled``;
+- across the node's bridge, a connection from a pod outside the mesh to its app port lands on the
+  stand-in's 15006 (15008 on its HBONE listener), and a probe from the node as kubelet's uid is SNATed
+  to 169.254.7.127 and reaches the app;
 - a running pod whose namespace is relabelled ambient is enrolled by the node agent's watch, and
-  unenrolled when relabelled ``none`` (rules, probe set entry, annotation gone; the stand-in's delete);
+  unenrolled when relabelled ``none`` or unlabelled (rules, probe set entry, annotation gone; the
+  stand-in's delete);
 - ztunnel restarted: the new one gets the enrolled pods in its snapshot;
 - install-cni restarted (an upgrade: its DaemonSet stays): the running pods' rules stay byte for byte,
-  the reconnecting stand-in's snapshot has them;
-- StopPodSandbox and RemovePodSandbox: the stand-in's delete, nothing left on the node.
+  the reconnecting stand-in's snapshot has them, new pods are enrolled by the new agent;
+- a pod deleted (the API server's graceful deletion, StopPodSandbox, RemovePodSandbox): the
+  stand-in's delete, its IP out of the probe set, nothing left on the node;
+- at the end install-cni stops with its DaemonSet gone (an uninstall): the node's rules, sets and
+  the plugin go.
+
+Known gaps, pinned (see docs/cni.md): the install-cni image has no ``ipset``, so the iptables node
+cannot start (its tests xfail until it has); the node agent opens a plugin event's netns path as it
+is, not under ``/host`` where the DaemonSet mounts it, so the module's nodes also mount the runtime's
+netns directory at its own path, and a node with only the DaemonSet's mount fails (strict xfail).
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from tests.cni.ambient.ztunnel_standin import ZtunnelStandin
 from tests.cni.fake_kube import now_rfc3339
 from tests.cni.netns import in_netns, netns, sh, socket_in
 from tests.cri.cluster import (
+    CONFLIST,
     HOST_MOUNTS,
     NOTHING_LEFT,
     CriNode,
@@ -133,8 +147,29 @@ def cri(backend: str) -> Iterator[CriNode]:
     try:
         with cri_node(base, ambient=True, netns_at_same_path=True, env=env) as node:
             yield node
+            uninstall(node)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def uninstall(cri: CriNode) -> None:
+    """install-cni stopped with its DaemonSet gone (an uninstall): it exits cleanly and takes the node
+    agent's host rules and probe sets, and the plugin, off the node."""
+    cri.kube.daemonsets.clear()
+    assert cri.stop_install_cni() == 0, cri.install_cni_log.read_text()
+    node = cri.node.netns.path
+    assert "istio" not in sh(*in_netns(node, ["nft", "list", "tables"]))
+    for command in (
+        "iptables-nft-save",
+        "iptables-legacy-save",
+        "ip6tables-nft-save",
+        "ip6tables-legacy-save",
+    ):
+        assert "ISTIO" not in sh(*in_netns(node, [command])), command
+    if shutil.which("ipset"):
+        assert "istio" not in sh(*in_netns(node, ["ipset", "list", "-n"]))
+    assert "istio-cni" not in (cri.layout.conf / CONFLIST).read_text()
+    assert "Traceback" not in cri.install_cni_log.read_text()
 
 
 @pytest.fixture(scope="module")
