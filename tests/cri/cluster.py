@@ -22,7 +22,11 @@
   ztunnel socket directory at ``/var/run/ztunnel`` and containerd's directory of pod network
   namespaces under ``/host``, receiving the runtime's later mounts (``HostToContainer``). The
   DaemonSet ``istio-cni-node`` is in the API server, so a restart of install-cni is an upgrade (Istio's
-  ``ShouldStopCleanup``); it is deleted before the node's own stop, an uninstall.
+  ``ShouldStopCleanup``); it is deleted before the node's own stop, an uninstall. A process named
+  ``kubelet`` stands for the kubelet in ``/proc`` (:func:`kubelet_process`). install-cni still runs in
+  the node's network namespace, as with the chart's ``ambient.shareHostNetworkNamespace``; by default
+  Istio 1.28's chart gives it a pod network namespace and its node agent enters the host's
+  (``ALLOW_SWITCH_TO_HOST_NS``, ``/host/proc/1/ns/net``) for the host's rules, which ours does not do.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ ztunnel socket directory install-cni's DaemonSet mounts. One node per backend: t
 - at the end install-cni stops with its DaemonSet gone (an uninstall): the node's rules, sets and
   the plugin go.
 
-Known gaps, pinned (see docs/cni.md): the install-cni image has no ``ipset``, so the iptables node
+Known gaps, pinned: the install-cni image has no ``ipset``, so the iptables node
 cannot start (its tests xfail until it has); the node agent opens a plugin event's netns path as it
 is, not under ``/host`` where the DaemonSet mounts it, so the module's nodes also mount the runtime's
 netns directory at its own path, and a node with only the DaemonSet's mount fails (strict xfail).
