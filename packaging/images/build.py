@@ -45,8 +45,9 @@ PYTHON = "3.11"
 """The suite's python3: the dependencies' wheels are fetched for it."""
 GLIBC_MINOR = 36
 """The suite's glibc (2.36): the newest manylinux tag a wheel may carry."""
-PACKAGES = ("python3", "ca-certificates", "iptables", "nftables")
-"""Istio's base image has these (and debugging tools we leave out: curl, tcpdump, ...)."""
+PACKAGES = ("python3", "ca-certificates", "iptables", "nftables", "ipset")
+"""Istio's base image has the first four (and debugging tools we leave out: curl, tcpdump, ...);
+``ipset`` is for the ambient node agent's host probe set, which Istio's agent writes over netlink."""
 NOT_INSTALLED = ("/usr/share/doc/*", "/usr/share/man/*", "/usr/share/locale/*", "/usr/share/info/*")
 VENV = "/opt/istio-agent"
 COMMANDS = ("pilot-agent", "install-cni")
