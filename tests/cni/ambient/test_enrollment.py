@@ -16,11 +16,11 @@ import shutil
 import subprocess
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -31,13 +31,12 @@ from istio_agent.cni.ambient.settings import InpodSettings
 from istio_agent.cni.kube import KubeClient, parse_kubeconfig
 from istio_agent.cni.repair.informer import reflector_backoff
 from istio_agent.metrics import Registry
-from tests.cni.ambient.test_events import FakeHostProbes, FakeRules, FakeZtunnel
+from tests.cni.ambient.test_events import FakeHostProbes, FakeRules, FakeZtunnel, bounded
 from tests.cni.ambient.test_plugin_ambient import HELM_SELECTORS
 from tests.cni.fake_kube import FakeKube, start_fake_kube
 from tests.cni.netns import Netns, needs_root, netns, sh
 
 NODE = "node-1"
-T = TypeVar("T")
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
 REDIRECTION = "ambient.istio.io/redirection"
 CGROUPS = Path("/sys/fs/cgroup")
@@ -163,13 +162,13 @@ class Node:
             ztunnel=self.ztunnel,
             informer_options={"backoff": reflector_backoff(initial=0.05, cap=0.2)},
         )
-        await self.agent.start()
+        await bounded(self.agent.start(), "the node agent starts")
         await wait_ready(self.agent, 10)
         return self.agent
 
     async def stop_agent(self) -> None:
         if self.agent is not None:
-            await self.agent.stop(cleanup=False)
+            await bounded(self.agent.stop(cleanup=False), "the node agent stops")
             self.agent = None
 
     def annotation(self, name: str, namespace: str = "default") -> str | None:
@@ -188,8 +187,8 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
     try:
         yield found
     finally:
-        await found.stop_agent()
-        await runner.cleanup()
+        await bounded(found.stop_agent(), "the node agent stops")
+        await bounded(runner.cleanup(), "the FAKE API server stops")
         shutil.rmtree(socket_dir, ignore_errors=True)
 
 
@@ -206,15 +205,6 @@ async def eventually(condition: Callable[[], bool], what: str, timeout: float = 
         async with asyncio.timeout(timeout):
             while not condition():
                 await asyncio.sleep(0.02)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout}s: {what}") from None
-
-
-async def bounded(step: Awaitable[T], what: str, timeout: float = 20.0) -> T:
-    """``step``, or a failure naming it when it takes longer than ``timeout``."""
-    try:
-        async with asyncio.timeout(timeout):
-            return await step
     except TimeoutError:
         raise AssertionError(f"not within {timeout}s: {what}") from None
 

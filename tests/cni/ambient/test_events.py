@@ -17,10 +17,10 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
@@ -35,6 +35,7 @@ from tests.cni.fake_kube import FakeKube, start_fake_kube
 from tests.cni.test_plugin_exec import PREV_RESULT, run_plugin
 
 REDIRECTION = "ambient.istio.io/redirection"
+T = TypeVar("T")
 
 
 @dataclass
@@ -113,6 +114,22 @@ class FakeZtunnel:
         self.deleted.append(uid)
 
 
+async def bounded(step: Awaitable[T], what: str, timeout: float = 20.0) -> T:
+    """``step``, or a failure naming it, with every task's stack, when it takes longer than ``timeout``."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await step
+    except TimeoutError:
+        stacks = []
+        for task in asyncio.all_tasks():
+            frames = "".join(
+                f"    {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}\n"
+                for frame in task.get_stack()
+            )
+            stacks.append(f"  {task.get_name()}:\n{frames}")
+        raise AssertionError(f"not within {timeout}s: {what}\n" + "".join(stacks)) from None
+
+
 def ambient_pod(name: str = "app-1", namespace: str = "default", **meta: Any) -> dict[str, Any]:
     return {
         "metadata": {
@@ -184,9 +201,9 @@ async def agent(tmp_path: Path) -> AsyncIterator[Agent]:
     try:
         yield found
     finally:
-        await server.stop()
-        await dataplane.stop(cleanup=True)
-        await runner.cleanup()
+        await bounded(server.stop(), "the event server stops")
+        await bounded(dataplane.stop(cleanup=True), "the dataplane stops")
+        await bounded(runner.cleanup(), "the FAKE API server stops")
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -33,7 +33,7 @@ from istio_agent.cni.kube import KubeClient, parse_kubeconfig
 from istio_agent.cni.repair.informer import reflector_backoff
 from istio_agent.config.env import ConfigError
 from istio_agent.metrics import Registry
-from tests.cni.ambient.test_events import FakeHostProbes, FakeRules, FakeZtunnel
+from tests.cni.ambient.test_events import FakeHostProbes, FakeRules, FakeZtunnel, bounded
 from tests.cni.ambient.test_plugin_ambient import HELM_SELECTORS
 from tests.cni.fake_kube import FakeKube, start_fake_kube
 from tests.cni.install.layout import Node
@@ -118,7 +118,7 @@ async def kube(tmp_path: Path) -> AsyncIterator[FakeKube]:
     try:
         yield fake
     finally:
-        await runner.cleanup()
+        await bounded(runner.cleanup(), "the FAKE API server stops")
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from tests.cni.ambient.test_events import bounded
 from tests.cni.fake_kube import FakeKube, sidecar_pod, start_fake_kube
 from tests.cni.test_plugin_exec import PREV_RESULT, Run, run_plugin
 
@@ -132,8 +133,8 @@ async def node(tmp_path: Path) -> AsyncIterator[AmbientNode]:
     try:
         yield AmbientNode(kube, agent, run_dir, netns, tmp_path / "rules.txt")
     finally:
-        await agent_runner.cleanup()
-        await kube_runner.cleanup()
+        await bounded(agent_runner.cleanup(), "the FAKE node agent stops")
+        await bounded(kube_runner.cleanup(), "the FAKE API server stops")
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -64,6 +64,23 @@ def is_terminal(pod: Mapping[str, Any]) -> bool:
     return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
 
 
+RESTART_SECONDS = 1.0
+
+
+async def _supervised(informer: PodInformer, what: str) -> None:
+    """``informer.run()`` for as long as the agent runs: the engine retries what the API answers, and
+    anything else it did not expect (a connection failure its client let through) is logged and the
+    list + watch started again, rather than the agent's caches silently going stale."""
+    while True:
+        try:
+            await informer.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.error("the %s list/watch failed; starting it again", what, exc_info=True)
+            await asyncio.sleep(RESTART_SECONDS)
+
+
 class _NamespacesAsPods:
     """The list + watch engine (``PodInformer``) pointed at namespaces: it asks for ``list_pods`` and
     ``watch_pods`` and keys objects by (namespace, name), so a namespace is given as one whose
@@ -164,8 +181,8 @@ class Enrollment:
     async def sync(self) -> None:
         """Start listing and watching; return once both caches hold their first list."""
         self._tasks = [
-            asyncio.create_task(self.pods.run(), name="ambient-pods"),
-            asyncio.create_task(self.namespaces.run(), name="ambient-namespaces"),
+            asyncio.create_task(_supervised(self.pods, "pods"), name="ambient-pods"),
+            asyncio.create_task(_supervised(self.namespaces, "namespaces"), name="ambient-namespaces"),
         ]
         await asyncio.gather(self.pods.synced.wait(), self.namespaces.synced.wait())
         self._seen.update(self.pods.pods)
