@@ -132,14 +132,6 @@ def test_missing_kubeconfig_fails_for_other_pods(tmp_path: Path) -> None:
         add(cmd(tmp_path), programmer=Recorder())
 
 
-def test_ambient_enabled_fails_closed(tmp_path: Path) -> None:
-    with pytest.raises(PluginError, match="ambient_enabled is set"):
-        add(cmd(tmp_path, ambient_enabled=True), programmer=Recorder(), get_pod=FakePods(sidecar_pod()))
-    # the agent itself and excluded namespaces still come up
-    args = cmd(tmp_path, namespace="istio-system", ambient_enabled=True)
-    assert add(args, programmer=Recorder(), get_pod=FakePods())["dns"] == {}
-
-
 def test_bad_annotation_fails_the_add(tmp_path: Path) -> None:
     pod = sidecar_pod(annotations={"sidecar.istio.io/interceptionMode": "MAGIC"})
     with pytest.raises(PluginError, match="interceptionMode"):

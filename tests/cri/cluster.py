@@ -142,6 +142,7 @@ class AmbientMounts:
         binds = [
             (self.ztunnel_dir, ZTUNNEL_DIR, False),
             (self.netns_dir, f"{HOST_MOUNTS}{self.netns_dir}", False),
+            (Path("/proc"), f"{HOST_MOUNTS}/proc", True),  # the chart's cni-host-procfs volume
         ]
         if self.netns_at_same_path:
             binds.append((self.netns_dir, str(self.netns_dir), False))
@@ -348,7 +349,10 @@ def start_install_cni(
         "--mount",
         f"--propagation={propagation}",
     ]
-    command += ["bash", "-c", script, "bash", *args, "--host-proc-dir=/proc"]
+    # Ambient: the node's /proc where the DaemonSet mounts it, and the node's root under /host for
+    # the netns paths of plugin events (the node agent derives it from --host-proc-dir).
+    host_proc = f"{HOST_MOUNTS}/proc" if ambient is not None else "/proc"
+    command += ["bash", "-c", script, "bash", *args, f"--host-proc-dir={host_proc}"]
     try:
         with log.open("ab") as output:
             process = subprocess.Popen(

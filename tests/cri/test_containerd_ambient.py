@@ -23,10 +23,8 @@ ztunnel socket directory install-cni's DaemonSet mounts. One node per backend: t
 - at the end install-cni stops with its DaemonSet gone (an uninstall): the node's rules, sets and
   the plugin go.
 
-Known gaps, pinned: the install-cni image has no ``ipset``, so the iptables node
-cannot start (its tests xfail until it has); the node agent opens a plugin event's netns path as it
-is, not under ``/host`` where the DaemonSet mounts it, so the module's nodes also mount the runtime's
-netns directory at its own path, and a node with only the DaemonSet's mount fails (strict xfail).
+The nodes mount the runtime's netns directory only where the DaemonSet does (``/host`` + its path);
+the node agent opens a plugin event's netns under ``/host``, as Istio's ``openNetnsInRoot``.
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
 import pytest
 
 from tests.cni.ambient.test_inpod_apply import golden_restores
@@ -62,7 +59,6 @@ from tests.cri.cluster import (
 )
 from tests.cri.conditions import cannot_run
 from tests.cri.containerd import Sandbox, pb
-from tests.images.built import image_root
 
 REASON = cannot_run()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -137,15 +133,10 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def cri(backend: str) -> Iterator[CriNode]:
     """One ambient node per backend (containerd, install-cni with its node agent, the FAKE API server)."""
-    if backend != NATIVE and not (image_root("install-cni") / "usr/sbin/ipset").exists():
-        pytest.xfail(
-            "the install-cni image has no ipset (packaging/images/build.py PACKAGES), which the node "
-            "agent's probe set needs with iptables: install-cni exits at start"
-        )
     env = {"NATIVE_NFTABLES": "true"} if backend == NATIVE else {}
     base = Path(tempfile.mkdtemp(prefix="ia-amb-", dir="/tmp"))  # short: Unix socket paths
     try:
-        with cri_node(base, ambient=True, netns_at_same_path=True, env=env) as node:
+        with cri_node(base, ambient=True, env=env) as node:
             yield node
             uninstall(node)
     finally:
@@ -511,12 +502,6 @@ def test_a_removed_pod_is_deleted_from_ztunnel_and_leaves_nothing(
     assert leftovers(cri) == NOTHING_LEFT
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=grpc.RpcError,
-    reason="the node agent opens the plugin event's netns path as it is (cni/ambient/dataplane.py "
-    "_open_netns); Istio's opens it under /host (openNetnsInRoot), where the DaemonSet mounts it",
-)
 def test_with_only_the_daemonsets_netns_mount_an_ambient_pods_sandbox_runs() -> None:
     """The DaemonSet mounts the runtime's netns directory only at ``/host`` + its host path. The mount
     is right (a sandbox's netns is there, the same namespace, inside install-cni's root), so an ambient
@@ -540,11 +525,7 @@ def test_with_only_the_daemonsets_netns_mount_an_ambient_pods_sandbox_runs() -> 
                         sandbox.netns.stat().st_dev,
                         sandbox.netns.stat().st_ino,
                     )
-                    try:
-                        ambient_sandbox, uid = run_pod(cri, "app-1", "amb")
-                    except grpc.RpcError as err:
-                        assert "cannot open its network namespace" in str(err.details()), err.details()
-                        raise
+                    ambient_sandbox, uid = run_pod(cri, "app-1", "amb")
                     made.append(ambient_sandbox)
                     runs_proxy_for(standin, ambient_sandbox, uid)
             finally:

@@ -69,7 +69,6 @@ def test_a_flag_wins_over_its_variable() -> None:
         ({"monitoring-port": "70000"}, {}, "must be at most 65535"),
         ({"kubeconfig-mode": "0999"}, {}, "--kubeconfig-mode='0999'"),
         ({"kubeconfig-mode": "01000"}, {}, "must be between"),
-        ({"ambient-enabled": "true"}, {}, "ambient mode"),
         ({}, {"AMBIENT_ENABLEMENT_SELECTOR": "{a: 1}"}, "expected a list of selectors"),
         ({"cni-bin-target-dirs": " , "}, {}, "at least one directory"),
     ],

@@ -184,12 +184,16 @@ class Dataplane:
         annotate: Annotator,
         find_netns: NetnsFinder = _no_finder,
         reconcile: bool = False,
+        host_root: Path = Path("/"),
     ) -> None:
+        """``host_root``: where the node's file system is mounted (``/host`` in Istio's DaemonSet): a
+        plugin event's netns path is the node's, opened under it (Istio's ``openNetnsInRoot``)."""
         self.rules = rules
         self.probes = probes
         self.ztunnel = ztunnel
         self._annotate = annotate
         self._find_netns = find_netns
+        self._host_root = host_root
         self.reconcile = reconcile
         """``AMBIENT_RECONCILE_POD_RULES_ON_STARTUP``: the initial snapshot applies the rules again."""
         self._pods: dict[str, _Entry] = {}
@@ -372,8 +376,8 @@ class Dataplane:
                 raise FileNotFoundError(
                     "can't find netns for pod, this is ok if this is a newly created pod (pod not found)"
                 )
-            netns = str(path)
-        return os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # found under the host's /proc already
+        return os.open(self._host_root / netns.lstrip("/"), os.O_RDONLY | os.O_CLOEXEC)
 
     def _replace(self, uid: str, entry: _Entry) -> None:
         old = self._pods.get(uid)

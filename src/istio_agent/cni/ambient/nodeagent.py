@@ -130,7 +130,7 @@ def build(
     if probes is None:
         from istio_agent.cni.ambient.hostprobe import HostProbeRules
 
-        probes = HostProbeRules(settings.inpod)
+        probes = HostProbeRules(settings.inpod, proc=settings.host_proc_dir)
     dataplane = Dataplane(
         rules=rules or ModuleRules(settings.inpod),
         probes=probes,
@@ -138,6 +138,7 @@ def build(
         annotate=KubeAnnotator(client),
         find_netns=partial(find_pod_netns, proc=settings.host_proc_dir),
         reconcile=settings.inpod.reconcile,
+        host_root=settings.host_proc_dir.parent,  # /host/proc: the node's root is /host
     )
     dataplane_box.append(dataplane)
     enrollment = Enrollment(
