@@ -89,6 +89,21 @@ def test_ambient_defaults_are_istios() -> None:
     assert not settings.ambient_disable_safe_upgrade
 
 
+def test_the_node_side_runs_in_the_nodes_namespace_when_the_chart_allows_the_switch(tmp_path: Path) -> None:
+    """The chart sets ALLOW_SWITCH_TO_HOST_NS unless the DaemonSet shares the node's network: the probe
+    rules and sets then go to ``/host/proc/1/ns/net`` (Istio's RunAsHost), not install-cni's own."""
+    from istio_agent.cni.ambient.nodeagent import build
+    from istio_agent.metrics import Registry
+
+    switched = load_settings({"ambient-enabled": "true"}, {"ALLOW_SWITCH_TO_HOST_NS": "true"}).ambient
+    own = load_settings({"ambient-enabled": "true"}, {}).ambient
+    assert switched is not None and own is not None
+    assert switched.host_netns == Path("/host/proc/1/ns/net")
+    assert own.host_netns is None  # hostNetwork: install-cni's namespace is the node's
+    agent = build(switched, client=None, socket_dir=tmp_path, registry=Registry())  # type: ignore[arg-type]
+    assert agent.dataplane.probes.netns == Path("/host/proc/1/ns/net")  # type: ignore[attr-defined]
+
+
 def test_without_ambient_there_is_no_node_agent() -> None:
     settings = load_settings({}, {"AMBIENT_ENABLEMENT_SELECTOR": SELECTOR_ENV})
     assert settings.ambient is None and not settings.plugin.ambient_enabled

@@ -42,6 +42,15 @@ class AmbientSettings:
     system_namespace: str = "istio-system"
     inpod: InpodSettings = field(default_factory=InpodSettings)
     host_proc_dir: Path = Path("/host/proc")
+    switch_to_host_netns: bool = False
+    """``ALLOW_SWITCH_TO_HOST_NS`` (the chart sets it unless the DaemonSet shares the node's network):
+    the node's probe rules and sets are made in the node's namespace, ``<host_proc_dir>/1/ns/net``
+    (Istio's ``RunAsHost``), not in install-cni's own."""
+
+    @property
+    def host_netns(self) -> Path | None:
+        """Where the node-side work runs: None is install-cni's own namespace (the node's, with hostNetwork)."""
+        return self.host_proc_dir / "1" / "ns" / "net" if self.switch_to_host_netns else None
 
 
 class ModuleRules:
@@ -130,7 +139,7 @@ def build(
     if probes is None:
         from istio_agent.cni.ambient.hostprobe import HostProbeRules
 
-        probes = HostProbeRules(settings.inpod, proc=settings.host_proc_dir)
+        probes = HostProbeRules(settings.inpod, netns=settings.host_netns, proc=settings.host_proc_dir)
     dataplane = Dataplane(
         rules=rules or ModuleRules(settings.inpod),
         probes=probes,

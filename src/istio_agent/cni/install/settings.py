@@ -271,6 +271,7 @@ def _ambient(values: Mapping[str, Any], plugin: PluginConfig, env: Env) -> Ambie
             native_nftables=values["native-nftables"],
         ),
         host_proc_dir=Path(values["host-proc-dir"]),
+        switch_to_host_netns=env.flag("ALLOW_SWITCH_TO_HOST_NS"),
     )
 
 
