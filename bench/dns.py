@@ -17,8 +17,11 @@ resolv.conf naming the upstream. Rows:
 * **(b) forwarded**: A queries for the upstream-only names, straight to the upstream, through
   dnsmasq as a plain forwarder (no cache; the peer for what forwarding costs) and through the agent.
   The dnsmasq forwarder runs beside the agent. The unlimited rows are measured ``--rounds`` times
-  (each round in another order); the fixed-rate rows in 1-s slices, the three targets taking turns,
-  ``--rounds`` x ``--seconds`` seconds each, so each ratio compares forwarders a second apart;
+  (each round in another order); the fixed-rate rows in 1-s slices, the targets taking turns,
+  ``--rounds`` x ``--seconds`` seconds each, so each ratio compares forwarders a second apart.
+  A fourth target takes its turn in those slices: a **yardstick**, a minimal Python forwarder
+  (``serve_yardstick``: one socket each way, ``add_reader`` on the loop the agent runs on, no
+  checks), so the agent's added latency can be told apart from what Python on that loop costs;
   **(b')** the same through an agent with ``DNS_CACHE=true`` (after the warm-up pass the
   cache holds every name, so this row measures cache hits).
 
@@ -49,9 +52,11 @@ Last, the time to build the lookup table from an NDS name table of ``TABLE_BUILD
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.startup import answers_200
+from istio_agent.cli.runtime import run as run_loop
 from istio_agent.ctl.local import free_port, wait_until
 from istio_agent.ctl.localmesh import LocalMesh, Workload
 from istio_agent.dns.proxy import CollectorPause
@@ -95,7 +101,7 @@ GOAL_P99_MS = 2.0
 GOAL_FORWARD_ADDED_RATIO = 1.5
 """(b): the agent's added p50 at the fixed rate over dnsmasq-as-forwarder's (issue 23)."""
 LATENCY_SLICE = 1.0
-"""Seconds of one fixed-rate (b) row; the three targets take turns slice by slice (``measure_forwarding``)."""
+"""Seconds of one fixed-rate (b) row; the targets take turns slice by slice (``measure_forwarding``)."""
 GOAL_FORWARD_CPU_RATIO = 2.0
 """(b): the agent's CPU per forwarded query at unlimited rate over dnsmasq-as-forwarder's (issue 23)."""
 TABLE_BUILD_HOSTS = 10_000
@@ -459,6 +465,7 @@ DNSMASQ = "dnsmasq, hosts file"
 FORWARD = "(b) forwarded"
 DIRECT = "direct to the upstream"
 DNSMASQ_FORWARDER = "dnsmasq as forwarder (no cache)"
+YARDSTICK = "minimal Python forwarder (yardstick)"
 FORWARD_CACHE = "(b') forwarded, DNS_CACHE=true"
 
 
@@ -498,13 +505,71 @@ def start_dnsmasq_forwarder(base: Path, upstream: Dnsmasq) -> Dnsmasq:
     return start_dnsmasq(empty, port=53, options=options, log=base / "dnsmasq-forwarder.log")
 
 
+def serve_yardstick(upstream: DnsAddress, port: int) -> None:
+    """The yardstick forwarder (``python -m bench.dns --yardstick HOST PORT LISTEN``): the least a
+    Python forwarder does, on the loop the agent runs on. Not a DNS server: no check of any kind.
+    """
+
+    async def serve() -> None:
+        clients: dict[bytes, tuple[str, int]] = {}
+        listen = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        listen.setblocking(False)
+        listen.bind(("127.0.0.1", port))
+        out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        out.setblocking(False)
+        out.connect(upstream)
+
+        def query() -> None:
+            try:
+                data, client = listen.recvfrom(4097)
+            except BlockingIOError:
+                return
+            clients[data[:2]] = client
+            out.send(data)
+
+        def reply() -> None:
+            try:
+                data = out.recv(65535)
+            except (BlockingIOError, ConnectionRefusedError):
+                return
+            client = clients.pop(data[:2], None)
+            if client is not None:
+                listen.sendto(data, client)
+
+        loop = asyncio.get_running_loop()
+        loop.add_reader(listen.fileno(), query)
+        loop.add_reader(out.fileno(), reply)
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+    run_loop(serve())
+
+
+def start_yardstick(upstream: DnsAddress) -> tuple[subprocess.Popen[str], DnsAddress]:
+    """The yardstick forwarder in its own process (as the agent is), once it listens."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.dns", "--yardstick", upstream.host, str(upstream.port), str(port)],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    if process.stdout.readline().strip() != "ready":
+        process.kill()
+        process.wait()
+        raise RuntimeError("the yardstick forwarder did not start")
+    return process, DnsAddress("127.0.0.1", port)
+
+
 def measure_forwarding(
     bench: Bench, upstream: Dnsmasq, forwarder: Dnsmasq, agent: Agent, datafile: Path
 ) -> None:
-    """(b): direct, dnsmasq as forwarder and the agent: throughput rounds, then interleaved latency slices.
+    """(b): direct, dnsmasq as forwarder and the agent: throughput rounds, then interleaved latency slices
+    (the yardstick forwarder takes its turn in the slices only).
 
     The unlimited rows (CPU per query) run ``bench.rounds`` times, each round in another order. The
-    fixed-rate rows (latency) run in slices of ``LATENCY_SLICE`` seconds, the three targets in turn
+    fixed-rate rows (latency) run in slices of ``LATENCY_SLICE`` seconds, the targets in turn
     (another order each slice) for ``bench.rounds * bench.seconds`` seconds each: with 5-s rows one
     after another the added p50 of either forwarder moved by tens of µs between rows as the machine
     changed, so a ratio of two rows was noise (0.7-6x within a run). Running them at the same time
@@ -520,12 +585,19 @@ def measure_forwarding(
         shift = (round_ - 1) % len(targets)
         for target, address_, pid in targets[shift:] + targets[:shift]:
             bench.measure(FORWARD, target, address_, datafile, pid, fixed_rate=False, round_=round_)
-    slices = max(1, round(bench.rounds * bench.seconds / LATENCY_SLICE))
-    for slice_ in range(1, slices + 1):
-        shift = (slice_ - 1) % len(targets)
-        for target, address_, pid in targets[shift:] + targets[:shift]:
-            result = run_dnsperf(address_, datafile, LATENCY_SLICE, bench.rate, pid)
-            bench.record(FORWARD, target, bench.rate, slice_, result, quiet=True)
+    yardstick, yardstick_address = start_yardstick(upstream.address)
+    try:
+        targets.append((YARDSTICK, yardstick_address, yardstick.pid))  # latency slices only
+        warm_up(yardstick_address, datafile)
+        slices = max(1, round(bench.rounds * bench.seconds / LATENCY_SLICE))
+        for slice_ in range(1, slices + 1):
+            shift = (slice_ - 1) % len(targets)
+            for target, address_, pid in targets[shift:] + targets[:shift]:
+                result = run_dnsperf(address_, datafile, LATENCY_SLICE, bench.rate, pid)
+                bench.record(FORWARD, target, bench.rate, slice_, result, quiet=True)
+    finally:
+        yardstick.terminate()
+        yardstick.wait()
     print(f"  {FORWARD}: {slices} latency slices of {LATENCY_SLICE:g} s per target", file=sys.stderr)
 
 
@@ -706,6 +778,18 @@ def forwarding_goals(bench: Bench) -> list[str]:
         )
     else:
         lines.append("- (b) CPU per forwarded query, agent / dnsmasq as forwarder: not measured")
+    yardstick = bench.by_round(FORWARD, YARDSTICK, fixed)
+    over = [
+        (agent[n].p50_ms - yardstick[n].p50_ms) * 1000
+        for n in sorted(yardstick)
+        if n in agent and agent[n].latencies and yardstick[n].latencies
+    ]
+    if over:
+        lines.append(
+            f"- (b) p50 at {fixed} over the {YARDSTICK}, slice by slice: agent - yardstick = "
+            f"{statistics.median(over):.0f} µs (median of {len(over)} slices: {min(over):.0f}-{max(over):.0f} µs); "
+            "no goal"
+        )
     return lines
 
 
@@ -803,7 +887,12 @@ def main() -> None:
         help="times the unlimited table-hit rows and the forwarding rows are measured; goals use the median",
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs) for inspection")
+    parser.add_argument("--yardstick", nargs=3, metavar=("HOST", "PORT", "LISTEN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.yardstick:  # the yardstick forwarder's own process (start_yardstick)
+        host, port, listen = args.yardstick
+        serve_yardstick(DnsAddress(host, int(port)), int(listen))
+        return
     if args.names < 1 or args.seconds <= 0 or args.rate < 1 or args.rounds < 1:
         parser.error("--names, --seconds, --rate and --rounds must be positive")
     missing = [

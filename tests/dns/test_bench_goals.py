@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
+import dns.message
+
 from bench.dns import (
     DIRECT,
     DNSMASQ_FORWARDER,
     FORWARD,
+    YARDSTICK,
     Bench,
     DnsperfResult,
     Row,
     _slices_merged,
     forwarding_goals,
+    start_yardstick,
 )
+from tests.fixtures.dnsmasq import DnsAddress
 
 
 def result(p50_us: float = 0.0, cpu_us: float = 0.0, queries: int = 1000) -> DnsperfResult:
@@ -76,3 +84,51 @@ def test_the_latency_slices_of_a_target_print_as_one_row_of_all_their_queries() 
     assert (
         rows[2].result is not None and rows[2].result.completed == 2000 and len(rows[2].result.latencies) == 6
     )
+
+
+def test_the_yardstick_forwarder_is_compared_with_the_agent_slice_by_slice() -> None:
+    bench = bench_with(
+        [
+            round_(direct=30, dnsmasq=80, agent=100, dnsmasq_cpu=10, agent_cpu=19),
+            round_(direct=40, dnsmasq=80, agent=140, dnsmasq_cpu=10, agent_cpu=25),
+            round_(direct=20, dnsmasq=70, agent=80, dnsmasq_cpu=12, agent_cpu=18),
+        ]
+    )
+    for number, p50 in enumerate((90, 110, 75), start=1):  # agent minus yardstick: 10, 30, 5
+        bench.rows.append(
+            Row(FORWARD, YARDSTICK, "1,000 q/s" + ("" if number == 1 else f", round {number}"), result(p50))
+        )
+    *_, yardstick = forwarding_goals(bench)
+    assert YARDSTICK in yardstick and "agent - yardstick = 10 µs" in yardstick
+    assert "5-30 µs" in yardstick and "no goal" in yardstick
+
+
+def test_without_yardstick_rows_there_is_no_yardstick_line() -> None:
+    bench = bench_with([round_(direct=30, dnsmasq=80, agent=100, dnsmasq_cpu=10, agent_cpu=19)])
+    assert not any(YARDSTICK in line for line in forwarding_goals(bench))
+
+
+def test_the_yardstick_forwarder_relays_a_query_and_its_reply() -> None:
+    upstream = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    upstream.bind(("127.0.0.1", 0))
+    upstream.settimeout(10)
+
+    def answer_one() -> None:
+        data, peer = upstream.recvfrom(4096)
+        upstream.sendto(dns.message.make_response(dns.message.from_wire(data)).to_wire(), peer)
+
+    responder = threading.Thread(target=answer_one, daemon=True)
+    responder.start()
+    process, address_ = start_yardstick(DnsAddress(*upstream.getsockname()))
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.settimeout(10)
+            query = dns.message.make_query("relayed.example.", "A", id=0x1234)
+            client.sendto(query.to_wire(), (address_.host, address_.port))
+            reply = dns.message.from_wire(client.recv(4096))
+        assert reply.id == 0x1234 and reply.question == query.question
+    finally:
+        process.terminate()
+        process.wait(10)
+        upstream.close()
+        responder.join(10)
