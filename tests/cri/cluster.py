@@ -23,10 +23,11 @@
   namespaces under ``/host``, receiving the runtime's later mounts (``HostToContainer``). The
   DaemonSet ``istio-cni-node`` is in the API server, so a restart of install-cni is an upgrade (Istio's
   ``ShouldStopCleanup``); it is deleted before the node's own stop, an uninstall. A process named
-  ``kubelet`` stands for the kubelet in ``/proc`` (:func:`kubelet_process`). install-cni still runs in
-  the node's network namespace, as with the chart's ``ambient.shareHostNetworkNamespace``; by default
-  Istio 1.28's chart gives it a pod network namespace and its node agent enters the host's
-  (``ALLOW_SWITCH_TO_HOST_NS``, ``/host/proc/1/ns/net``) for the host's rules, which ours does not do.
+  ``kubelet`` stands for the kubelet in ``/proc`` (:func:`kubelet_process`). install-cni runs in
+  the node's network namespace, as the chart renders it with ``ambient.shareHostNetworkNamespace``
+  (``hostNetwork``, and no ``ALLOW_SWITCH_TO_HOST_NS``); the chart's default, a pod network namespace
+  whose node agent enters ``/host/proc/1/ns/net``, is not run here: the machine's PID 1 is not the
+  test node's.
 """
 
 from __future__ import annotations
@@ -330,6 +331,8 @@ def start_install_cni(
         **(AMBIENT_CHART_ENV if ambient is not None else {}),
         **(env or {}),
     }
+    if ambient is not None:  # shareHostNetworkNamespace: the chart leaves the switch out
+        env.pop("ALLOW_SWITCH_TO_HOST_NS", None)
     layout.run.mkdir(exist_ok=True)
     binds = [(path, str(path), False) for path in (layout.conf, layout.bin, layout.run)]
     binds.append((layout.sa, str(layout.sa), True))
