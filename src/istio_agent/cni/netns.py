@@ -76,6 +76,21 @@ def in_namespace(netns: Path | None, step: Callable[[], T]) -> T:
     return _on_thread(lambda: _setns(netns), step)
 
 
+def netlink_in_namespace(
+    what: tuple[str, ...], netns: Path | None, deadline: Deadline, step: Callable[[], object]
+) -> None:
+    """Netlink requests (``step``) inside ``netns``, failing as a command would: CommandError naming
+    ``what`` (the ``ip`` command it stands for) when the deadline passed, the namespace cannot be
+    entered, or the kernel refused."""
+    deadline.remaining(what)
+    try:
+        in_namespace(netns, step)
+    except NamespaceError as err:
+        raise CommandError(what, f"not run: {err}") from None
+    except OSError as err:
+        raise CommandError(what, f"failed (netlink): {err.strerror or err}") from None
+
+
 def in_new_namespace(step: Callable[[], T]) -> T:
     """``step()`` run inside a new, empty network namespace, gone once the step ends."""
     return _on_thread(_unshare, step)

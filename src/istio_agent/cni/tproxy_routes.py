@@ -9,29 +9,16 @@ does, so the node needs no ``ip`` binary; errors name the step in ``ip``'s words
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from istio_agent.cni import netlink
 from istio_agent.cni.capture_config import CaptureConfig
-from istio_agent.cni.netns import NO_DEADLINE, CommandError, Deadline, NamespaceError, in_namespace
+from istio_agent.cni.netns import NO_DEADLINE, CommandError, Deadline, netlink_in_namespace
 from istio_agent.logline import Scope
 
 BIND_V6 = "::6/128"
 FAMILIES = ("v4", "v6")
 log = Scope("cni")
-
-
-def _step(
-    what: tuple[str, ...], netns: Path | None, deadline: Deadline, action: Callable[[], object]
-) -> None:
-    deadline.remaining(what)
-    try:
-        in_namespace(netns, action)
-    except NamespaceError as err:
-        raise CommandError(what, f"not run: {err}") from None
-    except OSError as err:
-        raise CommandError(what, f"failed (netlink): {err.strerror or err}") from None
 
 
 def ensure(
@@ -57,7 +44,7 @@ def ensure(
             netlink.replace_local_default_route(family, number, "lo")
 
     what = ("ip", "rule", "add", "fwmark", mark, "lookup", table) if tproxy else ("ip", "address", "replace")
-    _step(what, netns, deadline, add)
+    netlink_in_namespace(what, netns, deadline, add)
 
 
 def remove(
@@ -76,7 +63,7 @@ def remove(
             if netlink.delete_mark_rules(family, fwmark, number):
                 netlink.flush_table(family, number)
 
-    _step(("ip", "rule", "del", "fwmark", mark, "lookup", table), netns, deadline, take_away)
+    netlink_in_namespace(("ip", "rule", "del", "fwmark", mark, "lookup", table), netns, deadline, take_away)
 
 
 def follow_rules(

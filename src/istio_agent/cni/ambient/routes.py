@@ -14,12 +14,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-from collections.abc import Callable
 from pathlib import Path
 
 from istio_agent.cni import netlink
 from istio_agent.cni.ambient.settings import MARK_RULE_PRIORITY, ROUTE_TABLE, TPROXY_MARK, TPROXY_MASK
-from istio_agent.cni.netns import NO_DEADLINE, CommandError, Deadline, NamespaceError, in_namespace
+from istio_agent.cni.netns import NO_DEADLINE, Deadline, netlink_in_namespace
 from istio_agent.logline import Scope
 
 LO_IPV6_DISABLED = Path("/proc/sys/net/ipv6/conf/lo/disable_ipv6")
@@ -41,16 +40,6 @@ def _lo_has_ipv6() -> bool:
         return True
 
 
-def _step(what: tuple[str, ...], netns: Path | None, deadline: Deadline, action: Callable[[], None]) -> None:
-    deadline.remaining(what)
-    try:
-        in_namespace(netns, action)
-    except NamespaceError as err:
-        raise CommandError(what, f"not run: {err}") from None
-    except OSError as err:
-        raise CommandError(what, f"failed (netlink): {err.strerror or err}") from None
-
-
 def ensure(ipv6: bool, *, netns: Path | None = None, deadline: Deadline = NO_DEADLINE) -> None:
     """The loopback route and the mark rule of each family, added where missing; raises CommandError."""
 
@@ -64,7 +53,7 @@ def ensure(ipv6: bool, *, netns: Path | None = None, deadline: Deadline = NO_DEA
                 netlink.add_mark_rule(family, TPROXY_MARK, ROUTE_TABLE, exclusive=True, **_MARK_RULE)
 
     what = ("ip", "rule", "add", "fwmark", f"{TPROXY_MARK:#x}/{TPROXY_MASK:#x}", "lookup", str(ROUTE_TABLE))
-    _step(what, netns, deadline, add)
+    netlink_in_namespace(what, netns, deadline, add)
 
 
 def remove(ipv6: bool, *, netns: Path | None = None, deadline: Deadline = NO_DEADLINE) -> None:
@@ -83,4 +72,4 @@ def remove(ipv6: bool, *, netns: Path | None = None, deadline: Deadline = NO_DEA
                         raise
 
     what = ("ip", "rule", "del", "fwmark", f"{TPROXY_MARK:#x}/{TPROXY_MASK:#x}", "lookup", str(ROUTE_TABLE))
-    _step(what, netns, deadline, take_away)
+    netlink_in_namespace(what, netns, deadline, take_away)
