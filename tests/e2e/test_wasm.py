@@ -215,22 +215,30 @@ def test_oci_module_from_a_registry_with_a_pull_secret(short_tmp: Path, module: 
         ("unreachable", "FAIL_OPEN", 200),
         ("wrong-sha256", "FAIL_CLOSE", 403),
         ("metadata-address", "FAIL_CLOSE", 403),  # refused by the SSRF guard before any connection
+        ("registry-down", "FAIL_CLOSE", 403),
+        ("registry-down", "FAIL_OPEN", 200),
+        ("oversized", "FAIL_CLOSE", 403),
     ],
 )
 def test_a_module_that_cannot_be_had_falls_back_to_istios_rbac_filter(
     short_tmp: Path, module_server: ModuleServer, problem: str, strategy: str, status: int
 ) -> None:
     spec: dict[str, Any] = {"failStrategy": strategy}
+    env = {"WASM_HTTP_REQUEST_MAX_RETRIES": "1"}
     if problem == "unreachable":
         url = f"http://127.0.0.1:{free_port()}/add_header.wasm"  # nothing listens there
     elif problem == "wrong-sha256":
         url, spec["sha256"] = module_server.url, hashlib.sha256(b"another module").hexdigest()
+    elif problem == "registry-down":
+        url = f"oci://127.0.0.1:{free_port()}/filters/headers:v1"  # no registry there
+    elif problem == "oversized":
+        url, env["ISTIO_WASM_MAX_BINARY_SIZE_BYTES"] = module_server.url, "64"
     else:
         url = "http://169.254.169.254/add_header.wasm"
     local = start_mesh(
         short_tmp,
         delta=True,
-        agent_env={"WASM_HTTP_REQUEST_MAX_RETRIES": "1"},
+        agent_env=env,
         wasmPlugins=[plugin(url, {"never": "runs"}, **spec)],
     )
     try:
@@ -244,7 +252,13 @@ def test_a_module_that_cannot_be_had_falls_back_to_istios_rbac_filter(
         summary = agentctl("proxy-config", "ecds", f"127.0.0.1:{a.ports['admin']}")
         assert "envoy.extensions.filters.http.rbac.v3.RBAC" in summary, summary
         log = (a.workdir / "agent.log").read_text()
-        reason = {"unreachable": "cannot connect", "wrong-sha256": "checksum", "metadata-address": "169.254"}
+        reason = {
+            "unreachable": "cannot connect",
+            "wrong-sha256": "checksum",
+            "metadata-address": "169.254",
+            "registry-down": "127.0.0.1",
+            "oversized": "64",
+        }
         assert reason[problem] in log, log[-2000:]
     finally:
         stop_all(local)
