@@ -317,74 +317,39 @@ def event_body(args: CmdArgs, previous: Mapping[str, Any] | None, k8s: K8sArgs) 
 
 
 def post_event(socket_path: str, body: bytes, deadline: float) -> None:
-    """POST the event on the node agent's Unix socket, on the project's h11 exchange over a blocking
-    socket (the blocking client speaks TCP only); EventError with Istio's wording when it is not taken."""
-    import socket
-
-    import h11
-
-    from istio_agent.http.exchange import ClientExchange, HTTPError
-    from istio_agent.http.headers import Headers
+    """POST the event on the node agent's Unix socket (the blocking client, as the pod GET); EventError
+    with the wording of Istio's Go client when it is not taken."""
+    from istio_agent.http.blocking import fetch
+    from istio_agent.http.exchange import BodyTooLarge, ConnectError, HTTPError
 
     where = f'Post "http://unix{EVENT_PATH}"'
-    deadline = min(deadline, time.monotonic() + EVENT_TIMEOUT)
-    fields = Headers(
-        {
-            "Host": "unix",
-            "Content-Type": "application/json",
-            "Content-Length": str(len(body)),
-            "Connection": "close",
-        }
-    )
-    exchange = ClientExchange()
     try:
-        parts = exchange.request("POST", EVENT_PATH, fields, body)
+        answer = fetch(
+            "POST",
+            f"http://unix{EVENT_PATH}",
+            deadline=min(deadline, time.monotonic() + EVENT_TIMEOUT),
+            headers={"Content-Type": "application/json"},
+            body=body,
+            max_body=MAX_EVENT_ANSWER,
+            unix_socket=socket_path,
+        )
+    except ConnectError as err:
+        reason = (err.os_error.strerror or str(err.os_error)).lower()
+        raise EventError(
+            f"failed to send event request: {where}: dial unix {socket_path}: connect: {reason}"
+        ) from None
+    except TimeoutError:
+        raise EventError(
+            f"failed to send event request: {where}: context deadline exceeded "
+            "(Client.Timeout exceeded while awaiting headers)"
+        ) from None
+    except BodyTooLarge:
+        raise EventError(f"unable to push CNI event: its answer is over {MAX_EVENT_ANSWER} bytes") from None
     except HTTPError as err:
-        raise EventError(f"failed to send event request: {err}") from None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        try:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock.connect(socket_path)
-        except OSError as err:
-            reason = "i/o timeout" if isinstance(err, TimeoutError) else (err.strerror or str(err)).lower()
-            raise EventError(
-                f"failed to send event request: {where}: dial unix {socket_path}: connect: {reason}"
-            ) from None
-        try:
-            sock.sendall(b"".join(parts))
-            head = _next_answer_event(exchange, sock, deadline)
-            while not isinstance(head, h11.Response):  # 1xx: the answer follows
-                head = _next_answer_event(exchange, sock, deadline)
-            if head.status_code == 200:
-                return
-            content = bytearray()
-            while len(content) < MAX_EVENT_ANSWER and not isinstance(
-                chunk := _next_answer_event(exchange, sock, deadline), h11.EndOfMessage
-            ):
-                if isinstance(chunk, h11.Data):
-                    content += chunk.data
-        except TimeoutError:
-            raise EventError(
-                f"failed to send event request: {where}: context deadline exceeded "
-                "(Client.Timeout exceeded while awaiting headers)"
-            ) from None
-        except (OSError, HTTPError) as err:
-            raise EventError(f"failed to send event request: {where}: {err}") from None
-    text = bytes(content[:MAX_EVENT_ANSWER]).decode("utf-8", errors="replace")
-    raise EventError(f"unable to push CNI event (status code {head.status_code}): {text}")
-
-
-def _next_answer_event(exchange: Any, sock: Any, deadline: float) -> Any:
-    """The next h11 event of the answer, reading as needed before the deadline (TimeoutError after)."""
-    import h11
-
-    while (event := exchange.next_event()) is h11.NEED_DATA:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        sock.settimeout(left)
-        exchange.receive(sock.recv(65536))
-    return event
+        raise EventError(f"failed to send event request: {where}: {err}") from None
+    if answer.status != 200:
+        text = answer.body.decode("utf-8", errors="replace")
+        raise EventError(f"unable to push CNI event (status code {answer.status}): {text}")
 
 
 def _ambient_add(

@@ -40,15 +40,18 @@ def fetch(
     body: bytes = b"",
     max_body: int = DEFAULT_MAX_BODY,
     tls: ssl.SSLContext | None = None,
+    unix_socket: str | None = None,
 ) -> Fetched:
     """The whole response to ``method url`` on a connection of its own, before ``deadline``
-    (``time.monotonic()``). Raises HTTPError (ConnectError, ProtocolError, BodyTooLarge) or
-    TimeoutError."""
+    (``time.monotonic()``); over the Unix socket ``unix_socket`` when given (the URL then names the
+    host for the ``Host`` header only, as Go's ``http://unix/...``). Raises HTTPError (ConnectError,
+    ProtocolError, BodyTooLarge) or TimeoutError."""
     target = url if isinstance(url, URL) else URL.parse(url)
     fields = request_fields(method, target, headers, body, keepalive=False)
     exchange = ClientExchange()
     parts = exchange.request(method, target.target, fields, body)
-    with _connect(target, deadline, tls) as sock:
+    connected = _connect_unix(unix_socket, deadline) if unix_socket else _connect(target, deadline, tls)
+    with connected as sock:
         try:
             _settimeout(sock, deadline)
             sock.sendall(b"".join(parts))
@@ -96,6 +99,20 @@ def _connect(url: URL, deadline: float, tls: ssl.SSLContext | None) -> socket.so
     except OSError as err:  # ssl.SSLError is an OSError: a certificate that does not verify
         sock.close()
         raise ConnectError(url.address, err) from None
+
+
+def _connect_unix(path: str, deadline: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        _settimeout(sock, deadline)
+        sock.connect(path)
+    except TimeoutError:
+        sock.close()
+        raise
+    except OSError as err:  # no such file, refused
+        sock.close()
+        raise ConnectError(path, err) from None
+    return sock
 
 
 def _host_name(host: str) -> str | bytes:
