@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cni.netns import needs_root
+from tests.cni.netns import needs_root, netns
 
 ROOT = Path(__file__).resolve().parents[3]
 VENV_BIN = Path(sys.executable).parent
@@ -65,3 +65,17 @@ def test_without_ambient_the_table_is_as_before() -> None:
     assert re.search(r"^\| \(b\) istio-cni ADD \(sidecar pod, rules applied\) \| 1 \|", out, re.MULTILINE), (
         out
     )
+
+
+@needs_root
+def test_the_checks_tell_ambients_chains_from_the_sidecars() -> None:
+    """The bench's checks after each ADD: a sandbox with only the sidecar's nat chain does not pass for
+    an enrolled ambient pod; one with ambient's mangle chain too does."""
+    from bench.cni import inpod_rules_applied, rules_applied
+
+    with netns("check") as sandbox:
+        assert not rules_applied(sandbox.name) and not inpod_rules_applied(sandbox.name)
+        sandbox.exec("iptables-restore", input="*nat\n:ISTIO_OUTPUT - [0:0]\nCOMMIT\n")
+        assert rules_applied(sandbox.name) and not inpod_rules_applied(sandbox.name)
+        sandbox.exec("iptables-restore", "--noflush", input="*mangle\n:ISTIO_PRERT - [0:0]\nCOMMIT\n")
+        assert inpod_rules_applied(sandbox.name)
