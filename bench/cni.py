@@ -1,6 +1,6 @@
 """CNI benchmark: the istio-cni plugin's ADD latency (exec to result), next to the bridge plugin's.
 
-    python -m bench.cni [--pods 50] [--plugin-dir build/cni/bin [--plugin-dir OTHER ...]]
+    python -m bench.cni [--pods 50] [--plugin-dir build/cni/bin [--plugin-dir OTHER ...]] [--no-ambient]
 
 Root only (network namespaces). The bench process moves into a "node" namespace it creates, so the
 plugins run there as a container runtime runs them on a host, and the pod network's bridge never
