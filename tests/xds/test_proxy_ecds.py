@@ -5,6 +5,7 @@ server holding the module."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,8 +19,9 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 
 from istio_agent.config.wasm import WasmSettings
+from istio_agent.xds.proxy import XdsProxy
 from istio_agent.xds.types import EXTENSION_CONFIG
-from tests.xds import CDS, EnvoyStream, FakeIstiod, running
+from tests.xds import CDS, EnvoyStream, FakeIstiod, FakeUpstreamStream, running
 from tests.xds.test_proxy import FLAVOURS, istiod, packed, sample, settings_for
 
 __all__ = ["istiod"]  # the fixture, imported for this module's tests
@@ -74,7 +76,7 @@ async def modules() -> AsyncIterator[ModuleServer]:
     await server.stop()
 
 
-def wasm_settings(workdir: Path) -> WasmSettings:
+def cache(workdir: Path) -> WasmSettings:
     return WasmSettings(cache_dir=workdir / "var" / "lib" / "istio" / "data", http_max_retries=1)
 
 
@@ -115,16 +117,26 @@ def configs(response: Any, delta: bool) -> list[extension_pb2.TypedExtensionConf
     return found
 
 
+@contextlib.asynccontextmanager
+async def ecds_stream(
+    short_tmp: Path, istiod: FakeIstiod, delta: bool, *, wasm: WasmSettings | None, **request: Any
+) -> AsyncIterator[tuple[XdsProxy, EnvoyStream, FakeUpstreamStream]]:
+    """A proxy (``wasm``: its conversion settings), Envoy's stream subscribed to ECDS (``request``: more
+    fields of that request), and istiod's side of it with the subscription read."""
+    async with running(settings_for(short_tmp, istiod.address, wasm=wasm)) as (proxy, channel):
+        envoy = EnvoyStream(channel, delta=delta)
+        await envoy.send(EXTENSION_CONFIG, **request)
+        upstream = await istiod.next_stream()
+        await upstream.recv()
+        yield proxy, envoy, upstream
+        await envoy.close()
+
+
 @FLAVOURS
 async def test_remote_wasm_reaches_envoy_as_the_cached_local_file(
     short_tmp: Path, istiod: FakeIstiod, modules: ModuleServer, delta: bool
 ) -> None:
-    settings = settings_for(short_tmp, istiod.address, wasm=wasm_settings(short_tmp))
-    async with running(settings) as (proxy, channel):
-        envoy = EnvoyStream(channel, delta=delta)
-        await envoy.send(EXTENSION_CONFIG)
-        upstream = await istiod.next_stream()
-        await upstream.recv()
+    async with ecds_stream(short_tmp, istiod, delta, wasm=cache(short_tmp)) as (proxy, envoy, upstream):
         await upstream.send(ecds([remote_filter(modules.url("/filter.wasm"))], delta=delta, nonce="e1"))
         got = await envoy.recv()
         assert got.nonce == "e1" and got.type_url == EXTENSION_CONFIG
@@ -134,7 +146,7 @@ async def test_remote_wasm_reaches_envoy_as_the_cached_local_file(
         assert config.typed_config.Unpack(wasm)
         local = Path(wasm.config.vm_config.code.local.filename)
         assert local.read_bytes() == MODULE
-        assert local.is_relative_to(settings.wasm.cache_dir)  # type: ignore[union-attr]
+        assert local.is_relative_to(short_tmp / "var" / "lib" / "istio" / "data")
         assert not wasm.config.vm_config.HasField("environment_variables")  # ISTIO_META_* taken out
         if delta:
             assert [(r.name, r.version) for r in got.resources] == [("default.p0", "rv0")]
@@ -142,7 +154,6 @@ async def test_remote_wasm_reaches_envoy_as_the_cached_local_file(
             assert got.system_version_info == "v1"
         else:
             assert got.version_info == "v1"
-        await envoy.close()
     assert sample(proxy, "wasm_config_conversion_count", result="success") == 1
     assert sample(proxy, "xds_proxy_pushes", type_url=EXTENSION_CONFIG) == 1
 
@@ -151,19 +162,13 @@ async def test_remote_wasm_reaches_envoy_as_the_cached_local_file(
 async def test_a_module_that_cannot_be_fetched_becomes_deny_all_not_a_nack(
     short_tmp: Path, istiod: FakeIstiod, modules: ModuleServer, delta: bool
 ) -> None:
-    settings = settings_for(short_tmp, istiod.address, wasm=wasm_settings(short_tmp))
-    async with running(settings) as (proxy, channel):
-        envoy = EnvoyStream(channel, delta=delta)
-        await envoy.send(EXTENSION_CONFIG)
-        upstream = await istiod.next_stream()
-        await upstream.recv()
+    async with ecds_stream(short_tmp, istiod, delta, wasm=cache(short_tmp)) as (proxy, envoy, upstream):
         await upstream.send(ecds([remote_filter(modules.url("/missing.wasm"))], delta=delta, nonce="e1"))
         [config] = configs(await envoy.recv(), delta)
         deny = rbac_pb2.RBAC()
         assert config.name == "default.plugin" and config.typed_config.Unpack(deny)
         assert deny.rules_stat_prefix == "wasm-default-deny" and deny.HasField("rules")
         await upstream.expect_silence()  # no NACK: Envoy's own ACK is what istiod gets
-        await envoy.close()
     assert sample(proxy, "wasm_config_conversion_count", result="fetch_failure") == 1
 
 
@@ -171,13 +176,13 @@ async def test_a_module_that_cannot_be_fetched_becomes_deny_all_not_a_nack(
 async def test_an_unreadable_ecds_response_is_nacked_upstream_with_the_last_accepted_version(
     short_tmp: Path, istiod: FakeIstiod, delta: bool
 ) -> None:
-    settings = settings_for(short_tmp, istiod.address, wasm=wasm_settings(short_tmp))
     broken = packed(extension_pb2.TypedExtensionConfig(name="default.broken"))  # no typed config
-    async with running(settings) as (_, channel):
-        envoy = EnvoyStream(channel, delta=delta)
-        await envoy.send(EXTENSION_CONFIG, **({} if delta else {"version_info": "accepted-3"}))
-        upstream = await istiod.next_stream()
-        await upstream.recv()
+    accepted = {} if delta else {"version_info": "accepted-3"}  # Delta requests carry no version
+    async with ecds_stream(short_tmp, istiod, delta, wasm=cache(short_tmp), **accepted) as (
+        _,
+        envoy,
+        upstream,
+    ):
         await upstream.send(ecds([broken], delta=delta, nonce="bad-1", version="v4"))
         nack = await upstream.recv()
         assert nack.type_url == EXTENSION_CONFIG and nack.response_nonce == "bad-1"
@@ -187,7 +192,6 @@ async def test_an_unreadable_ecds_response_is_nacked_upstream_with_the_last_acce
         # Not forwarded, and the stream carries on.
         await upstream.send(_cds(delta, "cds-1"))
         assert (await envoy.recv()).nonce == "cds-1"
-        await envoy.close()
 
 
 def _cds(delta: bool, nonce: str) -> Any:
@@ -200,34 +204,23 @@ def _cds(delta: bool, nonce: str) -> Any:
 async def test_a_slow_module_holds_back_later_ecds_but_no_other_type(
     short_tmp: Path, istiod: FakeIstiod, modules: ModuleServer, delta: bool
 ) -> None:
-    settings = settings_for(short_tmp, istiod.address, wasm=wasm_settings(short_tmp))
-    async with running(settings) as (_, channel):
-        envoy = EnvoyStream(channel, delta=delta)
-        await envoy.send(EXTENSION_CONFIG)
-        upstream = await istiod.next_stream()
-        await upstream.recv()
+    async with ecds_stream(short_tmp, istiod, delta, wasm=cache(short_tmp)) as (_, envoy, upstream):
         await upstream.send(ecds([remote_filter(modules.url("/slow.wasm"))], delta=delta, nonce="e1"))
         await upstream.send(ecds([remote_filter(modules.url("/filter.wasm"))], delta=delta, nonce="e2"))
         await upstream.send(_cds(delta, "cds-1"))
         assert (await envoy.recv()).nonce == "cds-1"  # CDS went past the fetching ECDS
         modules.release.set()
         assert [(await envoy.recv()).nonce for _ in range(2)] == ["e1", "e2"]  # ECDS kept its order
-        await envoy.close()
 
 
 @FLAVOURS
 async def test_without_conversion_ecds_is_relayed_byte_for_byte(
     short_tmp: Path, istiod: FakeIstiod, modules: ModuleServer, delta: bool
 ) -> None:
-    async with running(settings_for(short_tmp, istiod.address, wasm=None)) as (_, channel):
-        envoy = EnvoyStream(channel, delta=delta)
-        await envoy.send(EXTENSION_CONFIG)
-        upstream = await istiod.next_stream()
-        await upstream.recv()
+    async with ecds_stream(short_tmp, istiod, delta, wasm=None) as (_, envoy, upstream):
         sent = ecds([remote_filter(modules.url("/filter.wasm"))], delta=delta, nonce="e1")
         await upstream.send(sent)
         assert await envoy.recv() == sent
-        await envoy.close()
     assert modules.requests == []
 
 
