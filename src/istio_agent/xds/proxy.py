@@ -4,7 +4,8 @@ Behaviour follows Istio's pilot-agent (``pkg/istio-agent/xds_proxy.go``; see doc
 three deliberate differences:
 
 * every downstream stream is served independently; a new stream does not close the previous one;
-* memory is bounded: there are no queues (see :mod:`istio_agent.xds.relay`);
+* memory is bounded: there are no queues but the one of ECDS responses waiting for their Wasm
+  modules (see :mod:`istio_agent.xds.relay`);
 * an upstream failure ends the downstream stream with the upstream's status code and a text naming
   the upstream, so Envoy's own backoff drives reconnection and its log says where the problem is
   (see :mod:`istio_agent.xds.outcome`).

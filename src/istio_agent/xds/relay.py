@@ -1,13 +1,15 @@
 """One downstream xDS stream relayed to its own upstream stream to istiod.
 
-There are no queues: each direction awaits the write on the other side, so a slow reader is
-back-pressured through gRPC flow control. Writes to one upstream call are serialised by the
+There are no queues but one: each direction awaits the write on the other side, so a slow reader
+is back-pressured through gRPC flow control. Writes to one upstream call are serialised by the
 stream's lock, shared with the agent's own requests (ACKs, NDS/PCDS, health, debug questions).
 istiod's responses are relayed as the bytes received (see :mod:`istio_agent.xds.wire`), held once:
 the buffer a response was received into is what is written to Envoy, in slices of it
 (:mod:`istio_agent.rpc.message`); only the agent's own types are decoded, and ECDS, whose remote
 Wasm modules the agent fetches first (:mod:`istio_agent.xds.extension_configs`): those responses are
-converted in a task of their own, in order, so a slow registry holds back no other type.
+converted in a task of their own, in order, so a slow registry holds back no other type. They wait
+for it in the stream's one queue, which holds only ECDS responses (small: one filter config each)
+while their modules are fetched.
 """
 
 from __future__ import annotations
