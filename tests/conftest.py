@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Generator, Iterator
@@ -17,6 +18,35 @@ from tests.grpcio_process import prepare_grpcio_process
 
 prepare_process()  # as every entry point does
 prepare_grpcio_process()  # this process runs grpcio and forks: before anything loads grpc
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was() -> Iterator[None]:
+    """Each test leaves logging as it found it: code under test that configures logging in this
+    process (an entry point's ``configure``, a scope's level) would otherwise change which records
+    later tests' ``caplog`` sees, depending on the order the tests ran in."""
+    manager = logging.Logger.manager
+    disabled = manager.disable
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    loggers = {
+        name: logger for name, logger in manager.loggerDict.items() if isinstance(logger, logging.Logger)
+    }
+    saved = {name: (logger.level, logger.propagate, logger.disabled) for name, logger in loggers.items()}
+    root_level = root.level
+    yield
+    logging.disable(disabled)
+    root.setLevel(root_level)
+    for handler in list(root.handlers):
+        if handler not in handlers and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
+    for name, logger in manager.loggerDict.items():
+        if not isinstance(logger, logging.Logger):
+            continue
+        level, propagate, was_disabled = saved.get(name, (logging.NOTSET, True, False))
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.disabled = was_disabled
 
 
 @pytest.fixture

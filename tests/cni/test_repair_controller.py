@@ -194,10 +194,15 @@ async def test_delete_mode_deletes_the_broken_pod_with_preconditions(fake: FakeK
         assert ("default", "broken") not in running.controller.informer.pods
         # The terminating pod's update is still a broken pod: deleted again (a no-op), as Istio does.
         assert all(options["preconditions"]["uid"] == meta["uid"] for options in fake.delete_options)
-        assert running.repaired()[("delete", "success")] == len(fake.delete_options)
-        (event,) = fake.events.values()
-        assert (event["reason"], event["message"]) == ("DeleteBrokenPod", "pod detected as broken, deleted")
-        assert event["count"] == len(fake.delete_options)  # identical events are counted, not repeated
+        # A second delete carries the resourceVersion the controller saw: when the terminating pod's
+        # update came first it succeeds, else the API server answers 409 (counted as a failure).
+        repaired = running.repaired()
+        successes = repaired[("delete", "success")]
+        assert successes >= 1
+        assert successes + repaired.get(("delete", "fail"), 0) == len(fake.delete_options), repaired
+        (event,) = [e for e in fake.events.values() if e["message"] == "pod detected as broken, deleted"]
+        assert event["reason"] == "DeleteBrokenPod"
+        assert event["count"] == successes  # identical events are counted, not repeated
     assert set(fake.pods) == {("default", "healthy"), ("default", "elsewhere")}
 
 
