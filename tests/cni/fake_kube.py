@@ -42,6 +42,7 @@ import secrets
 import socket
 import ssl
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -51,6 +52,7 @@ from aiohttp import web
 
 from istio_agent.controlplane.ca import LocalCA
 from tests.cni.fake_kube_selectors import (
+    POD_FIELDS,
     SelectorError,
     dns_subdomain_problem,
     fields_match,
@@ -379,18 +381,24 @@ class FakeKube:
 
     async def pods_collection(self, request: web.Request) -> web.StreamResponse:
         """List or watch pods (every namespace, or one)."""
+        return await self._collection(request, "Pod", request.match_info.get("ns", ""), POD_FIELDS)
+
+    async def _collection(
+        self, request: web.Request, kind: str, namespace: str, field_table: Mapping[str, Any]
+    ) -> web.StreamResponse:
+        """List or watch ``kind`` (``Pod`` or ``Namespace``), as the API server checks the query."""
         self.calls.append((request.method, request.path_qs))
         query = request.query
         watch_text = query.get("watch", "false")
         if watch_text not in _GO_TRUE | _GO_FALSE:
             return _answer(400, "BadRequest", f'invalid value for watch: "{watch_text}"')
         watching = watch_text in _GO_TRUE
-        denied = self._denied(request, "watch" if watching else "list", "pods")
+        denied = self._denied(request, "watch" if watching else "list", kind.lower() + "s")
         if denied is not None:
             return denied
         try:
             labels = parse_label_selector(query.get("labelSelector", ""))
-            fields = parse_field_selector(query.get("fieldSelector", ""))
+            fields = parse_field_selector(query.get("fieldSelector", ""), field_table)
         except SelectorError as err:
             return _answer(400, "BadRequest", str(err))
         if "limit" in query or "continue" in query:
@@ -398,15 +406,15 @@ class FakeKube:
         bookmarks_text = query.get("allowWatchBookmarks", "false")
         if bookmarks_text not in _GO_TRUE | _GO_FALSE:
             return _answer(400, "BadRequest", f'invalid value for allowWatchBookmarks: "{bookmarks_text}"')
-        watcher = Watcher(request.match_info.get("ns", ""), labels, fields, bookmarks_text in _GO_TRUE)
+        watcher = Watcher(namespace, labels, fields, bookmarks_text in _GO_TRUE, kind)
         if not watching:
-            items = [copy.deepcopy(pod) for pod in self.pods.values() if watcher.matches(pod)]
+            stored = self.pods.values() if kind == "Pod" else self.namespaces.values()
             return web.json_response(
                 {
-                    "kind": "PodList",
+                    "kind": f"{kind}List",
                     "apiVersion": "v1",
                     "metadata": {"resourceVersion": str(self.version)},
-                    "items": items,
+                    "items": [copy.deepcopy(obj) for obj in stored if watcher.matches(obj)],
                 }
             )
         return await self._watch(request, watcher)
@@ -489,37 +497,7 @@ class FakeKube:
 
     async def namespaces_collection(self, request: web.Request) -> web.StreamResponse:
         """List or watch namespaces."""
-        self.calls.append((request.method, request.path_qs))
-        query = request.query
-        watch_text = query.get("watch", "false")
-        if watch_text not in _GO_TRUE | _GO_FALSE:
-            return _answer(400, "BadRequest", f'invalid value for watch: "{watch_text}"')
-        watching = watch_text in _GO_TRUE
-        denied = self._denied(request, "watch" if watching else "list", "namespaces")
-        if denied is not None:
-            return denied
-        try:
-            labels = parse_label_selector(query.get("labelSelector", ""))
-            fields = parse_field_selector(query.get("fieldSelector", ""), NAMESPACE_FIELDS)
-        except SelectorError as err:
-            return _answer(400, "BadRequest", str(err))
-        if "limit" in query or "continue" in query:
-            return _answer(500, "InternalError", "the FAKE API server does not paginate lists")
-        bookmarks_text = query.get("allowWatchBookmarks", "false")
-        if bookmarks_text not in _GO_TRUE | _GO_FALSE:
-            return _answer(400, "BadRequest", f'invalid value for allowWatchBookmarks: "{bookmarks_text}"')
-        watcher = Watcher("", labels, fields, bookmarks_text in _GO_TRUE, "Namespace")
-        if not watching:
-            items = [copy.deepcopy(ns) for ns in self.namespaces.values() if watcher.matches(ns)]
-            return web.json_response(
-                {
-                    "kind": "NamespaceList",
-                    "apiVersion": "v1",
-                    "metadata": {"resourceVersion": str(self.version)},
-                    "items": items,
-                }
-            )
-        return await self._watch(request, watcher)
+        return await self._collection(request, "Namespace", "", NAMESPACE_FIELDS)
 
     async def pod_delete(self, request: web.Request) -> web.StreamResponse:
         self.calls.append((request.method, request.path_qs))
