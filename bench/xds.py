@@ -128,7 +128,8 @@ class Timeline:
             if left <= 0:
                 raise TimeoutError(f"timed out waiting for {what}")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), min(left, 0.5))
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self.changed.wait()
         return result
 
 

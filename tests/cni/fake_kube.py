@@ -457,7 +457,8 @@ class FakeKube:
                 if left <= 0:
                     break
                 try:
-                    item = await asyncio.wait_for(watcher.queue.get(), left)
+                    async with asyncio.timeout(left):
+                        item = await watcher.queue.get()
                 except TimeoutError:
                     break
                 if item == "end":

@@ -476,7 +476,8 @@ class DnsServer:
         finally:
             writer.close()
             try:  # a client that stopped reading would keep an orderly close waiting forever
-                await asyncio.wait_for(writer.wait_closed(), TCP_CLOSE_TIMEOUT)
+                async with asyncio.timeout(TCP_CLOSE_TIMEOUT):
+                    await writer.wait_closed()
             except (OSError, TimeoutError):
                 writer.transport.abort()
             self._connections.discard(task)
@@ -484,7 +485,8 @@ class DnsServer:
     async def _tcp_queries(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for _ in range(TCP_QUERIES_PER_CONNECTION):
             try:
-                prefix = await asyncio.wait_for(reader.readexactly(2), TCP_IDLE_TIMEOUT)
+                async with asyncio.timeout(TCP_IDLE_TIMEOUT):
+                    prefix = await reader.readexactly(2)
             except asyncio.IncompleteReadError as err:
                 if not err.partial:
                     return  # clean close between queries
@@ -492,7 +494,8 @@ class DnsServer:
             (length,) = struct.unpack("!H", prefix)
             if length == 0:
                 return
-            data = await asyncio.wait_for(reader.readexactly(length), TCP_READ_TIMEOUT)
+            async with asyncio.timeout(TCP_READ_TIMEOUT):
+                data = await reader.readexactly(length)
             result = self.resolver.answer_now(data, TCP_LIMIT)
             if result is None:
                 return  # unparsable: the stream cannot be trusted any more
@@ -500,7 +503,8 @@ class DnsServer:
                 result if isinstance(result, bytes) else await self.resolver.forward(data, result, tcp=True)
             )
             writer.write(struct.pack("!H", len(reply)) + reply)
-            await asyncio.wait_for(writer.drain(), TCP_READ_TIMEOUT)
+            async with asyncio.timeout(TCP_READ_TIMEOUT):
+                await writer.drain()
 
     async def stop(self) -> None:
         for listener in self._udp:

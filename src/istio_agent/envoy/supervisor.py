@@ -136,7 +136,8 @@ class EnvoySupervisor:
     async def _stopped_within(self, delay: float) -> bool:
         """Wait ``delay`` seconds unless a stop comes first; True if it did."""
         try:
-            await asyncio.wait_for(self._stopping.wait(), delay)
+            async with asyncio.timeout(delay):
+                await self._stopping.wait()
         except TimeoutError:
             return False
         return True

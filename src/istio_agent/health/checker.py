@@ -93,7 +93,8 @@ class HealthChecker:
             return False
         if seconds > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), seconds)
+                async with asyncio.timeout(seconds):
+                    await self._stopped.wait()
         return not self._stopped.is_set()
 
     async def _probe_unless_stopped(self) -> ProbeOutcome | None:

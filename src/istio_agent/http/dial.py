@@ -100,7 +100,8 @@ class Stream:
         """
         self.writer.close()
         try:
-            await asyncio.wait_for(self.writer.wait_closed(), CLOSE_TIMEOUT)
+            async with asyncio.timeout(CLOSE_TIMEOUT):
+                await self.writer.wait_closed()
         except (OSError, TimeoutError):
             self.abort()
 

@@ -139,7 +139,8 @@ class XdsProxy:
         if streams:
             waiting = asyncio.gather(*(stream.finished.wait() for stream in streams))
             try:
-                await asyncio.wait_for(waiting, STOP_WAIT)
+                async with asyncio.timeout(STOP_WAIT):
+                    await waiting
             except TimeoutError:
                 log.warning(
                     "xDS proxy: %d stream(s) did not finish within %.0fs", len(self._streams), STOP_WAIT

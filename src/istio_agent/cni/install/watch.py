@@ -60,7 +60,8 @@ class DirWatcher:
     async def wait(self, timeout: float | None = None) -> bool:
         """Until a change (True) or ``timeout`` seconds (False)."""
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
         except TimeoutError:
             return False
         return True
