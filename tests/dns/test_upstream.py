@@ -19,7 +19,7 @@ import pytest
 
 from istio_agent.ctl.local import free_port
 from istio_agent.dns.cache import AnswerCache
-from istio_agent.dns.udp_pool import PoolLimits, RandomIds, Sent, UdpPool
+from istio_agent.dns.udp_pool import PoolLimits, Sent, UdpPool, random_ids
 from istio_agent.dns.upstream import Forwarder, UpstreamError, _UdpForward, shuffled
 from istio_agent.dns.wire import parse_query
 from istio_agent.metrics import Registry
@@ -691,7 +691,7 @@ async def test_the_pools_one_timer_keeps_every_querys_own_deadline(fakes: Any) -
     """A later query with a shorter timeout is not held to the earlier one's; no timeout: no expiry."""
     quiet = await fakes(silent)
     pool = UdpPool(
-        socket.AF_INET, quiet.address, limits=PoolLimits(), ids=RandomIds(), unmatched=lambda: None
+        socket.AF_INET, quiet.address, limits=PoolLimits(), ids=random_ids(), unmatched=lambda: None
     )
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -723,7 +723,7 @@ async def test_the_pools_timer_runs_a_few_times_for_many_timeouts(fakes: Any) ->
     """uvloop may fire a timer a rounding error early: that must not make the timer spin until due."""
     quiet = await fakes(silent)
     pool = UdpPool(
-        socket.AF_INET, quiet.address, limits=PoolLimits(), ids=RandomIds(), unmatched=lambda: None
+        socket.AF_INET, quiet.address, limits=PoolLimits(), ids=random_ids(), unmatched=lambda: None
     )
     runs, expire = [], pool._expire
 
@@ -749,7 +749,7 @@ async def test_the_pools_timer_runs_a_few_times_for_many_timeouts(fakes: Any) ->
 async def test_a_retired_socket_closes_when_its_last_query_times_out(fakes: Any) -> None:
     quiet = await fakes(silent)
     limits = PoolLimits(sockets=1, queries=1)
-    pool = UdpPool(socket.AF_INET, quiet.address, limits=limits, ids=RandomIds(), unmatched=lambda: None)
+    pool = UdpPool(socket.AF_INET, quiet.address, limits=limits, ids=random_ids(), unmatched=lambda: None)
     try:
         pool.send(make_query(qid=1), lambda result: None, timeout=0.05)
         pool.send(make_query(qid=2), lambda result: None)  # retires the first socket

@@ -165,6 +165,13 @@ class DnsResolver:
             replies.clear()  # built from the old table; cleared in place, listeners hold the dicts
         self._not_in_table.clear()  # the new table may know them
 
+    def forwarded_questions(self) -> dict[bytes, Query]:
+        """Questions known to go upstream, parsed, by their bytes after the ID, so that a listener
+        can forward a repeated one without asking ``answer``; empty for good when answers are cached
+        (DNS_CACHE: the cache is asked first). The same dict for the resolver's life (cleared in place).
+        """
+        return self._not_in_table if not self._caches else {}
+
     def remembered(self, limit: int | None) -> dict[bytes, Remembered]:
         """Table replies by question (the query without its ID) for a transport's size limit.
 
@@ -266,26 +273,33 @@ class DnsResolver:
         return self.forwarded_reply(query, reply, tcp=tcp)
 
     def forwarded_reply(self, query: Query, result: bytes | UpstreamError, *, tcp: bool) -> bytes:
-        """The client's reply to a forwarded query: the upstream's within the client's size, or SERVFAIL.
+        """The client's reply to a forwarded query (``client_reply``), counted."""
+        reply = self.client_reply(query, result, TCP_LIMIT if tcp else query.udp_limit)
+        self.count_forwarded(query, result)
+        return reply
+
+    def client_reply(self, query: Query, result: bytes | UpstreamError, limit: int) -> bytes:
+        """The upstream's reply within the client's size ``limit``, or SERVFAIL when every upstream failed.
 
         Over the limit it is cut and marked TC, so the client retries over TCP.
         """
         if isinstance(result, UpstreamError):
-            log.debug("upstream failed for a %s query: %s", _TYPE_NAMES.get(query.qtype, query.qtype), result)
-            self.stats.answered(query.qtype, RCODE_SERVFAIL, "upstream")
             return servfail(query)
-        reply = result
-        self.stats.queries[
-            (query.qtype, reply[3] & 0x0F if len(reply) >= 4 else RCODE_SERVFAIL, "upstream")
-        ] += 1
-        limit = TCP_LIMIT if tcp else query.udp_limit
-        if len(reply) <= limit:
-            return reply
+        if len(result) <= limit:
+            return result
         try:
-            return truncate(reply, limit)
+            return truncate(result, limit)
         except ValueError as err:  # DnsFormatError: the forwarder already checked it, so this is a bug
             log.warning("cannot truncate an upstream reply: %s", err)
             return servfail(query)
+
+    def count_forwarded(self, query: Query, result: bytes | UpstreamError) -> None:
+        """The metrics of a forwarded query's reply (the upstream's rcode, or SERVFAIL)."""
+        if isinstance(result, UpstreamError):
+            log.debug("upstream failed for a %s query: %s", _TYPE_NAMES.get(query.qtype, query.qtype), result)
+            self.stats.answered(query.qtype, RCODE_SERVFAIL, "upstream")
+        else:
+            self.stats.answered(query.qtype, _rcode(result), "upstream")
 
 
 class _Forwards:
@@ -307,6 +321,8 @@ class _UdpListener:
         self._fd = sock.fileno()
         self._resolver = resolver
         self._remembered = resolver.remembered(None)
+        self._forwarded = resolver.forwarded_questions()
+        self._forward_soon = resolver.forward_soon
         self._pending = pending
         # Without recvmmsg (not Linux, a 32-bit process) the listener reads one datagram at a time.
         self._batch = DatagramBatch(UDP_BATCH, UDP_QUERY_SIZE) if mmsg.available() else None
@@ -331,11 +347,8 @@ class _UdpListener:
         """
         if self._batching and self._batch is not None:
             self._read_batches(self._batch)
-        else:
-            self._read_one_by_one()
-
-    def _read_one_by_one(self) -> None:
-        recvfrom = self.sock.recvfrom
+            return
+        recvfrom = self.sock.recvfrom  # one datagram at a time, here: no call more before the first
         for read in range(UDP_BATCH):
             try:
                 data, addr = recvfrom(UDP_QUERY_SIZE + 1)
@@ -376,33 +389,45 @@ class _UdpListener:
         """Answer, or forward on the short path; a bug costs the one query, never the rest of its batch."""
         resolver = self._resolver
         try:
-            result = resolver.oversized(data) if oversized else resolver.answer(data, None)
-            if result is None:
-                return
-            if isinstance(result, bytes):
-                self._send(result, addr)
-                return
+            asked = None if oversized else self._forwarded.get(data[2:])
+            if asked is not None:  # as ``answer`` does for it, without a call more before the send
+                resolver.stats.requests += 1
+                query = _new_query(Query, ((data[0] << 8) | data[1], *asked[1:]))
+            else:
+                result = resolver.oversized(data) if oversized else resolver.answer(data, None)
+                if result is None:
+                    return
+                if isinstance(result, bytes):
+                    self._send(result, addr)
+                    return
+                query = result
             pending = self._pending
             if len(pending.tasks) + pending.callbacks >= MAX_PENDING_FORWARDS:
                 return  # overloaded: dropping lets the client retry; queueing would only add latency
             pending.callbacks += 1  # until ``forwarded``, which the forwarder calls once
             try:
-                forwarding = resolver.forward_soon(data, result, self, addr)
+                forwarding = self._forward_soon(data, query, self, addr)
             except BaseException:
                 pending.callbacks -= 1  # raised before sending: ``forwarded`` will not be called
                 raise
             if not forwarding:
                 pending.callbacks -= 1
-                task = self._loop.create_task(self._forward(data, result, addr))
+                task = self._loop.create_task(self._forward(data, query, addr))
                 pending.tasks.add(task)
                 task.add_done_callback(pending.tasks.discard)
         except Exception:
             self._failures.record()
 
     def forwarded(self, parsed: Query, result: bytes | UpstreamError, client: Any) -> None:
-        """The forwarder's outcome for a query this listener forwarded on the short path: reply now."""
+        """The forwarder's outcome for a query this listener forwarded on the short path: the
+        client's reply first, then the bookkeeping."""
+        resolver = self._resolver
+        if isinstance(result, bytes) and len(result) <= parsed.udp_limit:
+            self._send(result, client)  # the usual case: the reply as it came, nothing to decide
+        else:
+            self._send(resolver.client_reply(parsed, result, parsed.udp_limit), client)
         self._pending.callbacks -= 1
-        self._send(self._resolver.forwarded_reply(parsed, result, tcp=False), client)
+        resolver.count_forwarded(parsed, result)
 
     async def _forward(self, data: bytes, query: Query, addr: tuple[str | int, ...]) -> None:
         try:

@@ -21,6 +21,8 @@ Spoofing resistance stays what a socket per query gave, plus a random ID:
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import math
 import os
 import socket
@@ -67,17 +69,14 @@ class PoolLimits:
             raise ValueError(f"UDP pool limits must be positive, got {self}")
 
 
-class RandomIds:
-    """16-bit query IDs from the OS's random source, drawn in batches (one syscall per 2,048 IDs)."""
+def random_ids() -> Callable[[], int]:
+    """16-bit query IDs from the OS's random source, drawn in batches (one syscall per 2,048 IDs).
 
-    def __init__(self) -> None:
-        self._ids: list[int] = []
-
-    def __call__(self) -> int:
-        ids = self._ids
-        if not ids:
-            ids.extend(array("H", os.urandom(4096)))
-        return ids.pop()
+    ``next`` on a chain of batches: taking an ID runs no Python code (on the latency path of every
+    forwarded query), only drawing a batch does.
+    """
+    batches = iter(lambda: array("H", os.urandom(4096)), None)
+    return functools.partial(next, itertools.chain.from_iterable(batches))
 
 
 class _Channel:
@@ -110,7 +109,8 @@ class Sent:
         pool: UdpPool,
         channel: _Channel,
         qid: int,
-        query: bytes,
+        wire: bytes,
+        client_id: bytes,
         on_reply: OnReply,
         question: bytes | None,
     ) -> None:
@@ -118,23 +118,26 @@ class Sent:
         self._channel = channel
         self._id = qid
         self._on_reply: OnReply | None = on_reply
-        self.client_id = query[:2]
-        self.wire = qid.to_bytes(2, "big") + query[2:]
+        self.client_id = client_id
+        self.wire = wire
         """The query as sent: the pool's random ID, then the client's bytes."""
         self.question = question
         self.deadline = math.inf
         """When the pool times the query out (``loop.time()``); never unless ``send`` got a timeout."""
 
     def settle(self, result: bytes | OSError | DnsFormatError) -> None:
-        """The query's outcome to its waiter, once; a failing waiter costs this query, not the reader."""
+        """The query's outcome to its waiter, once; a failing waiter costs this query, not the reader.
+
+        The waiter first (it answers the client), then the ID is freed: nothing the waiter does can
+        meet this query again, since the pool runs no callback of its own from inside the waiter's.
+        """
         on_reply, self._on_reply = self._on_reply, None
+        if on_reply is not None:
+            try:
+                on_reply(result)
+            except Exception:
+                log.exception("DNS forwarding: handling an upstream reply failed")
         self.forget()
-        if on_reply is None:
-            return
-        try:
-            on_reply(result)
-        except Exception:
-            log.exception("DNS forwarding: handling an upstream reply failed")
 
     def forget(self) -> None:
         """Stop waiting: the ID is freed and the waiter is not called any more (idempotent)."""
@@ -195,6 +198,8 @@ class UdpPool:
         OSError when the query cannot be sent (a full send buffer counts: UDP, another upstream may
         do better). ``close()`` ends every query in flight with PoolClosed.
         """
+        # Only what the datagram needs comes before the send (this is on the query's latency); the
+        # record of the query in flight is made after it, before the loop can read a reply.
         loop = self._loop
         if loop is None or not loop.is_running():  # (on Python 3.11 get_running_loop costs a getpid())
             loop = asyncio.get_running_loop()
@@ -203,16 +208,13 @@ class UdpPool:
         channel = self._slots[qid % len(self._slots)] if loop is self._loop else None
         if channel is None or channel.uses >= self._limits.queries or now >= channel.expires:
             channel = self._channel(loop, qid, now)
-        channel.uses += 1
         pending = channel.pending
         while qid in pending:
             qid = self._ids()
-        sent = pending[qid] = Sent(self, channel, qid, query, on_reply, question)
-        try:
-            channel.sock.send(sent.wire)
-        except OSError:
-            sent.forget()
-            raise
+        wire = qid.to_bytes(2, "big") + query[2:]
+        channel.sock.send(wire)
+        channel.uses += 1
+        sent = pending[qid] = Sent(self, channel, qid, wire, query[:2], on_reply, question)
         if timeout is not None:
             deadline = sent.deadline = now + timeout
             if deadline < self._expiry_at:

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.table import shuffle_by_ids
-from istio_agent.dns.udp_pool import PoolClosed, PoolLimits, RandomIds, UdpPool
+from istio_agent.dns.udp_pool import PoolClosed, PoolLimits, UdpPool, random_ids
 from istio_agent.dns.wire import Query, check_reply
 from istio_agent.log import scope
 from istio_agent.metrics import Registry
@@ -163,7 +163,7 @@ class Forwarder:
         self._next_id = next_id or functools.partial(random.getrandbits, 16)
         """Orders the servers as Istio's per-query shuffle does (query IDs come from the OS instead)."""
         self._pool_limits = pool_limits or PoolLimits()
-        self._query_ids = query_ids or RandomIds()
+        self._query_ids = query_ids or random_ids()
         """The IDs UDP queries go out with (injected by tests to force a collision)."""
         self._pools: dict[_Upstream, UdpPool] = {}
         self._callbacks_only = (
@@ -398,32 +398,39 @@ class _UdpForward:
                 continue
             self._server = server
             return
-        self._finish(UpstreamError(self._errors))
+        self._reply(UpstreamError(self._errors))
 
-    def _reply(self, result: bytes | OSError | ValueError) -> None:
-        """The pool's outcome for the current attempt, once: a reply, an error, or a TimeoutError.
+    def _reply(self, result: bytes | OSError | ValueError | UpstreamError) -> None:
+        """An attempt's outcome from the pool, once (a reply, an error, a TimeoutError), or the
+        end of the servers from ``send``: the receiver gets a reply or the last failure, then the
+        metrics are counted, off the client's latency.
 
-        The pool has already forgotten the query (``Sent.settle``): nothing is left to cancel.
+        The pool forgets the query after this returns: nothing is left to cancel.
         """
-        if isinstance(result, bytes):
-            self._finish(result)
-            return
-        assert self._server is not None
-        if isinstance(result, PoolClosed):  # the agent is stopping: no other upstream
-            self._errors.append((self._server.label, str(result)))
-            self._finish(UpstreamError(self._errors))
-        else:
-            _record_failure(self._server, result, self._forwarder._timeout, self._errors)
-            self.send()
-
-    def _finish(self, result: bytes | UpstreamError) -> None:
+        if not isinstance(result, bytes):
+            outcome = self._failed(result)
+            if outcome is None:
+                return  # sent to the next server
+            result = outcome
         try:
             self._receiver.forwarded(self._parsed, result, self._client)
         except Exception:  # a bug in the receiver costs this query's answer, not the metrics or the pool
             log.exception("DNS forwarding: answering the client failed")
-        forwarder = self._forwarder  # the bookkeeping after the client's answer, off the latency path
+        forwarder = self._forwarder
         forwarder._metrics.requests.inc()
         forwarder._finished(self._parsed, self._started, result if isinstance(result, bytes) else None)
+
+    def _failed(self, error: OSError | ValueError | UpstreamError) -> UpstreamError | None:
+        """After a failed attempt: the next server is tried (None), or the failure to deliver."""
+        if isinstance(error, UpstreamError):
+            return error
+        assert self._server is not None
+        if isinstance(error, PoolClosed):  # the agent is stopping: no other upstream
+            self._errors.append((self._server.label, str(error)))
+            return UpstreamError(self._errors)
+        _record_failure(self._server, error, self._forwarder._timeout, self._errors)
+        self.send()
+        return None
 
 
 async def _receive_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytes:
