@@ -423,9 +423,13 @@ class _UdpListener:
         client's reply first, then the bookkeeping."""
         resolver = self._resolver
         if isinstance(result, bytes) and len(result) <= parsed.udp_limit:
-            self._send(result, client)  # the usual case: the reply as it came, nothing to decide
+            reply = result  # the usual case: the reply as it came, nothing to decide
         else:
-            self._send(resolver.client_reply(parsed, result, parsed.udp_limit), client)
+            reply = resolver.client_reply(parsed, result, parsed.udp_limit)
+        try:  # as ``_send``, without a call more before the system call (a closed socket raises)
+            self.sock.sendto(reply, client)
+        except OSError as err:
+            log.debug("DNS UDP reply not sent: %s", err)
         self._pending.callbacks -= 1
         resolver.count_forwarded(parsed, result)
 

@@ -66,7 +66,9 @@ class ForwardReceiver(Protocol):
         """Called once per query, with the ``client`` given to ``forward_soon``."""
 
 
-@dataclass(frozen=True)
+@dataclass(
+    frozen=True, eq=False
+)  # identity: the pools are looked up by it on every query (no Python __hash__)
 class _Upstream:
     label: str
     """``host:port`` (``[v6]:port``), as logged."""

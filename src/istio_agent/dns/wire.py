@@ -618,10 +618,14 @@ def _skip_name(data: bytes, pos: int, n: int) -> int:
             raise DnsFormatError("name longer than 255 bytes")
 
 
-def _skip_records(data: bytes, pos: int, counts: tuple[int, int, int]) -> None:
+def _skip_records(data: bytes, pos: int, counts: tuple[int, int, int], checked_name: int = -1) -> None:
     """Check the answer, authority and additional records from ``pos`` as ``_parse`` does (names,
     bounds, names inside record data, the OPT record's place, uniqueness, owner and options), but
     without building anything: a forwarded reply is relayed as it came.
+
+    ``checked_name``: where a name already known to be valid starts (the question's, once it was
+    compared with the query's), so an owner that is just a pointer to it needs no walk (the usual
+    answer record).
     """
     n = len(data)
     answers, authority, additional = counts
@@ -629,7 +633,10 @@ def _skip_records(data: bytes, pos: int, counts: tuple[int, int, int]) -> None:
     opt_seen = False
     for index in range(additional_from + additional):  # one flat loop: cheaper than one per section
         owner = pos
-        pos = _skip_name(data, pos, n)
+        if pos + 1 < n and data[pos] >= 0xC0 and ((data[pos] & 0x3F) << 8 | data[pos + 1]) == checked_name:
+            pos += 2  # a pointer back to a checked name, as _skip_name would find it
+        else:
+            pos = _skip_name(data, pos, n)
         if pos + 10 > n:
             raise DnsFormatError("record header runs past end of message")
         start = pos + 10
@@ -695,15 +702,19 @@ def check_reply(query: bytes, reply: bytes, question: bytes | None = None) -> No
         if not question:
             asked = _question_end(query, len(query))
             end = asked[1] if asked is not None else 0
+            question = query[HEADER_SIZE:end]
         else:
             end = HEADER_SIZE + len(question)
         if end:
             name_end = end - 4
             if (
-                reply[HEADER_SIZE:name_end].lower() == query[HEADER_SIZE:name_end].lower()
-                and reply[name_end:end] == query[name_end:end]
+                reply.startswith(question, HEADER_SIZE)
+                or (  # the question as sent, or in another case
+                    reply[HEADER_SIZE:name_end].lower() == query[HEADER_SIZE:name_end].lower()
+                    and reply[name_end:end] == query[name_end:end]
+                )
             ):
-                _skip_records(reply, end, (ancount, nscount, arcount))
+                _skip_records(reply, end, (ancount, nscount, arcount), HEADER_SIZE)
                 return
     msg = _parse(reply)
     if msg.questions:
