@@ -321,7 +321,7 @@ class UdpPool:
                 for waiting in list(pending.values()):
                     waiting.settle(OSError(err.errno, err.strerror))
                 continue
-            sent = pending.get(int.from_bytes(data[:2], "big")) if len(data) >= 2 else None
+            sent = pending.get((data[0] << 8) | data[1]) if len(data) >= 2 else None
             if sent is None:
                 self._unmatched()
                 continue
