@@ -19,6 +19,7 @@ import dns.message
 import dns.rcode
 import pytest
 
+from istio_agent.dns.cache import AnswerCache
 from istio_agent.dns.server import DnsResolver, DnsServer
 from istio_agent.dns.table import LookupTable
 from istio_agent.dns.upstream import Forwarder
@@ -143,3 +144,43 @@ async def test_replies_reach_each_client_when_many_are_in_flight(fakes: Any) -> 
     assert sorted(reply.id for reply in replies) == list(range(40))
     assert all(str(reply.question[0].name) == f"n{reply.id}.example.com." for reply in replies)
     assert metric(registry, "dns_upstream_requests_total") == 40
+
+
+async def test_a_question_asked_again_goes_upstream_with_its_own_id_until_the_table_knows_it(
+    fakes: Any,
+) -> None:
+    """The listener forwards a question it has forwarded before without asking the resolver again:
+    each client still gets its own ID, each query is counted, and once the table knows the name
+    (a new NDS push) the same question is answered from the table and not forwarded."""
+    upstream = await fakes(answer("10.0.0.9"))
+    registry = Registry()
+    forwarder = Forwarder([upstream.address], timeout=1, registry=registry)
+    async with serving(forwarder, registry) as (server, target):
+        first = await ask(target, dns.message.make_query("later.ns1.svc.cluster.local.", "A", id=11))
+        again = await ask(target, dns.message.make_query("later.ns1.svc.cluster.local.", "A", id=12))
+        assert [first.id, again.id] == [11, 12] and len(upstream.queries) == 2
+        assert metric(registry, "dns_requests_total") == 2
+        assert metric(registry, "dns_queries_total", qtype="A", rcode="NOERROR", source="upstream") == 2
+        table = nds_pb2.NameTable()
+        table.table["later.ns1.svc.cluster.local"].ips.append("10.1.1.1")
+        server.resolver.table = LookupTable.build(
+            table, proxy_namespace="ns1", proxy_domain="svc.cluster.local", search_domains=()
+        )
+        local = await ask(target, dns.message.make_query("later.ns1.svc.cluster.local.", "A", id=13))
+    assert local.id == 13 and [r.address for rrset in local.answer for r in rrset] == ["10.1.1.1"]
+    assert len(upstream.queries) == 2  # not forwarded any more
+    assert metric(registry, "dns_requests_total") == 3
+
+
+async def test_with_dns_cache_a_question_asked_again_is_a_cache_hit(fakes: Any) -> None:
+    """DNS_CACHE: the listener's shortcut for known questions must not skip the cache."""
+    upstream = await fakes(answer("10.0.0.8"))
+    registry = Registry()
+    forwarder = Forwarder(
+        [upstream.address], timeout=1, cache=AnswerCache(registry=registry), registry=registry
+    )
+    async with serving(forwarder, registry) as (_, target):
+        first = await ask(target, dns.message.make_query("cached.example.com.", "A", id=21))
+        again = await ask(target, dns.message.make_query("cached.example.com.", "A", id=22))
+    assert [first.id, again.id] == [21, 22] and len(upstream.queries) == 1
+    assert metric(registry, "dns_queries_total", qtype="A", rcode="NOERROR", source="cache") == 1
