@@ -123,6 +123,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.startup
 	$(BIN)/python -m bench.metrics
 	$(BIN)/python -m bench.dns
+	$(BIN)/python -m bench.dns_legs
 	$(BIN)/python -m bench.wasm
 	$(BIN)/python -m bench.proxyless
 	$(BIN)/python -m bench.cni
