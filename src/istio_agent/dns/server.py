@@ -5,7 +5,9 @@ otherwise. UDP is read in batches (``istio_agent.dns.mmsg``): one readiness call
 loop reads every query waiting, answers each question it has answered before from the bytes it sent
 then (only the ID differs) with one more system call, and handles the rest right there, synchronously
 (no task, no await). A forwarded UDP query takes the forwarder's short path (``Forwarder.forward_soon``,
-the listener being its ``ForwardReceiver``); only queries that path cannot take become tasks.
+the listener being its ``ForwardReceiver``); only queries that path cannot take become tasks. A
+question forwarded before goes to that path without ``DnsResolver.answer`` (the listener looks it up
+in ``forwarded_questions``), and a forwarded reply is sent before anything is counted.
 
 Beyond Istio's agent: replies honour the client's size limit with TC (never SERVFAIL for size),
 local replies carry OPT when the query did, the number of forwarded queries in flight and of TCP
