@@ -247,3 +247,34 @@ def test_sidecar_rules_left_in_the_pod_are_replaced(pod: Netns) -> None:
     apply_capture(ISTIO_INIT, netns=pod.path, backend=config.iptables_backend)
     assert apply_inpod(pod.path, config, overrides) == "replaced"
     assert state(config, pod) == installed_by_golden(config, "default")
+
+
+def test_the_node_agent_detects_the_iptables_flavour_at_its_first_pod_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Istio commits to the node's binaries once; detecting at every pod cost one or two
+    ``iptables-*-save`` runs per enrolment. A failed detection is tried again at the next pod."""
+    from istio_agent.cni.ambient import inpod
+    from istio_agent.cni.ambient.nodeagent import ModuleRules
+
+    calls: list[str] = []
+    real_detect = inpod.detect
+
+    def counting_detect(*args: object, **kwargs: object) -> Backend:
+        calls.append("detect")
+        if len(calls) == 1:
+            raise CommandError(["iptables-legacy-save"], "not found (the first try fails)")
+        return real_detect(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(inpod, "detect", counting_detect)
+    config, pod = settings("default", False)
+    rules = ModuleRules(config)
+    with netns() as first, netns() as second:
+        with pytest.raises(ApplyError, match="not found"):
+            rules.apply(first.path, pod)
+        rules.apply(first.path, pod)
+        rules.apply(second.path, pod)
+        rules.remove(first.path)
+        backend = rules.settings.iptables_backend
+        assert backend is not None and "ISTIO_OUTPUT" in backend.save("v4", netns=second.path)
+    assert calls == ["detect", "detect"]

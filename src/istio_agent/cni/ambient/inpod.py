@@ -11,6 +11,8 @@ Istio adds the routes first and the rules after; here a failing route rolls the 
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -18,7 +20,8 @@ from istio_agent.cni.ambient import routes
 from istio_agent.cni.ambient.inpod_rules import TABLES, iptables_rules, nft_rules, render_nft
 from istio_agent.cni.ambient.settings import InpodSettings, PodRedirect, dns_capture
 from istio_agent.cni.apply import ApplyError, apply_rule_set
-from istio_agent.cni.netns import Deadline
+from istio_agent.cni.iptables import detect
+from istio_agent.cni.netns import CommandError, Deadline
 from istio_agent.cni.nftables.apply import apply_nft_tables
 from istio_agent.config.env import ConfigError
 from istio_agent.logline import Scope
@@ -37,6 +40,20 @@ __all__ = [
 log = Scope("cni")
 DEFAULT_SECONDS = 30.0
 """The budget of one apply or removal when the caller gives none."""
+
+
+def with_backend(settings: InpodSettings) -> InpodSettings:
+    """``settings`` with the iptables flavour detected here, for every pod from now on (Istio detects
+    the node's binaries once, when its node agent starts, not at each pod: that is one or two
+    ``iptables-*-save`` runs less per pod). Unchanged with native nftables or a flavour already set;
+    ApplyError when no iptables binary is usable (detected again next time)."""
+    if settings.native_nftables or settings.iptables_backend is not None:
+        return settings
+    try:
+        backend = detect(os.environ, deadline=Deadline(time.monotonic() + DEFAULT_SECONDS))
+    except (CommandError, ConfigError) as err:
+        raise ApplyError(str(err)) from None
+    return dataclasses.replace(settings, iptables_backend=backend)
 
 
 def apply_inpod(

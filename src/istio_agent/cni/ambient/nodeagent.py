@@ -54,19 +54,22 @@ class AmbientSettings:
 
 
 class ModuleRules:
-    """The in-pod rules of :mod:`.inpod` with the node's settings (the dataplane's rules seam)."""
+    """The in-pod rules of :mod:`.inpod` with the node's settings (the dataplane's rules seam); the
+    iptables flavour is detected at the first pod and kept (``inpod.with_backend``)."""
 
     def __init__(self, settings: InpodSettings) -> None:
         self.settings = settings
 
     def apply(self, netns: Path, pod: PodRedirect) -> None:
-        from istio_agent.cni.ambient.inpod import apply_inpod
+        from istio_agent.cni.ambient.inpod import apply_inpod, with_backend
 
+        self.settings = with_backend(self.settings)
         apply_inpod(netns, self.settings, pod)
 
     def remove(self, netns: Path) -> None:
-        from istio_agent.cni.ambient.inpod import remove_inpod
+        from istio_agent.cni.ambient.inpod import remove_inpod, with_backend
 
+        self.settings = with_backend(self.settings)
         remove_inpod(netns, self.settings)
 
 
