@@ -148,6 +148,16 @@ class Api:
         return self.run(on_loop(), getattr(function, "__qualname__", "a call on the loop"))
 
 
+async def _stop_fake_api(runner: Any) -> None:
+    """Stop the server, then end what it left running (watches still streaming), so that closing the
+    loop destroys no pending task."""
+    await runner.cleanup()
+    left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
+
+
 @contextmanager
 def fake_api(state: Path) -> Iterator[Api]:
     """The fake API server on an event loop thread of its own."""
@@ -158,7 +168,7 @@ def fake_api(state: Path) -> Iterator[Api]:
     try:
         yield Api(kube, loop)
     finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        asyncio.run_coroutine_threadsafe(_stop_fake_api(runner), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
