@@ -132,12 +132,13 @@ class Sent:
         meet this query again, since the pool runs no callback of its own from inside the waiter's.
         """
         on_reply, self._on_reply = self._on_reply, None
-        if on_reply is not None:
-            try:
+        try:
+            if on_reply is not None:
                 on_reply(result)
-            except Exception:
-                log.exception("DNS forwarding: handling an upstream reply failed")
-        self.forget()
+        except Exception:
+            log.exception("DNS forwarding: handling an upstream reply failed")
+        finally:
+            self.forget()
 
     def forget(self) -> None:
         """Stop waiting: the ID is freed and the waiter is not called any more (idempotent)."""

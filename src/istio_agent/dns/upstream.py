@@ -66,9 +66,9 @@ class ForwardReceiver(Protocol):
         """Called once per query, with the ``client`` given to ``forward_soon``."""
 
 
-@dataclass(
-    frozen=True, eq=False
-)  # identity: the pools are looked up by it on every query (no Python __hash__)
+# eq=False: compared and hashed by identity, since the pools are looked up by it on every query
+# (a frozen dataclass's own __hash__ runs in Python).
+@dataclass(frozen=True, eq=False)
 class _Upstream:
     label: str
     """``host:port`` (``[v6]:port``), as logged."""
