@@ -191,7 +191,7 @@ async def test_delete_mode_deletes_the_broken_pod_with_preconditions(fake: FakeK
         )
         fake.finish_deletion("default", "broken")  # the kubelet stops it
         await running.settled()
-        assert ("default", "broken") not in running.controller.informer.pods
+        assert ("default", "broken") not in running.controller.informer.objects
         # The terminating pod's update is still a broken pod: deleted again (a no-op), as Istio does.
         assert all(options["preconditions"]["uid"] == meta["uid"] for options in fake.delete_options)
         # A second delete carries the resourceVersion the controller saw: when the terminating pod's
@@ -339,7 +339,7 @@ async def test_a_dropped_watch_is_resumed_without_missing_a_change(fake: FakeKub
             await until(
                 lambda: LABEL in labels(fake, "turns-broken"), "the change made while dropped is handled"
             )
-            await until(lambda: ("default", "goes-away") not in informer.pods, "the deletion is seen")
+            await until(lambda: ("default", "goes-away") not in informer.objects, "the deletion is seen")
         watches = [path for method, path in fake.calls if method == "GET" and "watch=1" in path]
         assert len(watches) == 2 and f"resourceVersion={resume_from}&" in watches[1]
         await running.settled()
@@ -356,7 +356,7 @@ async def test_a_watch_too_old_to_resume_lists_again(fake: FakeKube) -> None:
         fake.finish_deletion("default", "goes-away")
         fake.compact()  # the versions the informer knows are gone: 410
         await until(lambda: LABEL in labels(fake, "turns-broken"), "the change is handled after a new list")
-        await until(lambda: ("default", "goes-away") not in informer.pods, "the deletion is seen")
+        await until(lambda: ("default", "goes-away") not in informer.objects, "the deletion is seen")
         assert informer.lists == 2
         await running.settled()
 

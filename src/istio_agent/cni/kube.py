@@ -7,11 +7,11 @@ one user with a ``token``) and plain requests on the agent's HTTP stack.
 - The plugin reads one pod per ADD: ``GET /api/v1/namespaces/{ns}/pods/{name}``, blocking (a
   short-lived process that must not import asyncio for one GET); the agent's tools use the asyncio GET.
 - install-cni's repair controller (``cni/repair``) does what client-go does for Istio's: it lists and
-  watches the pods of its node (``list_pods``, ``watch_pods``), deletes (with preconditions) or labels
-  (``pods/status``) broken ones and records Events.
+  watches the pods of its node (``list_objects``, ``watch_objects`` on ``pods``, through its
+  informer), deletes (with preconditions) or labels (``pods/status``) broken ones and records Events.
 - The ambient node agent (``cni/ambient``) lists and watches its node's pods and every namespace
-  (``list_namespaces``, ``watch_namespaces``), and annotates pods through ``pods/status``; the plugin
-  reads the pod's namespace (``get_namespace_blocking``) to decide whether the pod is ambient.
+  the same way, and annotates pods through ``pods/status``; the plugin reads the pod's namespace
+  (``get_namespace_blocking``) to decide whether the pod is ambient.
 
 Lists, watches and writes are asyncio; asyncio is imported only when they run, so the plugin's import
 of this module stays cheap.
@@ -88,8 +88,8 @@ class KubeError(Exception):
         return self.status == 410
 
 
-class PodList(NamedTuple):
-    """A list answer: the pods, and the resource version to watch from."""
+class ObjectList(NamedTuple):
+    """A list answer: the objects (pods, namespaces), and the resource version to watch from."""
 
     items: list[dict[str, Any]]
     resource_version: str
@@ -274,20 +274,17 @@ class KubeClient:
 
     async def list_pods(
         self, *, label_selector: str = "", field_selector: str = "", deadline: float
-    ) -> PodList:
+    ) -> ObjectList:
         """All pods matching the selectors (every namespace), with the list's resource version."""
-        return await self._list("pods", label_selector, field_selector, deadline)
+        return await self.list_objects(
+            "pods", label_selector=label_selector, field_selector=field_selector, deadline=deadline
+        )
 
-    async def list_namespaces(
-        self, *, label_selector: str = "", field_selector: str = "", deadline: float
-    ) -> PodList:
-        """All namespaces matching the selectors, with the list's resource version (the ambient node
-        agent decides from their labels)."""
-        return await self._list("namespaces", label_selector, field_selector, deadline)
-
-    async def _list(
-        self, resource: str, label_selector: str, field_selector: str, deadline: float
-    ) -> PodList:
+    async def list_objects(
+        self, resource: str, *, label_selector: str = "", field_selector: str = "", deadline: float
+    ) -> ObjectList:
+        """All objects of a core ``resource`` (``pods``, ``namespaces``) matching the selectors, with
+        the list's resource version."""
         query = _query(labelSelector=label_selector, fieldSelector=field_selector)
         action = f"list {resource}"
         answer = await self._object("GET", f"/api/v1/{resource}" + query, action, deadline, MAX_LIST_BYTES)
@@ -297,7 +294,7 @@ class KubeClient:
             raise KubeError(f"{action}: the answer has no list of items", retryable=False)
         if not isinstance(version, str) or not version:
             raise KubeError(f"{action}: the answer has no metadata.resourceVersion", retryable=False)
-        return PodList(items, version)
+        return ObjectList(items, version)
 
     async def watch_pods(
         self,
@@ -307,37 +304,32 @@ class KubeClient:
         field_selector: str = "",
         timeout_seconds: int = 300,
     ) -> AsyncIterator[WatchEvent]:
-        """The pods' changes after ``resource_version``, until the server ends the watch (after
-        ``timeoutSeconds``) or the connection drops; bookmarks are asked for and passed on.
-
-        An ERROR event is raised as the KubeError it carries: 410 (``gone``) means the version is
-        too old, so the caller lists again.
-        """
-        events = self._watch("pods", resource_version, label_selector, field_selector, timeout_seconds)
+        """:meth:`watch_objects` for pods."""
+        events = self.watch_objects(
+            "pods",
+            resource_version=resource_version,
+            label_selector=label_selector,
+            field_selector=field_selector,
+            timeout_seconds=timeout_seconds,
+        )
         async for event in events:
             yield event
 
-    async def watch_namespaces(
+    async def watch_objects(
         self,
+        resource: str,
         *,
         resource_version: str,
         label_selector: str = "",
         field_selector: str = "",
         timeout_seconds: int = 300,
     ) -> AsyncIterator[WatchEvent]:
-        """:meth:`watch_pods` for namespaces."""
-        events = self._watch("namespaces", resource_version, label_selector, field_selector, timeout_seconds)
-        async for event in events:
-            yield event
+        """The changes of a core ``resource`` after ``resource_version``, until the server ends the
+        watch (after ``timeoutSeconds``) or the connection drops; bookmarks are asked for and passed on.
 
-    async def _watch(
-        self,
-        resource: str,
-        resource_version: str,
-        label_selector: str,
-        field_selector: str,
-        timeout_seconds: int,
-    ) -> AsyncIterator[WatchEvent]:
+        An ERROR event is raised as the KubeError it carries: 410 (``gone``) means the version is
+        too old, so the caller lists again.
+        """
         import asyncio
 
         from istio_agent.http.client import Client

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from istio_agent.cni.ambient.dataplane import (
@@ -41,8 +41,8 @@ from istio_agent.cni.ambient.selectors import (
     namespace_selected,
     pod_is_ambient,
 )
-from istio_agent.cni.kube import KubeClient, PodList, WatchEvent
-from istio_agent.cni.repair.informer import Key, PodInformer
+from istio_agent.cni.kube import KubeClient
+from istio_agent.cni.repair.informer import Informer, Key
 from istio_agent.cni.repair.queue import WorkQueue
 from istio_agent.log import scope
 from istio_agent.metrics import Registry
@@ -67,7 +67,7 @@ def is_terminal(pod: Mapping[str, Any]) -> bool:
 RESTART_SECONDS = 1.0
 
 
-async def _supervised(informer: PodInformer, what: str) -> None:
+async def _supervised(informer: Informer, what: str) -> None:
     """``informer.run()`` for as long as the agent runs: the engine retries what the API answers, and
     anything else it did not expect (a connection failure its client let through) is logged and the
     list + watch started again, rather than the agent's caches silently going stale."""
@@ -79,34 +79,6 @@ async def _supervised(informer: PodInformer, what: str) -> None:
         except Exception:
             log.error("the %s list/watch failed; starting it again", what, exc_info=True)
             await asyncio.sleep(RESTART_SECONDS)
-
-
-class _NamespacesAsPods:
-    """The list + watch engine (``PodInformer``) pointed at namespaces: it asks for ``list_pods`` and
-    ``watch_pods`` and keys objects by (namespace, name), so a namespace is given as one whose
-    ``metadata.namespace`` is "" (key ``("", name)``)."""
-
-    def __init__(self, client: KubeClient) -> None:
-        self._client = client
-
-    async def list_pods(
-        self, *, label_selector: str = "", field_selector: str = "", deadline: float
-    ) -> PodList:
-        answer = await self._client.list_namespaces(
-            label_selector=label_selector, field_selector=field_selector, deadline=deadline
-        )
-        return PodList([_keyed(item) for item in answer.items], answer.resource_version)
-
-    async def watch_pods(self, **options: Any) -> AsyncIterator[WatchEvent]:
-        async for event in self._client.watch_namespaces(**options):
-            yield WatchEvent(event.type, _keyed(event.object))
-
-
-def _keyed(namespace: dict[str, Any]) -> dict[str, Any]:
-    meta = namespace.get("metadata")
-    if isinstance(meta, dict):
-        namespace["metadata"] = {**meta, "namespace": ""}
-    return namespace
 
 
 class Enrollment:
@@ -127,13 +99,10 @@ class Enrollment:
         self.selectors = tuple(selectors)
         self.system_namespace = system_namespace
         options = dict(informer_options or {})
-        self.pods = PodInformer(
+        self.pods = Informer(
             client, self._pod_changed, field_selector=f"spec.nodeName={node_name}", **options
         )
-        namespaces_client = cast(
-            KubeClient, _NamespacesAsPods(client)
-        )  # the same two methods, for namespaces
-        self.namespaces = PodInformer(namespaces_client, self._namespace_changed, **options)
+        self.namespaces = Informer(client, self._namespace_changed, resource="namespaces", **options)
         self.queue = WorkQueue(
             "ambient",
             self._reconcile,  # type: ignore[arg-type]  # its keys are pod keys
@@ -154,14 +123,14 @@ class Enrollment:
     # -- what the event server and the snapshot read ---------------------------------------------------
 
     def namespace(self, name: str) -> Mapping[str, Any] | None:
-        return self.namespaces.pods.get(("", name))
+        return self.namespaces.objects.get(("", name))
 
     def get_pod_if_ambient(self, name: str, namespace: str) -> Mapping[str, Any] | None:
         """Istio's ``GetPodIfAmbientEnabled``: KeyError when the cache lacks the pod or its namespace."""
         ns = self.namespace(namespace)
         if ns is None:
             raise KeyError(f"failed to find namespace {namespace}")
-        pod = self.pods.pods.get((namespace, name))
+        pod = self.pods.objects.get((namespace, name))
         if pod is None:
             raise KeyError(f"failed to find pod {namespace}/{name}")
         return pod if self._should_be_ambient(pod, ns) else None
@@ -170,7 +139,7 @@ class Enrollment:
         """Istio's ``GetActiveAmbientPodSnapshot``: the pods annotated enrolled, running, not ztunnel."""
         return [
             pod
-            for pod in self.pods.pods.values()
+            for pod in self.pods.objects.values()
             if not is_ztunnel_pod(self.system_namespace, pod)
             and not is_terminal(pod)
             and annotation(pod) == ENABLED
@@ -185,7 +154,7 @@ class Enrollment:
             asyncio.create_task(_supervised(self.namespaces, "namespaces"), name="ambient-namespaces"),
         ]
         await asyncio.gather(self.pods.synced.wait(), self.namespaces.synced.wait())
-        self._seen.update(self.pods.pods)
+        self._seen.update(self.pods.objects)
 
     def start_queue(self) -> None:
         """Reconcile changes from now on (Istio starts its queue after the initial snapshot)."""
@@ -216,7 +185,7 @@ class Enrollment:
             self._seen_namespaces.add(name)
             state = "enabled in" if namespace_selected(self.selectors, labels_of(ns)) else "disabled from"
             log.info("namespace %s is %s ambient mesh", name, state)
-        for pod_key, pod in list(self.pods.pods.items()):
+        for pod_key, pod in list(self.pods.objects.items()):
             if pod_key[0] == name and not is_ztunnel_pod(self.system_namespace, pod):
                 self.queue.add(pod_key)
 
@@ -226,7 +195,7 @@ class Enrollment:
         )
 
     async def _reconcile(self, key: Key) -> None:
-        pod = self.pods.pods.get(key)
+        pod = self.pods.objects.get(key)
         seen = self._seen.get(key)
         kind = "delete" if pod is None else "update" if key in self._reconciled else "add"
         self.events.labels(type=kind).inc()

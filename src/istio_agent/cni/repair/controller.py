@@ -32,7 +32,7 @@ from istio_agent.cni.kube import KubeClient, KubeError
 from istio_agent.cni.plugin import NetnsApplier, PluginError, Programmer
 from istio_agent.cni.repair.detect import is_broken
 from istio_agent.cni.repair.events import EventRecorder
-from istio_agent.cni.repair.informer import Key, PodInformer
+from istio_agent.cni.repair.informer import Informer, Key
 from istio_agent.cni.repair.podnetns import NetnsNotFound, find_pod_netns
 from istio_agent.cni.repair.queue import BASE_DELAY, WorkQueue
 from istio_agent.config.env import ConfigError
@@ -115,7 +115,7 @@ class RepairController:
             expected=(RepairFailed,),
         )
         label_selector, field_selector = selectors(settings)
-        self.informer = PodInformer(
+        self.informer = Informer(
             client,
             self.queue.add,
             label_selector=label_selector,
@@ -146,7 +146,7 @@ class RepairController:
 
     async def _reconcile_key(self, key: Hashable) -> None:
         assert isinstance(key, tuple)
-        pod = self.informer.pods.get(key)
+        pod = self.informer.objects.get(key)
         if pod is None:
             self.repaired.pop(key, None)  # deleted: forget it, so the map does not grow
             return

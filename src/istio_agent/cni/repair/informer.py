@@ -1,10 +1,12 @@
-"""The pods of a node, kept current by list + watch (client-go's reflector and informer, reduced).
+"""Objects of one kind (a node's pods, the namespaces), kept current by list + watch (client-go's
+reflector and informer, reduced).
 
-Istio's controller reads pods from an informer (``kclient.NewFiltered`` with the repair selectors).
-This one does the same job:
+Istio's controllers read pods and namespaces from informers (``kclient.NewFiltered``: the repair
+controller's pods by its selectors, the ambient node agent's pods of its node and all namespaces).
+This one does the same job for any core resource:
 
-- **List** with the selectors, remember every pod and the list's ``resourceVersion``; each pod new,
-  changed (another ``resourceVersion``) or gone since the previous list is reported.
+- **List** with the selectors, remember every object and the list's ``resourceVersion``; each object
+  new, changed (another ``resourceVersion``) or gone since the previous list is reported.
 - **Watch** from that version with bookmarks allowed; each ADDED, MODIFIED and DELETED updates the
   cache and is reported; a BOOKMARK only moves the version on.
 - A watch that ends (its ``timeoutSeconds``, a dropped connection) is opened again **from the last
@@ -12,7 +14,8 @@ This one does the same job:
   older than the API server keeps) makes it list again; any other failure waits with client-go's
   back-off (0.8 s doubling to 30 s, back to the start once a watch delivers) and tries again.
 
-A report is a key (namespace, name); the handler reads the pod from :attr:`PodInformer.pods`.
+A report is a key (namespace, name), the namespace "" for a cluster-scoped object (a namespace);
+the handler reads the object from :attr:`Informer.objects`.
 """
 
 from __future__ import annotations
@@ -35,18 +38,19 @@ MIN_WATCH_SECONDS = 300
 """client-go's watch length: between 5 and 10 minutes, chosen at random for each watch."""
 
 
-def pod_key(pod: dict[str, Any]) -> Key | None:
-    meta = pod.get("metadata")
+def object_key(obj: dict[str, Any]) -> Key | None:
+    """(namespace, name); the namespace is "" for a cluster-scoped object. None without a name."""
+    meta = obj.get("metadata")
     if not isinstance(meta, dict):
         return None
-    namespace, name = meta.get("namespace"), meta.get("name")
+    namespace, name = meta.get("namespace", ""), meta.get("name")
     if not isinstance(namespace, str) or not isinstance(name, str) or not name:
         return None
     return namespace, name
 
 
-def _version(pod: dict[str, Any]) -> str:
-    meta = pod.get("metadata")
+def _version(obj: dict[str, Any]) -> str:
+    meta = obj.get("metadata")
     value = meta.get("resourceVersion") if isinstance(meta, dict) else None
     return value if isinstance(value, str) else ""
 
@@ -57,14 +61,15 @@ def reflector_backoff(initial: float = 0.8, cap: float = 30.0) -> ExponentialBac
     return ExponentialBackoff(initial=1.5 * initial, multiplier=2.0, randomization=1 / 3, max_interval=cap)
 
 
-class PodInformer:
-    """The selected pods, listed once and then watched; ``on_change(key)`` for each change."""
+class Informer:
+    """The selected objects of ``resource``, listed once and then watched; ``on_change(key)`` for each change."""
 
     def __init__(
         self,
         client: KubeClient,
         on_change: Callable[[Key], None],
         *,
+        resource: str = "pods",
         label_selector: str = "",
         field_selector: str = "",
         backoff: ExponentialBackoff | None = None,
@@ -72,11 +77,12 @@ class PodInformer:
     ) -> None:
         self._client = client
         self._on_change = on_change
+        self.resource = resource
         self.label_selector = label_selector
         self.field_selector = field_selector
         self._backoff = backoff or reflector_backoff()
         self._watch_seconds = watch_seconds or (lambda: int(MIN_WATCH_SECONDS * (1 + random.random())))
-        self.pods: dict[Key, dict[str, Any]] = {}
+        self.objects: dict[Key, dict[str, Any]] = {}
         self.version = ""
         """The resource version the next watch starts from ("" until the first list)."""
         self.synced = asyncio.Event()
@@ -98,45 +104,49 @@ class PodInformer:
                     await asyncio.sleep(self._backoff.next_delay())  # ended at once: do not spin
             except KubeError as err:
                 if err.gone:
-                    log.info("pod watch: resource version %s is too old, listing again", self.version)
+                    log.info(
+                        "%s watch: resource version %s is too old, listing again", self.resource, self.version
+                    )
                     self.version = ""
                     continue
                 # A denial or a bad selector will not pass by itself: said once as an error, then quiet.
                 persistent = err.status is not None and 400 <= err.status < 500 and not err.retryable
                 if persistent and str(err) not in reported:
                     reported.add(str(err))
-                    log.error("pod list/watch: %s (trying again)", err)
+                    log.error("%s list/watch: %s (trying again)", self.resource, err)
                 else:
-                    log.warning("pod list/watch: %s", err)
+                    log.warning("%s list/watch: %s", self.resource, err)
                 await asyncio.sleep(self._backoff.next_delay())
 
     async def _list(self) -> None:
-        answer = await self._client.list_pods(
+        answer = await self._client.list_objects(
+            self.resource,
             label_selector=self.label_selector,
             field_selector=self.field_selector,
             deadline=time.monotonic() + LIST_SECONDS,
         )
         listed: dict[Key, dict[str, Any]] = {}
-        for pod in answer.items:
-            key = pod_key(pod)
+        for obj in answer.items:
+            key = object_key(obj)
             if key is not None:
-                listed[key] = pod
-        old, self.pods = self.pods, listed
+                listed[key] = obj
+        old, self.objects = self.objects, listed
         self.version = answer.resource_version
         self.lists += 1
         for key in old.keys() - listed.keys():
             self._on_change(key)
-        for key, pod in listed.items():
-            if key not in old or _version(old[key]) != _version(pod):
+        for key, obj in listed.items():
+            if key not in old or _version(old[key]) != _version(obj):
                 self._on_change(key)
         self.synced.set()
-        log.debug("pod list: %d pods at resource version %s", len(listed), self.version)
+        log.debug("%s list: %d at resource version %s", self.resource, len(listed), self.version)
 
     async def _watch(self) -> int:
         """Follow one watch to its end; how many events it delivered."""
         self.watches += 1
         delivered = 0
-        events = self._client.watch_pods(
+        events = self._client.watch_objects(
+            self.resource,
             resource_version=self.version,
             label_selector=self.label_selector,
             field_selector=self.field_selector,
@@ -153,11 +163,11 @@ class PodInformer:
             self.version = event.resource_version
         if event.type == "BOOKMARK":
             return
-        key = pod_key(event.object)
+        key = object_key(event.object)
         if key is None:
             return
         if event.type == "DELETED":
-            self.pods.pop(key, None)
+            self.objects.pop(key, None)
         else:
-            self.pods[key] = event.object
+            self.objects[key] = event.object
         self._on_change(key)
