@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 
-def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> None:
+def write_atomic(path: Path, data: bytes | bytearray | str, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data``; raises OSError (the temporary file is removed) when it cannot.
 
     The temporary file lives in the same directory (a rename across file systems is not atomic) under

@@ -123,6 +123,28 @@ async def test_body_caps(aio: Serve) -> None:
     assert (len(whole.body), whole.truncated) == (1000, False)
 
 
+async def test_read_buffer_hands_over_the_gathered_body_without_a_copy(aio: Serve) -> None:
+    """``read_buffer`` (for Wasm modules) is ``read`` without the final copy into ``bytes``: the same
+    body, caps and truncation, in the bytearray it was gathered in."""
+
+    async def big(request: web.Request) -> web.Response:
+        return web.Response(body=bytes(range(256)) * 1000)
+
+    port = await aio(big)
+    client = Client()
+    async with client.stream("GET", f"http://127.0.0.1:{port}/") as response:
+        body = await response.read_buffer(None)
+    assert type(body) is bytearray and body == bytes(range(256)) * 1000
+    async with client.stream("GET", f"http://127.0.0.1:{port}/") as response:
+        with pytest.raises(BodyTooLarge):
+            await response.read_buffer(255_999)
+    async with client.stream("GET", f"http://127.0.0.1:{port}/") as response:
+        cut = await response.read_buffer(300, truncate=True)
+    assert (bytes(cut), response.truncated) == ((bytes(range(256)) * 2)[:300], True)
+    async with client.stream("GET", f"http://127.0.0.1:{port}/") as response:
+        assert type(await response.read(None)) is bytes
+
+
 async def test_body_until_close_and_informational_answers(
     scripted: Scripted,
 ) -> None:

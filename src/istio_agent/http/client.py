@@ -177,6 +177,13 @@ class ClientResponse:
 
     async def read(self, max_body: int | None = DEFAULT_MAX_BODY, *, truncate: bool = False) -> bytes:
         """The whole body. Past ``max_body`` bytes: BodyTooLarge, or with ``truncate`` the first ``max_body``."""
+        return bytes(await self.read_buffer(max_body, truncate=truncate))
+
+    async def read_buffer(
+        self, max_body: int | None = DEFAULT_MAX_BODY, *, truncate: bool = False
+    ) -> bytearray:
+        """:meth:`read`, in the buffer the body was gathered in: no copy into ``bytes``, so a big body
+        (a Wasm module) is held once in memory, not twice while it is copied."""
         length = self.content_length
         if max_body is not None and not truncate and length is not None and length > max_body:
             await self.aclose()
@@ -191,7 +198,7 @@ class ClientResponse:
                 del body[max_body:]
                 self.truncated = True
                 break
-        return bytes(body)
+        return body
 
     @property
     def complete(self) -> bool:

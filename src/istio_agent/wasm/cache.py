@@ -79,7 +79,7 @@ class PreparedModule(Protocol):
     index_digest: str | None
     """The image index the reference named, if it named one (``digest`` is then the chosen image's)."""
 
-    async def fetch(self) -> bytes: ...
+    async def fetch(self) -> bytes | bytearray: ...
 
 
 class ImagePreparer(Protocol):
@@ -314,7 +314,7 @@ class ModuleCache:
     def _count(self, result: str) -> None:
         self._metrics.remote_fetches.labels(result=result).inc()
 
-    async def _store(self, key: ModuleKey, body: bytes) -> Path:
+    async def _store(self, key: ModuleKey, body: bytes | bytearray) -> Path:
         module = self._cached(key)
         if module is not None:
             self._touch(module)
@@ -488,7 +488,7 @@ def _is_temporary(path: Path) -> bool:
     return path.name.startswith(".") and path.name.endswith(".tmp")
 
 
-def _write_module(path: Path, body: bytes) -> None:
+def _write_module(path: Path, body: bytes | bytearray) -> None:
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     write_atomic(path, body, 0o644)
 

@@ -51,7 +51,7 @@ _TAR_MAGIC_AT = 257
 _READ_CHUNK = 1 << 20
 
 
-def is_wasm_binary(data: bytes) -> bool:
+def is_wasm_binary(data: bytes | bytearray) -> bool:
     """Starts with the Wasm magic and is long enough to hold the version (Istio's check)."""
     return len(data) >= MIN_WASM_SIZE and data.startswith(WASM_MAGIC)
 
@@ -66,7 +66,7 @@ class HttpFetcher:
         attempt = settings.http_timeout
         self._attempt_timeout = attempt.total_seconds() if attempt > timedelta(0) else DEFAULT_ATTEMPT_TIMEOUT
 
-    async def fetch(self, url: str, *, timeout: float) -> bytes:
+    async def fetch(self, url: str, *, timeout: float) -> bytes | bytearray:
         """The module at ``url`` (unwrapped from gzip/tar); ``FetchError`` (``download_failure``) if not.
 
         ``timeout`` bounds the whole fetch, retries and backoff included.
@@ -103,7 +103,7 @@ class HttpFetcher:
             pass
         raise FetchError(f"wasm module download failed after {attempts} attempts, last error: {last}")
 
-    async def _get(self, url: URL) -> tuple[int, bytes]:
+    async def _get(self, url: URL) -> tuple[int, bytes | bytearray]:
         """One GET and its redirects: the final status and, for a 200, the body."""
         client = GuardedClient(self._guard, skip_verify=self._skip_verify)
         try:
@@ -113,10 +113,10 @@ class HttpFetcher:
         finally:
             await client.aclose()
 
-    async def _read(self, response: ClientResponse, url: URL) -> bytes:
+    async def _read(self, response: ClientResponse, url: URL) -> bytes | bytearray:
         limit = self._settings.max_binary_bytes
         try:
-            return await response.read(limit)
+            return await response.read_buffer(limit)  # a module can be big: held once, not copied
         except BodyTooLarge:
             raise FetchError(_too_large(str(url), limit)) from None
 
@@ -125,7 +125,7 @@ class HttpFetcher:
         return self._settings.insecure(url.authority) or self._settings.insecure(url.address)
 
 
-def unwrap(data: bytes, limit: int, url: str = "the module") -> bytes:
+def unwrap(data: bytes | bytearray, limit: int, url: str = "the module") -> bytes | bytearray:
     """The Wasm module inside gzip and/or tar wrapping, or ``data`` unchanged when there is none.
 
     Best effort, as Istio: what is not a module, a gzip or a POSIX tar (or a broken one) is returned
@@ -150,7 +150,7 @@ def unwrap(data: bytes, limit: int, url: str = "the module") -> bytes:
     return data
 
 
-def _gunzip(data: bytes, limit: int, url: str) -> bytes | None:
+def _gunzip(data: bytes | bytearray, limit: int, url: str) -> bytes | None:
     """The inflated content (every member), ``None`` if it is not valid gzip; FetchError past ``limit``."""
     out = bytearray()
     try:
@@ -164,7 +164,7 @@ def _gunzip(data: bytes, limit: int, url: str) -> bytes | None:
     return bytes(out)
 
 
-def _first_regular_file(data: bytes) -> bytes | None:
+def _first_regular_file(data: bytes | bytearray) -> bytes | None:
     """The content of the tar's first regular file, ``None`` if there is none or the tar is broken."""
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
