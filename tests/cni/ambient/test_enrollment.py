@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from istio_agent.cni.ambient.hostprobe import HostProbeRules
 from istio_agent.cni.ambient.nodeagent import AmbientSettings, NodeAgent, build, wait_ready
 from istio_agent.cni.ambient.procnetns import find_pod_netns, pod_uid_of_cgroup, pod_uid_of_process
 from istio_agent.cni.ambient.selectors import compile_selectors
@@ -143,17 +144,25 @@ class Node:
     ztunnel: FakeZtunnel
     agent: NodeAgent | None = None
 
-    async def start_agent(self, *, reconcile: bool = False) -> NodeAgent:
-        """A node agent on this node's FAKES (fresh ones when it is started again)."""
-        settings = AmbientSettings(
+    @property
+    def ztunnel_socket(self) -> Path:
+        return self.socket_dir / "ztunnel.sock"
+
+    def settings(self, inpod: InpodSettings) -> AmbientSettings:
+        """The chart's ambient settings on this node, ztunnel's socket beside the agent's."""
+        return AmbientSettings(
             selectors=compile_selectors(HELM_SELECTORS),
+            ztunnel_socket=self.ztunnel_socket,
             node_name=NODE,
             system_namespace="istio-system",
-            inpod=InpodSettings(reconcile=reconcile),
+            inpod=inpod,
             host_proc_dir=Path("/proc"),
         )
+
+    async def start_agent(self, *, reconcile: bool = False) -> NodeAgent:
+        """A node agent on this node's FAKES (fresh ones when it is started again)."""
         self.agent = build(
-            settings,
+            self.settings(InpodSettings(reconcile=reconcile)),
             self.client,
             socket_dir=self.socket_dir,
             registry=Registry(prefix="istio_"),
@@ -164,6 +173,18 @@ class Node:
         )
         await bounded(self.agent.start(), "the node agent starts")
         await wait_ready(self.agent, 10)
+        return self.agent
+
+    async def start_real_agent(self, probes: HostProbeRules) -> NodeAgent:
+        """A node agent on the real in-pod rules, ``probes`` and a ZDS socket for the ztunnel stand-in."""
+        self.agent = build(
+            self.settings(probes.settings),
+            self.client,
+            socket_dir=self.socket_dir,
+            registry=Registry(prefix="istio_"),
+            probes=probes,
+        )
+        await self.agent.start()
         return self.agent
 
     async def stop_agent(self) -> None:
@@ -414,7 +435,6 @@ async def test_real_parts_a_pod_is_enrolled_by_the_plugin_and_removed_by_unlabel
     ztunnel stand-in (``ztunnel_standin.py``, written from ztunnel's source) runs its proxy in the pod's
     namespace from the fd it received: an app connection to anywhere lands on its 15001. Turning the
     namespace's label off takes it all back."""
-    from istio_agent.cni.ambient.hostprobe import HostProbeRules
     from tests.cni.ambient.test_events import ambient_pod
     from tests.cni.ambient.ztunnel_standin import ZtunnelStandin
     from tests.cni.test_plugin_exec import PREV_RESULT, run_plugin
@@ -429,25 +449,9 @@ async def test_real_parts_a_pod_is_enrolled_by_the_plugin_and_removed_by_unlabel
         created["spec"]["nodeName"] = NODE
         created["metadata"]["labels"] = {}  # ambient by its namespace's label
         node.kube.add_pod(created)  # as the scheduler binds it, before the sandbox (no IP yet)
-        inpod = InpodSettings(reconcile=True)
-        probes = HostProbeRules(inpod, netns=host.path)
-        settings = AmbientSettings(
-            selectors=compile_selectors(HELM_SELECTORS),
-            ztunnel_socket=node.socket_dir / "ztunnel.sock",
-            node_name=NODE,
-            inpod=inpod,
-            host_proc_dir=Path("/proc"),
-        )
-        agent = build(
-            settings,
-            node.client,
-            socket_dir=node.socket_dir,
-            registry=Registry(prefix="istio_"),
-            probes=probes,
-        )
-        node.agent = agent
-        await bounded(agent.start(), "the node agent starts")
-        ztunnel = ZtunnelStandin(settings.ztunnel_socket)
+        probes = HostProbeRules(InpodSettings(reconcile=True), netns=host.path)
+        await bounded(node.start_real_agent(probes), "the node agent starts")
+        ztunnel = ZtunnelStandin(node.ztunnel_socket)
         await ztunnel.connect()
         try:
             await ztunnel.wait_snapshot()
@@ -524,7 +528,6 @@ async def test_real_parts_a_restarted_agent_leaves_enrolled_pods_as_they_are(nod
     """``AMBIENT_RECONCILE_POD_RULES_ON_STARTUP`` on, real in-pod rules: the rules of a pod enrolled by
     the previous agent are applied again and stay byte for byte what they were, the pod is not written
     to, and the reconnecting ztunnel's snapshot names it with its namespace, so its proxy stays."""
-    from istio_agent.cni.ambient.hostprobe import HostProbeRules
     from tests.cni.ambient.ztunnel_standin import ZtunnelStandin
 
     if shutil.which("ipset") is None:
@@ -534,30 +537,9 @@ async def test_real_parts_a_restarted_agent_leaves_enrolled_pods_as_they_are(nod
     with running_pod(uid) as pod, netns("host") as host:
         wire(pod.space, host, "10.1.0.5")
         node.kube.add_pod(pod_object("app-1", uid, "10.1.0.5"))
-        inpod = InpodSettings(reconcile=True)
-        probes = HostProbeRules(inpod, netns=host.path)
-        settings = AmbientSettings(
-            selectors=compile_selectors(HELM_SELECTORS),
-            ztunnel_socket=node.socket_dir / "ztunnel.sock",
-            node_name=NODE,
-            inpod=inpod,
-            host_proc_dir=Path("/proc"),
-        )
-
-        async def start() -> NodeAgent:
-            agent = build(
-                settings,
-                node.client,
-                socket_dir=node.socket_dir,
-                registry=Registry(prefix="istio_"),
-                probes=probes,
-            )
-            node.agent = agent
-            await agent.start()
-            return agent
-
-        await start()
-        ztunnel = ZtunnelStandin(settings.ztunnel_socket, reconnect=True)
+        probes = HostProbeRules(InpodSettings(reconcile=True), netns=host.path)
+        await node.start_real_agent(probes)
+        ztunnel = ZtunnelStandin(node.ztunnel_socket, reconnect=True)
         await ztunnel.connect()
         try:
             await eventually(lambda: node.annotation("app-1") == "enabled", "enrolled by the watch")
@@ -570,7 +552,7 @@ async def test_real_parts_a_restarted_agent_leaves_enrolled_pods_as_they_are(nod
             await bounded(node.stop_agent(), "the node agent stops")
             await ztunnel.wait_for(lambda zt: not zt.snapshot_received or not zt.connected)
             received = len(ztunnel.received)
-            await bounded(start(), "the node agent starts again")
+            await bounded(node.start_real_agent(probes), "the node agent starts again")
             await ztunnel.wait_snapshot()
             await settled(node)
             assert ztunnel.received[received:] == [("add", uid), ("snapshot", "")]
